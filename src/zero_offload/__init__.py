@@ -1,0 +1,18 @@
+"""zero_offload: ZeRO stage 1/2 data parallelism with optimizer offload to a SIMD CPU Adam,
+configured with DeepSpeed's JSON keys (``import zero_offload as deepspeed`` mostly just works)."""
+
+from .api import add_config_arguments, initialize
+from .runtime.dist import init_distributed
+from .runtime.engine import ZeroOffloadEngine
+
+DeepSpeedEngine = ZeroOffloadEngine
+__version__ = "0.1.0"
+
+__all__ = [
+    "DeepSpeedEngine",
+    "ZeroOffloadEngine",
+    "__version__",
+    "add_config_arguments",
+    "init_distributed",
+    "initialize",
+]

@@ -1,0 +1,129 @@
+"""``initialize`` and ``add_config_arguments``: DeepSpeed's entry points."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable
+
+import torch
+
+from .runtime import dist
+from .runtime.engine import ZeroOffloadEngine
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's ``--deepspeed`` and ``--deepspeed_config`` flags to ``parser``."""
+    group = parser.add_argument_group("zero_offload", "zero_offload / DeepSpeed configuration")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable the engine (accepted for DeepSpeed compatibility)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON config path")
+    return parser
+
+
+def initialize(
+    args=None,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | Callable | None = None,
+    model_parameters: Iterable | None = None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port=None,
+    mpu=None,
+    dist_init_required: bool | None = None,
+    collate_fn=None,
+    config=None,
+    config_params=None,
+):
+    """Build the engine. Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
+    from .config import ConfigError, load_config
+    from .schedulers import build_lr_scheduler
+
+    if model is None:
+        raise ValueError("initialize: 'model' is required (a torch.nn.Module)")
+    if mpu is not None:
+        raise ValueError("initialize: 'mpu' (model parallelism) is not supported; pass mpu=None")
+    if config is None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise ValueError("initialize: no config; pass config= (dict or JSON path) or --deepspeed_config")
+    dist.init_distributed()
+    cfg = load_config(config, world_size=dist.world_size())
+    if cfg.seed is not None:
+        torch.manual_seed(cfg.seed)
+
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        if not callable(optimizer):
+            raise ValueError(f"initialize: 'optimizer' must be a torch optimizer or a callable, got {type(optimizer).__name__}")
+        optimizer = optimizer(list(model_parameters) if model_parameters is not None else model.parameters())
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError("both a client optimizer and an 'optimizer' config block were given; use one")
+    groups, adamw = _param_groups(model, model_parameters, optimizer, cfg)
+
+    loader = _dataloader(training_data, cfg, collate_fn) if training_data is not None else None
+    engine = ZeroOffloadEngine(model, cfg, groups, adamw, training_dataloader=loader)
+    if cfg.scheduler is not None:
+        engine.lr_scheduler = build_lr_scheduler(cfg.scheduler, engine.optimizer)
+    elif lr_scheduler is not None:
+        engine.lr_scheduler = lr_scheduler(engine.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _param_groups(model, model_parameters, client_opt, cfg) -> tuple[list[dict], bool]:
+    """Param groups (dicts with every Adam hyperparameter) and the decoupled-decay flag."""
+    from .config import ConfigError
+
+    if client_opt is not None:
+        if not isinstance(client_opt, torch.optim.Adam | torch.optim.AdamW):
+            raise ValueError(
+                "optimizer: client optimizers must be torch.optim.Adam or torch.optim.AdamW (the engine "
+                f"runs their math on sharded flat buffers); got {type(client_opt).__name__}"
+            )
+        adamw = isinstance(client_opt, torch.optim.AdamW) or bool(client_opt.defaults.get("decoupled_weight_decay"))
+        if any(g.get("amsgrad") for g in client_opt.param_groups):
+            raise ValueError("optimizer: amsgrad is not supported")
+        raw = client_opt.param_groups
+        defaults = {}
+    else:
+        if cfg.optimizer is None:
+            raise ConfigError("no optimizer: add an 'optimizer' block ({\"type\": \"AdamW\", ...}) or pass optimizer=")
+        p = cfg.optimizer.params
+        adamw = cfg.optimizer.adamw
+        defaults = {"lr": p.lr, "betas": tuple(p.betas), "eps": p.eps,
+                    "weight_decay": p.weight_decay, "bias_correction": p.bias_correction}
+        src = list(model_parameters) if model_parameters is not None else list(model.parameters())
+        raw = src if src and isinstance(src[0], dict) else [{"params": src}]
+    owned = {id(p) for p in model.parameters()}
+    seen: set[int] = set()
+    groups = []
+    for i, g in enumerate(raw):
+        if not isinstance(g, dict) or "params" not in g:
+            raise ValueError(f"model_parameters[{i}]: expected a tensor or a dict with 'params'")
+        params = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        kept = []
+        for p in params:
+            if id(p) not in owned:
+                raise ValueError(f"model_parameters[{i}]: a parameter does not belong to the model")
+            if id(p) in seen:
+                raise ValueError(f"model_parameters[{i}]: a parameter appears in more than one group")
+            seen.add(id(p))
+            if p.requires_grad:
+                kept.append(p)
+        if kept:
+            hyper = g if client_opt is not None else {**defaults, **g}
+            hyper.setdefault("bias_correction", True)
+            hyper["params"] = kept
+            groups.append(hyper)
+    if not groups:
+        raise ValueError("initialize: no trainable parameters (none with requires_grad=True)")
+    return groups, adamw
+
+
+def _dataloader(data, cfg, collate_fn):
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(data, num_replicas=dist.world_size(), rank=dist.rank(),
+                                 shuffle=True, seed=cfg.seed or 0)
+    return DataLoader(data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler,
+                      collate_fn=collate_fn)

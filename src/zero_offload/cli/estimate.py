@@ -1,0 +1,52 @@
+"""``zero-offload estimate``: model-state memory per device and on the host, for every stage with
+and without offload (the seeds' arithmetic: a 1.5B model's Adam state is 18 GB; ZeRO stage 1 on
+8 ranks holds 2.25 GB of it per device)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", type=float, help="parameter count, e.g. 1.5e9")
+    p.add_argument("--model", choices=["gpt2"], help="count the parameters of a model instead")
+    p.add_argument("--num-layers", type=int, default=48)
+    p.add_argument("--hidden-size", type=int, default=1600)
+    p.add_argument("--num-attention-heads", type=int, default=16)
+    p.add_argument("--seq-length", type=int, default=1024)
+    p.add_argument("--vocab-size", type=int, default=50257)
+    p.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (default 1)")
+    p.add_argument("--stage", type=int, choices=[0, 1, 2], help="show only this stage")
+    p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default="fp16")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..runtime.memory import per_param_table
+
+    if args.model == "gpt2":
+        from ..models.gpt2 import GPT2Config, num_parameters
+
+        cfg = GPT2Config(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                         num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                         vocab_size=args.vocab_size)
+        numel = num_parameters(cfg)
+        what = f"GPT-2 {args.num_layers}x{args.hidden_size} ({numel / 1e9:.3f}B params)"
+    elif args.params:
+        numel = int(args.params)
+        what = f"{numel / 1e9:.3f}B params"
+    else:
+        raise SystemExit("estimate: give --params N or --model gpt2 (with its size flags)")
+    if args.gpus < 1:
+        raise SystemExit(f"estimate: --gpus must be >= 1, got {args.gpus}")
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    print(f"model-state memory for {what}, {args.dtype} training with Adam, {args.gpus} rank(s); "
+          "GB = 1e9 bytes; activations and bucket buffers not included")
+    print(f"{'stage':>5} {'offload':>7} {'per device GB':>14} {'host per rank GB':>17} {'optimizer state per rank GB':>28}")
+    for row in per_param_table(numel, args.gpus, dtype):
+        if args.stage is not None and row["stage"] != args.stage:
+            continue
+        print(f"{row['stage']:>5} {('cpu' if row['offload'] else 'none'):>7} {row['device'] / 1e9:>14.2f} "
+              f"{row['host'] / 1e9:>17.2f} {row['optimizer_state'] / 1e9:>28.2f}")
+    return 0

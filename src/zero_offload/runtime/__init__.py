@@ -1,0 +1,1 @@
+"""The engine's components: layout, flat groups, reducer, grad shard, shard optimizer, loss scaler."""

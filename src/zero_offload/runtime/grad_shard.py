@@ -1,0 +1,119 @@
+"""Where this rank's reduced gradient lives, and how a reduced bucket gets there.
+
+- stage 0: the flat grad buffer itself (all-reduced in place; every rank holds all of it);
+- stage 1: this rank's slices of the flat grad buffer (reduce-scattered in place);
+- stage 2: a device grad shard accumulated over micro-steps (absent with offload and one
+  micro-step per step: the reduced slice then goes straight to the host);
+- offload: a 16-bit host grad shard (two of them with the delayed update, alternating, so the
+  next step's copies never overwrite what the host update is reading).
+
+The squared norm of every final segment is summed on the device as it is produced, so the global
+norm, the overflow check and the clip factor are known before the host reads any gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .flat_group import FlatGroup
+from .layout import Bucket, Segment
+from .streams import Streams, alloc_host
+
+
+class GradShard:
+    def __init__(
+        self,
+        group: FlatGroup,
+        stage: int,
+        offload: bool,
+        gas: int,
+        streams: Streams,
+        pin: bool,
+        host_buffers: int = 1,
+    ) -> None:
+        self.group = group
+        self.stage = stage
+        self.offload = offload
+        self.streams = streams
+        self.segs = group.segments(stage >= 1)
+        numel = group.shard_numel(stage >= 1)
+        dev, dt = group.device, group.dtype
+        self.flat_grad = None
+        self.device_shard = None
+        if stage <= 1:
+            # Invariant: p.grad is a view of flat_grad, so backward accumulates in place.
+            self.flat_grad = torch.zeros(group.layout.total, dtype=dt, device=dev)
+            self.views = group.param_views(self.flat_grad)
+            for p, v in zip(group.params, self.views):
+                p.grad = v
+        elif not offload or gas > 1:
+            self.device_shard = torch.zeros(numel, dtype=dt, device=dev)
+        self.host = [alloc_host(numel, dt, pin).zero_() for _ in range(host_buffers)] if offload else []
+        self.host_index = 0
+        self.sumsq = torch.zeros((), dtype=torch.float32, device=dev)
+        self.d2h_done = None  # event after the last host copy of this step (CUDA only)
+
+    # ---- targets for the reducer -------------------------------------------------------------
+    def bucket_input(self, b: Bucket) -> torch.Tensor:
+        """Stage 0/1: the flat-grad range that is the bucket's reduction input."""
+        return self.flat_grad[b.start : b.start + b.numel]
+
+    def reduce_target(self, seg: Segment, first: bool) -> torch.Tensor | None:
+        """Where a collective may write this rank's reduced segment directly, or None for a temp."""
+        if self.stage <= 1:
+            return self.flat_grad[seg.flat_start : seg.flat_start + seg.numel]
+        if self.device_shard is not None and first:
+            return self.device_shard[seg.shard_start : seg.shard_start + seg.numel]
+        return None
+
+    def accept(self, seg: Segment, reduced: torch.Tensor, last: bool) -> None:
+        """Fold a reduced segment in (runs on the reduce stream). ``last``: final micro-step."""
+        final = reduced
+        if self.device_shard is not None:
+            final = self.device_shard[seg.shard_start : seg.shard_start + seg.numel]
+            if final.data_ptr() != reduced.data_ptr():
+                final.add_(reduced)
+        if not last:
+            return
+        self.sumsq.add_(torch.linalg.vector_norm(final, dtype=torch.float32).square())
+        if self.offload:
+            host = self.host[self.host_index][seg.shard_start : seg.shard_start + seg.numel]
+            s = self.streams
+            s.wait(s.d2h, s.reduce)
+            with s.use(s.d2h):
+                host.copy_(final, non_blocking=s.cuda)
+                s.keep_alive(final, s.d2h)
+            self.d2h_done = s.record(s.d2h)
+
+    # ---- consumers ----------------------------------------------------------------------------
+    def device_grads(self) -> list[torch.Tensor]:
+        """Per-segment device views of the reduced gradient (device placement)."""
+        src = self.flat_grad if self.stage <= 1 else self.device_shard
+        key = "flat_start" if self.stage <= 1 else "shard_start"
+        return [src[getattr(s, key) : getattr(s, key) + s.numel] for s in self.segs]
+
+    def host_grad(self) -> torch.Tensor:
+        """This step's host gradient, after its copies have landed."""
+        if self.d2h_done is not None:
+            self.d2h_done.synchronize()
+        return self.host[self.host_index]
+
+    def flip(self) -> None:
+        """Delayed update: the next step's gradients go to the other host buffer."""
+        self.host_index = (self.host_index + 1) % len(self.host)
+
+    def zero(self) -> None:
+        """Start a new accumulation window."""
+        if self.flat_grad is not None:
+            self.flat_grad.zero_()
+        self.sumsq.zero_()
+
+    def nbytes(self) -> dict[str, int]:
+        out = {}
+        if self.flat_grad is not None:
+            out["device.grads"] = self.flat_grad.numel() * self.flat_grad.element_size()
+        if self.device_shard is not None:
+            out["device.grad_shard"] = self.device_shard.numel() * self.device_shard.element_size()
+        if self.host:
+            out["host.grad_shard"] = sum(h.numel() * h.element_size() for h in self.host)
+        return out

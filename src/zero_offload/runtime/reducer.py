@@ -1,0 +1,199 @@
+"""How gradients leave the backward pass.
+
+Post-accumulate-grad hooks count, per bucket, the params whose gradient is final for this
+backward. A complete bucket is reduced: all-reduce (stage 0), reduce-scatter of the flat grad
+(stage 1) or of a grad bucket buffer the hooks copied the gradients into (stage 2, whose
+``p.grad`` is freed at once). Stage 0/1 reduce only on the micro-step that ends an accumulation
+window; stage 2 on every micro-step, folding the result into the grad shard.
+
+Invariant: buckets are launched in one fixed global order (by when backward is expected to finish
+them), never in arrival order, so every rank issues the same collectives in the same order. A
+bucket whose params got no gradient (unused params) is launched, with zeros, at the end of
+backward.
+
+With ``overlap_comm`` the collective of a bucket runs while backward continues (on the reduce
+stream under CUDA; as an async work handle on gloo, at most two in flight); without it each
+reduction completes before the hook returns.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from . import dist
+from .flat_group import FlatGroup
+from .grad_shard import GradShard
+from .streams import Streams
+
+
+class Reducer:
+    def __init__(
+        self,
+        groups: list[FlatGroup],
+        shards: list[GradShard],
+        stage: int,
+        overlap: bool,
+        reduce_scatter: bool,
+        streams: Streams,
+        global_pos: dict[int, int],
+    ) -> None:
+        self.groups, self.shards, self.stage = groups, shards, stage
+        self.overlap, self.use_rs, self.streams = overlap, reduce_scatter, streams
+        self.world = dist.world_size()
+        # Global launch order: a bucket is expected done when its earliest-registered param is.
+        keys = []
+        for g in groups:
+            for b in g.layout.buckets:
+                last = max(global_pos[id(g.params[i])] for i in b.params)
+                keys.append((last, g.index, b.index))
+        self.order = [(gi, bi) for _, gi, bi in sorted(keys)]
+        self.bucket_of = [g.layout.param_bucket() for g in groups]
+        # Free stage-2 bucket buffers, oldest first, each with the event after which it is free.
+        self.pool: collections.deque = collections.deque()
+        self.pool_size = 0
+        self.max_bucket = max((b.numel for g in groups for b in g.layout.buckets), default=0)
+        self.reducing = False  # does this backward reduce (stage 2: always; 0/1: at boundary)
+        self.first = True  # first micro-step of the accumulation window
+        self.last = True
+        self._reset()
+        self.handles = []
+        for g in groups:
+            for i, p in enumerate(g.params):
+                self.handles.append(p.register_post_accumulate_grad_hook(self._hook(g.index, i)))
+
+    # ---- per-backward state --------------------------------------------------------------------
+    def _reset(self) -> None:
+        self.pending = {
+            (g.index, b.index): len(b.params) for g in self.groups for b in g.layout.buckets
+        }
+        self.buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self.next = 0  # index into self.order of the next bucket to launch
+        self.inflight: list = []
+        self.queued = False
+
+    def prepare(self, first: bool, last: bool) -> None:
+        """Called by the engine before each backward."""
+        self.first, self.last = first, last
+        self.reducing = self.stage == 2 or last
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    def _hook(self, gi: int, i: int):
+        def hook(p: torch.Tensor) -> None:
+            if not self.queued:
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+                self.queued = True
+            key = (gi, self.bucket_of[gi][i])
+            if self.stage == 2:
+                g = self.groups[gi]
+                b = g.layout.buckets[key[1]]
+                off = g.layout.offsets[i] - b.start
+                self._buffer(key)[off : off + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None  # the unowned (and owned) full gradient is released here
+            else:
+                view = self.shards[gi].views[i]
+                if p.grad is not view:  # the caller replaced .grad (e.g. module.zero_grad())
+                    view.copy_(p.grad)
+                    p.grad = view
+                if not self.reducing:
+                    return
+            self.pending[key] -= 1
+            self._launch_ready()
+
+        return hook
+
+    def _buffer(self, key) -> torch.Tensor:
+        entry = self.buffers.get(key)
+        if entry is None:
+            g = self.groups[key[0]]
+            # Reuse the oldest free buffer once two exist (the two alternating buckets of
+            # overlap_comm), or when its collective already finished; otherwise grow the pool.
+            if self.pool and (self.pool_size >= 2 or self.pool[0][1] is None or self.pool[0][1].query()):
+                full, ev = self.pool.popleft()
+                if ev is not None:  # the compute stream refills it only after the collective read it
+                    torch.cuda.current_stream().wait_event(ev)
+            else:
+                full = torch.empty(self.max_bucket, dtype=g.dtype, device=g.device)
+                self.pool_size += 1
+            view = full[: g.layout.buckets[key[1]].numel]
+            view.zero_()  # padding and params without a gradient reduce as zeros
+            entry = self.buffers[key] = (full, view)
+        return entry[1]
+
+    def _launch_ready(self, force: bool = False) -> None:
+        while self.next < len(self.order):
+            key = self.order[self.next]
+            if self.pending[key] > 0 and not force:
+                return
+            self.next += 1
+            self._launch(key)
+
+    # ---- reduction -----------------------------------------------------------------------------
+    def _launch(self, key) -> None:
+        gi, bi = key
+        g, shard = self.groups[gi], self.shards[gi]
+        b = g.layout.buckets[bi]
+        seg = shard.segs[bi]
+        s = self.streams
+        inp = shard.bucket_input(b) if self.stage <= 1 else self._buffer(key)
+        s.wait(s.reduce, None)
+        with s.use(s.reduce):
+            if self.world > 1:
+                inp.mul_(1.0 / self.world)  # average; pre-divided so fp16 sums stay in range
+            async_op = self.overlap and not s.cuda
+            if self.stage == 0:
+                out = inp
+                work = dist.all_reduce(inp, async_op=async_op)
+            else:
+                out = shard.reduce_target(seg, self.first)
+                if out is None:
+                    out = torch.empty(seg.numel, dtype=inp.dtype, device=inp.device)
+                if self.use_rs:
+                    work = dist.reduce_scatter(out, inp, async_op=async_op)
+                else:  # all-reduce, then keep this rank's slice
+                    work = dist.all_reduce(inp, async_op=async_op)
+            self.inflight.append((work, key, seg, inp, out))
+        if s.cuda or not self.overlap:  # CUDA: the follow-up ops are only enqueued
+            self._complete(len(self.inflight) - 1)
+        elif len(self.inflight) > 2:  # gloo: keep at most two collectives in flight
+            self._complete(len(self.inflight) - 3)
+
+    def _complete(self, upto: int) -> None:
+        """Finish in-flight reductions [0, upto] in launch order."""
+        s = self.streams
+        done, self.inflight = self.inflight[: upto + 1], self.inflight[upto + 1 :]
+        for work, key, seg, inp, out in done:
+            if work is not None:
+                work.wait()
+            with s.use(s.reduce):
+                if self.stage >= 1 and not self.use_rs:
+                    lo = seg.flat_start - self.groups[key[0]].layout.buckets[key[1]].start
+                    if out.data_ptr() != inp[lo:].data_ptr():
+                        out.copy_(inp[lo : lo + seg.numel])
+                self.shards[key[0]].accept(seg, out, self.last)
+            if self.stage == 2:
+                self._release(key)
+
+    def _release(self, key) -> None:
+        full, _ = self.buffers.pop(key)
+        self.pool.append((full, self.streams.record(self.streams.reduce)))
+
+    def _finish_backward(self) -> None:
+        """End of backward: launch what is left (unused params), complete every reduction."""
+        if self.reducing:
+            self._launch_ready(force=True)
+            if self.inflight:
+                self._complete(len(self.inflight) - 1)
+            self.streams.wait(None, self.streams.reduce)
+        self._reset()
+
+    def bucket_pool_bytes(self) -> int:
+        if self.stage != 2:
+            return 0
+        esize = self.groups[0].flat.element_size() if self.groups else 0
+        return self.pool_size * self.max_bucket * esize
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()

@@ -1,0 +1,194 @@
+"""The master shard of one flat group, its Adam state, and the update path.
+
+placement "device": master, exp_avg, exp_avg_sq on the accelerator; the step is torch's fused
+Adam(W) over this rank's segments. placement "host": they live in host memory and the step is the
+host kernel, one pass per element (16-bit grad in -> fp32 state updated -> 16-bit param out into a
+staging buffer), run chunk by chunk so chunk k travels host-to-device while chunk k+1 computes.
+
+Either way the updated 16-bit slices land in this rank's own slices of the flat buffer and one
+all-gather per bucket rebuilds the full params on every rank.
+
+Delayed update (host only): ``launch`` starts the host pass of step t on a worker thread and
+returns; the next ``launch`` (or ``flush``) joins it and uploads its params, so forward and backward
+of step t+1 overlap the host update of step t and run on params one step old.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..kernels.host_adam import host_adam_step
+from . import dist
+from .flat_group import FlatGroup
+from .grad_shard import GradShard
+from .streams import Streams, alloc_host
+
+
+class ShardOptimizer:
+    def __init__(
+        self,
+        group: FlatGroup,
+        grad_shard: GradShard,
+        sharded: bool,
+        host: bool,
+        adamw: bool,
+        streams: Streams,
+        pin: bool,
+        threads: int | None,
+        allgather_bucket_size: int,
+        chunk_numel: int = 1 << 22,
+    ) -> None:
+        self.group, self.grads, self.sharded, self.host = group, grad_shard, sharded, host
+        self.adamw, self.streams, self.threads = adamw, streams, threads
+        self.segs = group.segments(sharded)
+        self.allgather_bucket_size = max(1, int(allgather_bucket_size))
+        numel = group.shard_numel(sharded)
+        where = torch.device("cpu") if host else group.device
+        self.master = torch.empty(numel, dtype=torch.float32, device=where)
+        for s in self.segs:
+            self.master[s.shard_start : s.shard_start + s.numel].copy_(self._flat_seg(s))
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.step_count = 0
+        # 16-bit staging for the trip up; fp32 training uploads straight from the master.
+        lowp = group.dtype != torch.float32
+        self.staging = alloc_host(numel, group.dtype, pin) if host and lowp else None
+        self.chunks = [
+            (s, lo, min(lo + chunk_numel, s.numel)) for s in self.segs for lo in range(0, s.numel, chunk_numel)
+        ]
+        self._worker: threading.Thread | None = None
+        self._worker_error: BaseException | None = None
+
+    def _flat_seg(self, s) -> torch.Tensor:
+        return self.group.flat[s.flat_start : s.flat_start + s.numel]
+
+    def _hyper(self) -> dict:
+        h = self.group.hyper
+        b1, b2 = h["betas"]
+        return dict(lr=float(h["lr"]), beta1=float(b1), beta2=float(b2), eps=float(h["eps"]),
+                    weight_decay=float(h["weight_decay"]))
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self, factor: float) -> None:
+        """One synchronous update with the combined grad factor (unscale x clip)."""
+        self.flush()
+        self.step_count += 1
+        if self.host:
+            self._host_pass(self.grads.host_grad(), factor, self._hyper(), upload=True)
+        else:
+            self._device_step(factor)
+        self.gather()
+
+    def launch(self, factor: float) -> None:
+        """Delayed update: apply the previous step's params, start this step's host pass."""
+        self.flush()
+        grad = self.grads.host_grad()
+        self.grads.flip()  # the next backward copies into the other host buffer
+        self.step_count += 1
+        hyper = self._hyper()
+
+        def work() -> None:
+            try:
+                self._host_pass(grad, factor, hyper, upload=False)
+            except BaseException as e:  # surfaced on the main thread by flush()
+                self._worker_error = e
+
+        self._worker = threading.Thread(target=work, name="zero-offload-host-update", daemon=True)
+        self._worker.start()
+
+    def flush(self) -> None:
+        """Join a delayed host pass, if any, and upload + gather its params."""
+        if self._worker is None:
+            return
+        self._worker.join()
+        self._worker = None
+        if self._worker_error is not None:
+            err, self._worker_error = self._worker_error, None
+            raise RuntimeError("delayed host update failed") from err
+        for c in self.chunks:
+            self._upload(c)
+        self.gather()
+
+    # ---- device placement ----------------------------------------------------------------------
+    def _device_step(self, factor: float) -> None:
+        h = self._hyper()
+        grads = [g if g.dtype == torch.float32 else g.float() for g in self.grads.device_grads()]
+        torch._foreach_mul_(grads, factor)  # fp32 grads are this rank's own, consumed here
+        views = lambda t: [t[s.shard_start : s.shard_start + s.numel] for s in self.segs]  # noqa: E731
+        p, m, v = views(self.master), views(self.exp_avg), views(self.exp_avg_sq)
+        if self.group.hyper.get("bias_correction", True):
+            steps = [torch.tensor(float(self.step_count), device=self.master.device) for _ in p]
+            fused = torch._fused_adamw_ if self.adamw else torch._fused_adam_
+            fused(p, grads, m, v, [], steps, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"],
+                  weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False, maximize=False)
+        else:
+            _adam_no_bias_correction(p, grads, m, v, self.adamw, **h)
+        torch._foreach_copy_([self._flat_seg(s) for s in self.segs], p)
+
+    # ---- host placement ------------------------------------------------------------------------
+    def _host_pass(self, grad: torch.Tensor, factor: float, h: dict, upload: bool) -> None:
+        bc = bool(self.group.hyper.get("bias_correction", True))
+        for c in self.chunks:
+            s, lo, hi = c
+            a, b = s.shard_start + lo, s.shard_start + hi
+            host_adam_step(
+                self.master[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b], grad[a:b],
+                None if self.staging is None else self.staging[a:b],
+                step=self.step_count, adamw=self.adamw, bias_correction=bc, grad_scale=factor,
+                threads=self.threads, **h,
+            )
+            if upload:  # chunk k travels while chunk k+1 computes
+                self._upload(c)
+
+    def _upload(self, c) -> None:
+        s, lo, hi = c
+        src = (self.master if self.staging is None else self.staging)[s.shard_start + lo : s.shard_start + hi]
+        dst = self.group.flat[s.flat_start + lo : s.flat_start + hi]
+        st = self.streams
+        with st.use(st.h2d):
+            dst.copy_(src, non_blocking=st.cuda)
+
+    # ---- all-gather ----------------------------------------------------------------------------
+    def gather(self) -> None:
+        """Rebuild every bucket of the flat buffer from all ranks' updated slices, in place."""
+        st = self.streams
+        st.wait(None, st.h2d)  # uploads land before the gather reads them
+        if not self.sharded or dist.world_size() == 1:
+            return
+        flat, rank = self.group.flat, self.group.rank
+        for b in self.group.layout.buckets:
+            n = b.slice_numel
+            piece = max(1, self.allgather_bucket_size // dist.world_size())
+            if piece >= n:
+                own = flat[b.start + rank * n : b.start + (rank + 1) * n]
+                dist.all_gather(flat[b.start : b.start + b.numel], own)
+                continue
+            for lo in range(0, n, piece):  # bucket larger than allgather_bucket_size: in pieces
+                hi = min(lo + piece, n)
+                outs = [flat[b.start + r * n + lo : b.start + r * n + hi] for r in range(dist.world_size())]
+                torch.distributed.all_gather(outs, outs[rank].clone())
+
+    def nbytes(self) -> dict[str, int]:
+        where = "host" if self.host else "device"
+        out = {
+            f"{where}.master_shard": self.master.numel() * 4,
+            f"{where}.optimizer_state": (self.exp_avg.numel() + self.exp_avg_sq.numel()) * 4,
+        }
+        if self.staging is not None:
+            out["host.param_staging"] = self.staging.numel() * self.staging.element_size()
+        return out
+
+
+def _adam_no_bias_correction(p, g, m, v, adamw, lr, beta1, beta2, eps, weight_decay) -> None:
+    """Adam(W) without bias correction (DeepSpeed's ``bias_correction: false``)."""
+    if weight_decay and adamw:
+        torch._foreach_mul_(p, 1.0 - lr * weight_decay)
+    elif weight_decay:
+        g = torch._foreach_add(g, p, alpha=weight_decay)
+    torch._foreach_lerp_(m, g, 1.0 - beta1)
+    torch._foreach_mul_(v, beta2)
+    torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
+    denom = torch._foreach_add(torch._foreach_sqrt(v), eps)
+    torch._foreach_addcdiv_(p, m, denom, value=-lr)

@@ -1,0 +1,68 @@
+"""Run a function on N gloo ranks (spawned processes) and collect rank 0's return value."""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        out = fn(*args)
+        if rank == 0:  # bytes, not shared-memory tensors: they must outlive this process
+            buf = io.BytesIO()
+            torch.save(out, buf)
+            queue.put(("ok", buf.getvalue()))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+        raise
+
+
+def run_ranks(world: int, fn, *args, timeout: float = 600):
+    """Spawn ``world`` gloo ranks running ``fn(*args)``; return rank 0's result."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    while queue.empty() and any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    got = None if queue.empty() else queue.get()  # read before join: a large result blocks the pipe
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    if got is None:
+        raise RuntimeError(f"no result from {world} ranks (exit codes {[p.exitcode for p in procs]})")
+    status, out = got
+    if status != "ok":
+        raise AssertionError(out)
+    import torch
+
+    out = torch.load(io.BytesIO(out), weights_only=False)
+    if any(p.exitcode != 0 for p in procs):
+        raise AssertionError(f"rank exit codes {[p.exitcode for p in procs]}")
+    return out

@@ -1,0 +1,171 @@
+"""Parity harness: train the same tiny model with the engine (any stage, offload, world size) and
+with plain single-process PyTorch AdamW on the same global batch, and measure the difference the
+way the design notes define it: gradients by relative error, parameters by their distance from
+the reference divided by the reference's own displacement from the initial weights."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+VOCAB, DIM, HID, SEQ = 32, 16, 24, 5
+
+
+class Tiny(torch.nn.Module):
+    """Tied embedding/head (a param larger than the test buckets), an unused param, a frozen one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, DIM)
+        self.frozen = torch.nn.Linear(DIM, DIM)
+        self.frozen.requires_grad_(False)
+        self.l1 = torch.nn.Linear(DIM, HID)
+        self.l2 = torch.nn.Linear(HID, DIM)
+        self.norm = torch.nn.LayerNorm(DIM)
+        self.unused = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        h = h + 0.1 * self.frozen(h)
+        h = self.norm(self.l2(torch.tanh(self.l1(h))))
+        logits = h @ self.emb.weight.t()
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+
+
+def make_model(seed: int = 0) -> Tiny:
+    torch.manual_seed(seed)
+    return Tiny()
+
+
+def batches(steps: int, world: int, gas: int, micro: int, seed: int = 1):
+    """Global batches: step -> (x, y) of world*gas*micro samples."""
+    g = torch.Generator().manual_seed(seed)
+    n = world * gas * micro
+    return [
+        (torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g))
+        for _ in range(steps)
+    ]
+
+
+LR, WD, BETAS, EPS = 1e-2, 0.01, (0.9, 0.999), 1e-8
+
+
+def reference(steps: int, world: int, gas: int, micro: int, clip: float):
+    """Plain PyTorch: one process, whole global batch, AdamW."""
+    model = make_model()
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
+                            betas=BETAS, eps=EPS, weight_decay=WD)
+    grads, losses = [], []
+    for x, y in batches(steps, world, gas, micro):
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)  # the engine reduces unused params as zeros
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(float(loss))
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return init, params, grads, losses
+
+
+def engine_config(stage: int, offload: bool, gas: int, micro: int, clip: float, overlap: bool,
+                  dtype: str = "fp32", bucket: int = 100, **offload_extra) -> dict:
+    zero: dict = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": 40,
+                  "overlap_comm": overlap}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", **offload_extra}
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}},
+        "gradient_clipping": clip,
+        "zero_optimization": zero,
+        "steps_per_print": 10**6,
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    return cfg
+
+
+def run_engine(cfg: dict, steps: int, micro: int, gas: int):
+    """Train with the engine on this rank's share of each global batch."""
+    import zero_offload
+    from zero_offload.runtime import dist
+    from zero_offload.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    world, rank = dist.world_size(), dist.rank()
+    model = make_model()
+    engine, _, _, _ = zero_offload.initialize(model=model, config=copy.deepcopy(cfg))
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    grads, losses = [], []
+    for x, y in batches(steps, world, gas, micro):
+        step_loss = 0.0
+        for k in range(gas):
+            lo = (k * world + rank) * micro
+            loss = engine(x[lo : lo + micro], y[lo : lo + micro])
+            engine.backward(loss)
+            step_loss += float(loss) / gas
+            if engine.is_gradient_accumulation_boundary():
+                grads.append({n: safe_get_full_grad(p) for n, p in zip(names, [dict(model.named_parameters())[n] for n in names])})
+            engine.step()
+        t = torch.tensor([step_loss])
+        if world > 1:
+            torch.distributed.all_reduce(t)
+        losses.append(float(t) / world)
+    engine.flush_delayed_update()
+    named = dict(model.named_parameters())
+    params = {n: safe_get_full_fp32_param(named[n]) for n in names}
+    params.update({n: p.detach().float().clone() for n, p in named.items() if not p.requires_grad})
+    device_params = {n: p.detach().float().clone() for n, p in named.items()}
+    return params, device_params, grads, losses, engine.memory_report(), engine.expected_memory()
+
+
+def grad_rel_err(a: dict, b: dict) -> float:
+    return max(float((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-12)) for n in b)
+
+
+def displacement_err(params: dict, ref: dict, init: dict) -> float:
+    num = sum(float((params[n].float() - ref[n]).square().sum()) for n in ref)
+    den = sum(float((ref[n] - init[n]).square().sum()) for n in ref)
+    return (num / den) ** 0.5
+
+
+def run_cases(cases: list[dict]) -> list[dict]:
+    """Each case: engine config kwargs + steps/micro/gas; returns measured errors per case."""
+    from zero_offload.runtime import dist
+
+    world = dist.world_size()
+    out = []
+    refs: dict = {}
+    for case in cases:
+        c = dict(case)
+        steps, micro = c.pop("steps", 4), c.pop("micro", 2)
+        gas, clip = c["gas"], c["clip"]
+        key = (steps, world, gas, micro, clip)
+        if key not in refs:
+            refs[key] = reference(steps, world, gas, micro, clip)
+        init, ref_params, ref_grads, ref_losses = refs[key]
+        params, device_params, grads, losses, mem, expected = run_engine(
+            engine_config(micro=micro, **c), steps, micro, gas)
+        out.append({
+            "case": case,
+            "grad_err": max(grad_rel_err(g, rg) for g, rg in zip(grads, ref_grads)),
+            "param_err": displacement_err(params, ref_params, init),
+            "device_param_err": displacement_err(device_params, ref_params, init),
+            "losses": losses,
+            "ref_losses": ref_losses,
+            "params": params,
+            "init": init,
+            "memory": mem,
+            "expected": expected,
+        })
+    return out
