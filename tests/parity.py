@@ -16,7 +16,7 @@ VOCAB, DIM, HID, SEQ = 32, 16, 24, 5
 class Tiny(torch.nn.Module):
     """Tied embedding/head (a param larger than the test buckets), an unused param, a frozen one."""
 
-    def __init__(self) -> None:
+    def __init__(self, unused: bool = True) -> None:
         super().__init__()
         self.emb = torch.nn.Embedding(VOCAB, DIM)
         self.frozen = torch.nn.Linear(DIM, DIM)
@@ -24,7 +24,8 @@ class Tiny(torch.nn.Module):
         self.l1 = torch.nn.Linear(DIM, HID)
         self.l2 = torch.nn.Linear(HID, DIM)
         self.norm = torch.nn.LayerNorm(DIM)
-        self.unused = torch.nn.Linear(3, 3)
+        if unused:
+            self.unused = torch.nn.Linear(3, 3)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
@@ -34,9 +35,9 @@ class Tiny(torch.nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
 
 
-def make_model(seed: int = 0) -> Tiny:
+def make_model(seed: int = 0, unused: bool = True) -> Tiny:
     torch.manual_seed(seed)
-    return Tiny()
+    return Tiny(unused)
 
 
 def batches(steps: int, world: int, gas: int, micro: int, seed: int = 1):
@@ -113,7 +114,7 @@ def run_engine(cfg: dict, steps: int, micro: int, gas: int):
             lo = (k * world + rank) * micro
             loss = engine(x[lo : lo + micro], y[lo : lo + micro])
             engine.backward(loss)
-            step_loss += float(loss) / gas
+            step_loss += float(loss.detach()) / gas
             if engine.is_gradient_accumulation_boundary():
                 grads.append({n: safe_get_full_grad(p) for n, p in zip(names, [dict(model.named_parameters())[n] for n in names])})
             engine.step()

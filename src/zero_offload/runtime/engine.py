@@ -210,6 +210,26 @@ class ZeroOffloadEngine(torch.nn.Module):
             self.loss_scale, self._grad_norm, overflow, dt / self.config.steps_per_print,
         )
 
+    # ---- checkpoints (see zero_offload.checkpoint) --------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
+        from ..checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        from ..checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states,
+                               load_module_only=load_module_only)
+
+    def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False):
+        from ..checkpoint import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
     def destroy(self) -> None:
         self.flush_delayed_update()
         self.reducer.remove()

@@ -12,7 +12,7 @@ bucket whose params got no gradient (unused params) is launched, with zeros, at 
 backward.
 
 With ``overlap_comm`` the collective of a bucket runs while backward continues (on the reduce
-stream under CUDA; as an async work handle on gloo, at most two in flight); without it each
+stream under CUDA; as an async work handle on gloo: one bucket reducing while the next fills); without it each
 reduction completes before the hook returns.
 """
 
@@ -156,8 +156,8 @@ class Reducer:
             self.inflight.append((work, key, seg, inp, out))
         if s.cuda or not self.overlap:  # CUDA: the follow-up ops are only enqueued
             self._complete(len(self.inflight) - 1)
-        elif len(self.inflight) > 2:  # gloo: keep at most two collectives in flight
-            self._complete(len(self.inflight) - 3)
+        elif len(self.inflight) > 1:  # gloo: one bucket in flight while the next one fills
+            self._complete(len(self.inflight) - 2)
 
     def _complete(self, upto: int) -> None:
         """Finish in-flight reductions [0, upto] in launch order."""
