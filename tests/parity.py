@@ -112,7 +112,7 @@ def run_engine(cfg: dict, steps: int, micro: int, gas: int):
         step_loss = 0.0
         for k in range(gas):
             lo = (k * world + rank) * micro
-            loss = engine(x[lo : lo + micro], y[lo : lo + micro])
+            loss = engine(x[lo : lo + micro].to(engine.device), y[lo : lo + micro].to(engine.device))
             engine.backward(loss)
             step_loss += float(loss.detach()) / gas
             if engine.is_gradient_accumulation_boundary():
@@ -124,9 +124,10 @@ def run_engine(cfg: dict, steps: int, micro: int, gas: int):
         losses.append(float(t) / world)
     engine.flush_delayed_update()
     named = dict(model.named_parameters())
-    params = {n: safe_get_full_fp32_param(named[n]) for n in names}
-    params.update({n: p.detach().float().clone() for n, p in named.items() if not p.requires_grad})
-    device_params = {n: p.detach().float().clone() for n, p in named.items()}
+    params = {n: safe_get_full_fp32_param(named[n]).cpu() for n in names}
+    params.update({n: p.detach().float().cpu() for n, p in named.items() if not p.requires_grad})
+    device_params = {n: p.detach().float().cpu() for n, p in named.items()}
+    grads = [{n: t.cpu() for n, t in g.items()} for g in grads]
     return params, device_params, grads, losses, engine.memory_report(), engine.expected_memory()
 
 

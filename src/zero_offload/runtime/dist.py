@@ -49,7 +49,13 @@ def local_rank() -> int:
 
 
 def default_device() -> torch.device:
-    if torch.cuda.is_available():
+    """CUDA when available, unless the process group is gloo (CPU collectives) or
+    ZERO_OFFLOAD_DEVICE=cpu asks for the CPU."""
+    forced = os.environ.get("ZERO_OFFLOAD_DEVICE", "").lower()
+    if forced not in ("", "cpu", "cuda"):
+        raise ValueError(f"ZERO_OFFLOAD_DEVICE must be 'cpu' or 'cuda', got {forced!r}")
+    gloo = is_distributed() and dist.get_backend() == "gloo"
+    if forced == "cuda" or (not forced and not gloo and torch.cuda.is_available()):
         return torch.device("cuda", local_rank() % torch.cuda.device_count())
     return torch.device("cpu")
 

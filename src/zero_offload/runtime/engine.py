@@ -8,6 +8,7 @@ boundary only.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import time
@@ -59,6 +60,10 @@ class ZeroOffloadEngine(torch.nn.Module):
         n_total = len(order)
         sharded = self.stage >= 1
         self.groups, self.grad_shards, self.shard_opts = [], [], []
+        self._executor = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zero-offload-host-update")
+            if self.delayed else None
+        )
         for gi, pg in enumerate(param_groups):
             params = sorted(pg["params"], key=lambda p: order.get(id(p), n_total))
             hyper = pg  # the caller's dict itself: a scheduler writing its "lr" reaches the update
@@ -68,7 +73,8 @@ class ZeroOffloadEngine(torch.nn.Module):
             gs = GradShard(g, self.stage, self.offload, self._gas, self.streams, pin,
                            host_buffers=2 if self.delayed else 1)
             so = ShardOptimizer(g, gs, sharded, self.offload, adamw, self.streams, pin,
-                                oc.threads if oc is not None else None, int(zc.allgather_bucket_size))
+                                oc.threads if oc is not None else None, int(zc.allgather_bucket_size),
+                                self._executor)
             for i, p in enumerate(g.params):
                 p._zero_offload = (weakref.ref(self), gi, i)
             self.groups.append(g)

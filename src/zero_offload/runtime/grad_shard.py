@@ -67,7 +67,8 @@ class GradShard:
         return None
 
     def accept(self, seg: Segment, reduced: torch.Tensor, last: bool) -> None:
-        """Fold a reduced segment in (runs on the reduce stream). ``last``: final micro-step."""
+        """Fold a reduced segment in (on the stream that reduced it, the current one).
+        ``last``: the final micro-step of the accumulation window."""
         final = reduced
         if self.device_shard is not None:
             final = self.device_shard[seg.shard_start : seg.shard_start + seg.numel]
@@ -79,7 +80,7 @@ class GradShard:
         if self.offload:
             host = self.host[self.host_index][seg.shard_start : seg.shard_start + seg.numel]
             s = self.streams
-            s.wait(s.d2h, s.reduce)
+            s.wait(s.d2h, None)
             with s.use(s.d2h):
                 host.copy_(final, non_blocking=s.cuda)
                 s.keep_alive(final, s.d2h)

@@ -41,6 +41,9 @@ class Reducer:
     ) -> None:
         self.groups, self.shards, self.stage = groups, shards, stage
         self.overlap, self.use_rs, self.streams = overlap, reduce_scatter, streams
+        # CUDA: with overlap_comm, collectives run on the reduce stream; without, on the
+        # compute stream (None = current), ordered with backward.
+        self.stream = streams.reduce if overlap else None
         self.world = dist.world_size()
         # Global launch order: a bucket is expected done when its earliest-registered param is.
         keys = []
@@ -137,8 +140,8 @@ class Reducer:
         seg = shard.segs[bi]
         s = self.streams
         inp = shard.bucket_input(b) if self.stage <= 1 else self._buffer(key)
-        s.wait(s.reduce, None)
-        with s.use(s.reduce):
+        s.wait(self.stream, None)
+        with s.use(self.stream):
             if self.world > 1:
                 inp.mul_(1.0 / self.world)  # average; pre-divided so fp16 sums stay in range
             async_op = self.overlap and not s.cuda
@@ -166,7 +169,7 @@ class Reducer:
         for work, key, seg, inp, out in done:
             if work is not None:
                 work.wait()
-            with s.use(s.reduce):
+            with s.use(self.stream):
                 if self.stage >= 1 and not self.use_rs:
                     lo = seg.flat_start - self.groups[key[0]].layout.buckets[key[1]].start
                     if out.data_ptr() != inp[lo:].data_ptr():
@@ -177,7 +180,7 @@ class Reducer:
 
     def _release(self, key) -> None:
         full, _ = self.buffers.pop(key)
-        self.pool.append((full, self.streams.record(self.streams.reduce)))
+        self.pool.append((full, self.streams.record(self.stream)))
 
     def _finish_backward(self) -> None:
         """End of backward: launch what is left (unused params), complete every reduction."""
@@ -185,7 +188,7 @@ class Reducer:
             self._launch_ready(force=True)
             if self.inflight:
                 self._complete(len(self.inflight) - 1)
-            self.streams.wait(None, self.streams.reduce)
+            self.streams.wait(None, self.stream)
         self._reset()
 
     def bucket_pool_bytes(self) -> int:

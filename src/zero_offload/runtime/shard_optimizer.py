@@ -15,7 +15,7 @@ of step t+1 overlap the host update of step t and run on params one step old.
 
 from __future__ import annotations
 
-import threading
+import concurrent.futures
 
 import torch
 
@@ -38,6 +38,7 @@ class ShardOptimizer:
         pin: bool,
         threads: int | None,
         allgather_bucket_size: int,
+        executor: concurrent.futures.Executor | None = None,
         chunk_numel: int = 1 << 22,
     ) -> None:
         self.group, self.grads, self.sharded, self.host = group, grad_shard, sharded, host
@@ -58,8 +59,10 @@ class ShardOptimizer:
         self.chunks = [
             (s, lo, min(lo + chunk_numel, s.numel)) for s in self.segs for lo in range(0, s.numel, chunk_numel)
         ]
-        self._worker: threading.Thread | None = None
-        self._worker_error: BaseException | None = None
+        # One worker thread per engine, shared by its groups: their host passes run one after
+        # another with the kernel's full thread count instead of oversubscribing the cores.
+        self.executor = executor
+        self._pending: concurrent.futures.Future | None = None
 
     def _flat_seg(self, s) -> torch.Tensor:
         return self.group.flat[s.flat_start : s.flat_start + s.numel]
@@ -87,26 +90,17 @@ class ShardOptimizer:
         grad = self.grads.host_grad()
         self.grads.flip()  # the next backward copies into the other host buffer
         self.step_count += 1
-        hyper = self._hyper()
-
-        def work() -> None:
-            try:
-                self._host_pass(grad, factor, hyper, upload=False)
-            except BaseException as e:  # surfaced on the main thread by flush()
-                self._worker_error = e
-
-        self._worker = threading.Thread(target=work, name="zero-offload-host-update", daemon=True)
-        self._worker.start()
+        if self.executor is None:
+            raise RuntimeError("delayed update needs the engine's host-update executor")
+        self._pending = self.executor.submit(self._host_pass, grad, factor, self._hyper(), False)
 
     def flush(self) -> None:
         """Join a delayed host pass, if any, and upload + gather its params."""
-        if self._worker is None:
+        if self._pending is None:
             return
-        self._worker.join()
-        self._worker = None
-        if self._worker_error is not None:
-            err, self._worker_error = self._worker_error, None
-            raise RuntimeError("delayed host update failed") from err
+        pending, self._pending = self._pending, None
+        pending.result()  # re-raises a failure of the host pass here, on the main thread
+        self.streams.wait(self.streams.h2d, None)
         for c in self.chunks:
             self._upload(c)
         self.gather()
@@ -130,6 +124,8 @@ class ShardOptimizer:
     # ---- host placement ------------------------------------------------------------------------
     def _host_pass(self, grad: torch.Tensor, factor: float, h: dict, upload: bool) -> None:
         bc = bool(self.group.hyper.get("bias_correction", True))
+        if upload:  # uploads overwrite params: only after the compute stream is done with them
+            self.streams.wait(self.streams.h2d, None)
         for c in self.chunks:
             s, lo, hi = c
             a, b = s.shard_start + lo, s.shard_start + hi
