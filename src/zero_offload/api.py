@@ -49,7 +49,10 @@ def initialize(
     if config is None:
         raise ValueError("initialize: no config; pass config= (dict or JSON path) or --deepspeed_config")
     dist.init_distributed()
-    cfg = load_config(config, world_size=dist.world_size())
+    # Megatron-style scripts (the seeds') give the micro batch as --batch-size, not in the JSON.
+    micro = getattr(args, "batch_size", None) if args is not None else None
+    cfg = load_config(config, world_size=dist.world_size(),
+                      micro_batch_size=micro if isinstance(micro, int) else None)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
 

@@ -9,6 +9,7 @@ boundary only.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import math
 import time
@@ -88,12 +89,15 @@ class ZeroOffloadEngine(torch.nn.Module):
         self.lr_scheduler = lr_scheduler
         self.clip = float(config.gradient_clipping)
         self._t_step = time.perf_counter()
+        self.wall_clock = bool(config.wall_clock_breakdown)
+        self._times: dict[str, float] = {}
         if self.global_rank == 0:
             self._log_memory()
 
     # ---- DeepSpeed API -------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
-        return self.module(*inputs, **kwargs)
+        with self._timed("forward"):
+            return self.module(*inputs, **kwargs)
 
     def train(self, mode: bool = True):
         self.module.train(mode)
@@ -133,13 +137,15 @@ class ZeroOffloadEngine(torch.nn.Module):
         first = self.micro_steps % self._gas == 0
         self.reducer.prepare(first=first, last=self.is_gradient_accumulation_boundary())
         scale = self.loss_scaler.loss_scale / self._gas
-        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        with self._timed("backward"):
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         return loss
 
     def step(self) -> None:
         """Update at the accumulation boundary; always advances the micro-step counter."""
         if self.is_gradient_accumulation_boundary():
-            self._take_step()
+            with self._timed("step"):
+                self._take_step()
         self.micro_steps += 1
         self.global_samples += self.config.train_micro_batch_size_per_gpu * self.world_size
 
@@ -172,8 +178,11 @@ class ZeroOffloadEngine(torch.nn.Module):
         self.loss_scaler.update_scale(overflow)
         self.zero_grad()
         self.global_steps += 1
-        if self.global_rank == 0 and self.global_steps % self.config.steps_per_print == 0:
-            self._log_step(overflow)
+        every = self.config.steps_per_print
+        if self.global_rank == 0 and every and self.global_steps % every == 0:
+            self._log_step(overflow, every)
+        if self.wall_clock and self.global_rank == 0 and (not every or self.global_steps % every == 0):
+            self._log_wall_clock()
 
     def flush_delayed_update(self) -> None:
         """With the delayed update: apply the pending host update now (before eval or saving)."""
@@ -207,14 +216,36 @@ class ZeroOffloadEngine(torch.nn.Module):
             lines.append(f"  cuda max_memory_allocated {torch.cuda.max_memory_allocated(self.device) / 2**20:.1f} MiB")
         log.info("\n".join(lines))
 
-    def _log_step(self, overflow: bool) -> None:
+    def _log_step(self, overflow: bool, every: int) -> None:
         now = time.perf_counter()
         dt, self._t_step = now - self._t_step, now
         log.info(
             "step=%d skipped=%d lr=%s loss_scale=%g grad_norm=%s overflow=%s %.3fs/step",
             self.global_steps, self.skipped_steps, [round(x, 8) for x in self.get_lr()],
-            self.loss_scale, self._grad_norm, overflow, dt / self.config.steps_per_print,
+            self.loss_scale, self._grad_norm, overflow, dt / every,
         )
+
+    def _timed(self, name: str):
+        """wall_clock_breakdown: time a phase (synchronizing CUDA so the time is the device's)."""
+        engine = self
+
+        class _Timer:
+            def __enter__(self):
+                if engine.device.type == "cuda":
+                    torch.cuda.synchronize(engine.device)
+                self.t = time.perf_counter()
+
+            def __exit__(self, *exc):
+                if engine.device.type == "cuda":
+                    torch.cuda.synchronize(engine.device)
+                engine._times[name] = engine._times.get(name, 0.0) + time.perf_counter() - self.t
+
+        return _Timer() if self.wall_clock else contextlib.nullcontext()
+
+    def _log_wall_clock(self) -> None:
+        parts = " | ".join(f"{k}: {v * 1e3:.1f} ms" for k, v in self._times.items())
+        log.info("time (total since last report) %s", parts)
+        self._times.clear()
 
     # ---- checkpoints (see zero_offload.checkpoint) --------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):

@@ -1,0 +1,45 @@
+"""Typed DeepSpeed-style configuration: ``load_config(source, world_size)`` -> ZeroOffloadConfig."""
+
+from .batch import BatchSizes, resolve_batch_sizes
+from .errors import ConfigError, NotImplementedSettingWarning
+from .json_text import parse_json_text, read_json_file
+from .load import ConfigSource, load_config
+from .models import ZeroOffloadConfig
+from .optimizer import AdamParams, OptimizerConfig
+from .precision import BF16Config, FP16Config
+from .scheduler import (
+    SchedulerConfig,
+    WarmupCosineLRConfig,
+    WarmupCosineLRParams,
+    WarmupDecayLRConfig,
+    WarmupDecayLRParams,
+    WarmupLRConfig,
+    WarmupLRParams,
+)
+from .zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+
+__all__ = [
+    "AdamParams",
+    "BF16Config",
+    "BatchSizes",
+    "ConfigError",
+    "ConfigSource",
+    "FP16Config",
+    "NotImplementedSettingWarning",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "WarmupCosineLRConfig",
+    "WarmupCosineLRParams",
+    "WarmupDecayLRConfig",
+    "WarmupDecayLRParams",
+    "WarmupLRConfig",
+    "WarmupLRParams",
+    "ZeroConfig",
+    "ZeroOffloadConfig",
+    "load_config",
+    "parse_json_text",
+    "read_json_file",
+    "resolve_batch_sizes",
+]

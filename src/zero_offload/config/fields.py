@@ -1,0 +1,119 @@
+"""JSON scalar types with DeepSpeed's leniency and no more, and the base of every config section.
+
+Pydantic's lax mode would read ``true`` as 1 and ``"8"`` as 8; a config is hand-written, so
+those are typos to report, not values to guess. The one leniency kept is DeepSpeed's: JSON
+writes ``5e8`` as a float, so an integral float is accepted where an integer belongs.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import typing
+from typing import Annotated, Any, ClassVar, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic_core import PydanticCustomError
+
+from .errors import json_repr
+
+# A field marked with this is accepted at any value but acted on only at its default; a
+# non-default value lands in the one "not implemented" warning of load_config.
+DEFAULT_ONLY = {"default_only": True}
+
+
+def _to_int(value: Any) -> int:
+    # bool is an int subclass in Python; a JSON true where a count belongs is a typo, not 1.
+    if isinstance(value, bool):
+        raise ValueError(f"expected an integer, got {json_repr(value)}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    raise ValueError(f"expected an integer, got {json_repr(value)}")
+
+
+def _to_float(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a number, got {json_repr(value)}")
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {value}")
+    return float(value)
+
+
+def _to_bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {json_repr(value)}")
+    return value
+
+
+def _to_str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {json_repr(value)}")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_to_int)]
+Float = Annotated[float, BeforeValidator(_to_float)]
+Bool = Annotated[bool, BeforeValidator(_to_bool)]
+Str = Annotated[str, BeforeValidator(_to_str)]
+
+
+def rule_error(key: str, message: str) -> PydanticCustomError:
+    """A cross-field rule broken inside a section. ``key`` is the offending key relative to
+    the section the validator runs on, so the final message can name the full path."""
+    return PydanticCustomError("config_rule", "{msg}", {"key": key, "msg": message})
+
+
+def sections_in(annotation: Any) -> list[type[Section]]:
+    """The Section classes an annotation can hold (through Optional, Union and Annotated)."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return sections_in(typing.get_args(annotation)[0])
+    if origin is Union or origin is types.UnionType:
+        found: list[type[Section]] = []
+        for arg in typing.get_args(annotation):
+            found.extend(sections_in(arg))
+        return found
+    if isinstance(annotation, type) and issubclass(annotation, Section):
+        return [annotation]
+    return []
+
+
+class Section(BaseModel):
+    """One JSON object of the config. Unknown keys are rejected by the key walker before
+    validation (with a suggestion), so ``extra="forbid"`` here only guards direct use."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # DeepSpeed keys accepted here and ignored; each one present is listed in the warning.
+    NOT_IMPLEMENTED: ClassVar[frozenset[str]] = frozenset()
+    # Keys that are a known mistake, with what to do instead.
+    KEY_HINTS: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def known_keys(cls) -> set[str]:
+        return {f.alias or name for name, f in cls.model_fields.items()}
+
+    @classmethod
+    def nested_section(cls, key: str, raw: dict[str, Any]) -> type[Section] | None:
+        """The section that validates ``raw[key]``, or None when it is a scalar or cannot be
+        told yet (a union decided by a sibling ``type`` overrides this)."""
+        field = cls.model_fields.get(key)
+        if field is None:
+            return None
+        found = sections_in(field.annotation)
+        return found[0] if len(found) == 1 else None
+
+    def non_default_unimplemented(self, prefix: str = "") -> list[str]:
+        """``path=value`` for every DEFAULT_ONLY field set away from its default, recursively."""
+        out: list[str] = []
+        for name, field in type(self).model_fields.items():
+            value = getattr(self, name)
+            path = f"{prefix}.{name}" if prefix else name
+            extra = field.json_schema_extra
+            if isinstance(extra, dict) and extra.get("default_only") and value != field.default:
+                out.append(f"{path}={json_repr(value)}")
+            if isinstance(value, Section):
+                out.extend(value.non_default_unimplemented(path))
+        return out

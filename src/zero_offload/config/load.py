@@ -1,0 +1,95 @@
+"""``load_config``: from a JSON file, a dict or a config to a validated :class:`ZeroOffloadConfig`."""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from typing import Any
+
+from pydantic import ValidationError
+
+from .errors import ConfigError, NotImplementedSettingWarning
+from .json_text import read_json_file
+from .keys import describe_errors, prepare
+from .models import ZeroOffloadConfig
+
+ConfigSource = str | os.PathLike[str] | dict[str, Any] | ZeroOffloadConfig
+
+
+def _legacy_forms(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """DeepSpeed's older spellings, rewritten to the current ones."""
+    raw = dict(raw)
+    if "bfloat16" in raw:
+        old = raw.pop("bfloat16")
+        if "bf16" in raw and raw["bf16"] != old:
+            problems.append('"bfloat16" is the old name of "bf16"; give one, not both')
+        raw.setdefault("bf16", old)
+    zero = raw.get("zero_optimization")
+    if isinstance(zero, bool):
+        # DeepSpeed's first format: true meant stage 1.
+        raw["zero_optimization"] = {"stage": 1 if zero else 0}
+    return raw
+
+
+def load_config(
+    source: ConfigSource,
+    world_size: int = 1,
+    *,
+    micro_batch_size: int | None = None,
+) -> ZeroOffloadConfig:
+    """Validate a DeepSpeed-style config for a run on ``world_size`` data-parallel ranks.
+
+    ``source`` is a path to a JSON file, a dict (not modified), or a ZeroOffloadConfig (returned
+    as is when already resolved for this world size, else re-resolved from its source).
+    ``micro_batch_size`` supplies ``train_micro_batch_size_per_gpu`` from outside the config,
+    as a launcher's ``--batch-size`` does for DeepSpeed's Megatron examples; it must agree with
+    the config's value when both are given.
+
+    Raises ConfigError listing every problem, one per line, each naming its key path. Warns
+    once (NotImplementedSettingWarning) listing the DeepSpeed settings accepted but ignored.
+    """
+    if isinstance(source, ZeroOffloadConfig):
+        if source.world_size == world_size and micro_batch_size is None:
+            return source
+        origin = "<ZeroOffloadConfig>"
+        raw = copy.deepcopy(source._source) if source._source is not None else source.to_dict()
+    elif isinstance(source, dict):
+        origin = "<dict>"
+        raw = copy.deepcopy(source)
+    elif isinstance(source, (str, os.PathLike)):
+        origin = os.fspath(source)
+        raw = read_json_file(source)
+    else:
+        raise ConfigError(
+            f"config source must be a JSON file path, a dict or a ZeroOffloadConfig, "
+            f"got {type(source).__name__}"
+        )
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
+
+    problems: list[str] = []
+    normalized = _legacy_forms(raw, problems)
+    prepared = prepare(normalized, ZeroOffloadConfig)
+    problems.extend(prepared.problems)
+    config: ZeroOffloadConfig | None = None
+    try:
+        config = ZeroOffloadConfig.model_validate(
+            prepared.data,
+            context={"world_size": world_size, "micro_batch_size": micro_batch_size},
+        )
+    except ValidationError as exc:
+        problems.extend(describe_errors(ZeroOffloadConfig, exc, prepared.auto))
+    if problems or config is None:
+        raise ConfigError(problems, origin=origin)
+
+    config._source = raw
+    config._ignored_keys = tuple(prepared.ignored)
+    unimplemented = [*prepared.ignored, *config.non_default_unimplemented()]
+    if unimplemented:
+        warnings.warn(
+            f"{origin}: accepted but not implemented (no effect): {', '.join(unimplemented)}",
+            NotImplementedSettingWarning,
+            stacklevel=2,
+        )
+    return config

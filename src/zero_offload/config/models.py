@@ -1,0 +1,168 @@
+"""The whole config: :class:`ZeroOffloadConfig`, DeepSpeed's top-level keys and defaults.
+
+Build it with :func:`zero_offload.config.load_config`, which also rejects unknown keys with a
+suggestion, warns once about accepted-but-ignored DeepSpeed keys, and resolves the batch triple
+for the run's world size. After that the batch fields are always ints.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from .batch import resolve_batch_sizes
+from .errors import ConfigError
+from .fields import DEFAULT_ONLY, Bool, Float, Int, Section, rule_error
+from .optimizer import OptimizerConfig
+from .precision import BF16Config, FP16Config
+from .scheduler import SCHEDULER_CONFIGS, AnySchedulerConfig, canonical_scheduler_type
+from .scheduler import normalize_scheduler as _normalize_scheduler
+from .zero import ZeroConfig
+
+# DeepSpeed's top-level keys (deepspeed/runtime/constants.py and the configs it reads) that
+# this project accepts and ignores. Each present one is named in the not-implemented warning.
+TOP_LEVEL_NOT_IMPLEMENTED = frozenset(
+    {
+        "activation_checkpointing",
+        "aio",
+        "amp",
+        "autotuning",
+        "checkpoint",
+        "comet",
+        "comms_logger",
+        "communication_data_type",
+        "compile",
+        "compression_training",
+        "csv_monitor",
+        "curriculum_learning",
+        "data_efficiency",
+        "data_types",
+        "dataloader_drop_last",
+        "datastates",
+        "disable_allgather",
+        "disable_python_gc",
+        "dump_state",
+        "eigenvalue",
+        "elasticity",
+        "expert_parallel",
+        "flops_profiler",
+        "gradient_allreduce_op",
+        "graph_harvesting",
+        "hybrid_engine",
+        "log_level",
+        "managed_gradient_accumulation",
+        "memory_breakdown",
+        "nebula",
+        "pipeline",
+        "progressive_layer_drop",
+        "quantize_training",
+        "seq_parallel_communication_data_type",
+        "sequence_parallel_size",
+        "sparse_attention",
+        "sparse_gradients",
+        "tensor_parallel",
+        "tensorboard",
+        "timers",
+        "torch_autocast",
+        "use_data_before_expert_parallelism",
+        "vocabulary_size",
+        "wandb",
+        "weight_quantization",
+        "zero_allow_untested_optimizer",
+        "zero_force_ds_cpu_optimizer",
+    }
+)
+
+
+class ZeroOffloadConfig(Section):
+    """A validated DeepSpeed-style config. Key names and defaults are DeepSpeed's; ``seed`` is
+    this project's extension (seeds torch on every rank)."""
+
+    NOT_IMPLEMENTED: ClassVar[frozenset[str]] = TOP_LEVEL_NOT_IMPLEMENTED
+
+    # Resolved by the validator below; ints once validated.
+    train_batch_size: Int | None = Field(None, gt=0)
+    train_micro_batch_size_per_gpu: Int | None = Field(None, gt=0)
+    gradient_accumulation_steps: Int | None = Field(None, gt=0)
+    optimizer: OptimizerConfig | None = None
+    scheduler: AnySchedulerConfig | None = None
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    gradient_clipping: Float = Field(1.0, ge=0.0)  # DeepSpeed >= 0.16 default; 0 disables
+    steps_per_print: Int | None = Field(None, ge=1)  # None (DeepSpeed default): no step log
+    wall_clock_breakdown: Bool = False
+    seed: Int | None = Field(None, ge=0)
+    prescale_gradients: Bool = Field(False, json_schema_extra=DEFAULT_ONLY)
+    gradient_predivide_factor: Float = Field(1.0, gt=0.0, json_schema_extra=DEFAULT_ONLY)
+
+    _world_size: int = PrivateAttr(1)
+    _ignored_keys: tuple[str, ...] = PrivateAttr(())
+    _source: dict[str, Any] | None = PrivateAttr(None)
+
+    @field_validator("scheduler", mode="before")
+    @classmethod
+    def _scheduler_type(cls, value: Any) -> Any:
+        return _normalize_scheduler(value)
+
+    @model_validator(mode="after")
+    def _rules(self, info: ValidationInfo) -> ZeroOffloadConfig:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise rule_error(
+                "bf16.enabled", "fp16.enabled and bf16.enabled are both true; pick one"
+            )
+        context = info.context or {}
+        world_size = context.get("world_size", 1)
+        try:
+            sizes = resolve_batch_sizes(
+                self.train_batch_size,
+                self.train_micro_batch_size_per_gpu,
+                self.gradient_accumulation_steps,
+                world_size,
+                micro_batch_size=context.get("micro_batch_size"),
+            )
+        except ConfigError as exc:
+            # Batch messages already name every key they involve.
+            raise PydanticCustomError(
+                "config_rule", "{msg}", {"key": "", "msg": exc.problems[0]}
+            ) from None
+        self.train_batch_size = sizes.train_batch_size
+        self.train_micro_batch_size_per_gpu = sizes.train_micro_batch_size_per_gpu
+        self.gradient_accumulation_steps = sizes.gradient_accumulation_steps
+        self._world_size = world_size
+        return self
+
+    @classmethod
+    def nested_section(cls, key: str, raw: dict[str, Any]) -> type[Section] | None:
+        if key == "scheduler":
+            value = raw.get("scheduler")
+            name = canonical_scheduler_type(value.get("type")) if isinstance(value, dict) else None
+            return SCHEDULER_CONFIGS[name] if name else None
+        return super().nested_section(key, raw)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The training (model param) dtype."""
+        if self.fp16.enabled:
+            return torch.float16
+        if self.bf16.enabled:
+            return torch.bfloat16
+        return torch.float32
+
+    @property
+    def world_size(self) -> int:
+        """The data-parallel world size the batch triple was resolved for."""
+        return self._world_size
+
+    @property
+    def ignored_keys(self) -> tuple[str, ...]:
+        """Full paths of the accepted-but-ignored DeepSpeed keys this config set."""
+        return self._ignored_keys
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every setting, resolved, as plain JSON values (for logs and checkpoint metadata).
+        ``load_config(cfg.to_dict(), cfg.world_size)`` gives an equal config."""
+        return self.model_dump(mode="json")
