@@ -21,8 +21,14 @@ def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -43,7 +49,9 @@ def run_ranks(world: int, fn, *args, timeout: float = 600):
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -56,7 +64,9 @@ def run_ranks(world: int, fn, *args, timeout: float = 600):
         if p.is_alive():
             p.kill()
     if got is None:
-        raise RuntimeError(f"no result from {world} ranks (exit codes {[p.exitcode for p in procs]})")
+        raise RuntimeError(
+            f"no result from {world} ranks (exit codes {[p.exitcode for p in procs]})"
+        )
     status, out = got
     if status != "ok":
         raise AssertionError(out)

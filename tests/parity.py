@@ -45,7 +45,10 @@ def batches(steps: int, world: int, gas: int, micro: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     n = world * gas * micro
     return [
-        (torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g))
+        (
+            torch.randint(0, VOCAB, (n, SEQ), generator=g),
+            torch.randint(0, VOCAB, (n, SEQ), generator=g),
+        )
         for _ in range(steps)
     ]
 
@@ -57,8 +60,13 @@ def reference(steps: int, world: int, gas: int, micro: int, clip: float):
     """Plain PyTorch: one process, whole global batch, AdamW."""
     model = make_model()
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
-                            betas=BETAS, eps=EPS, weight_decay=WD)
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        weight_decay=WD,
+    )
     grads, losses = [], []
     for x, y in batches(steps, world, gas, micro):
         opt.zero_grad()
@@ -76,16 +84,32 @@ def reference(steps: int, world: int, gas: int, micro: int, clip: float):
     return init, params, grads, losses
 
 
-def engine_config(stage: int, offload: bool, gas: int, micro: int, clip: float, overlap: bool,
-                  dtype: str = "fp32", bucket: int = 100, **offload_extra) -> dict:
-    zero: dict = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": 40,
-                  "overlap_comm": overlap}
+def engine_config(
+    stage: int,
+    offload: bool,
+    gas: int,
+    micro: int,
+    clip: float,
+    overlap: bool,
+    dtype: str = "fp32",
+    bucket: int = 100,
+    **offload_extra,
+) -> dict:
+    zero: dict = {
+        "stage": stage,
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": 40,
+        "overlap_comm": overlap,
+    }
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", **offload_extra}
     cfg = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD},
+        },
         "gradient_clipping": clip,
         "zero_optimization": zero,
         "steps_per_print": 10**6,
@@ -112,11 +136,18 @@ def run_engine(cfg: dict, steps: int, micro: int, gas: int):
         step_loss = 0.0
         for k in range(gas):
             lo = (k * world + rank) * micro
-            loss = engine(x[lo : lo + micro].to(engine.device), y[lo : lo + micro].to(engine.device))
+            loss = engine(
+                x[lo : lo + micro].to(engine.device), y[lo : lo + micro].to(engine.device)
+            )
             engine.backward(loss)
             step_loss += float(loss.detach()) / gas
             if engine.is_gradient_accumulation_boundary():
-                grads.append({n: safe_get_full_grad(p) for n, p in zip(names, [dict(model.named_parameters())[n] for n in names])})
+                grads.append(
+                    {
+                        n: safe_get_full_grad(p)
+                        for n, p in zip(names, [dict(model.named_parameters())[n] for n in names])
+                    }
+                )
             engine.step()
         t = torch.tensor([step_loss])
         if world > 1:
@@ -157,17 +188,20 @@ def run_cases(cases: list[dict]) -> list[dict]:
             refs[key] = reference(steps, world, gas, micro, clip)
         init, ref_params, ref_grads, ref_losses = refs[key]
         params, device_params, grads, losses, mem, expected = run_engine(
-            engine_config(micro=micro, **c), steps, micro, gas)
-        out.append({
-            "case": case,
-            "grad_err": max(grad_rel_err(g, rg) for g, rg in zip(grads, ref_grads)),
-            "param_err": displacement_err(params, ref_params, init),
-            "device_param_err": displacement_err(device_params, ref_params, init),
-            "losses": losses,
-            "ref_losses": ref_losses,
-            "params": params,
-            "init": init,
-            "memory": mem,
-            "expected": expected,
-        })
+            engine_config(micro=micro, **c), steps, micro, gas
+        )
+        out.append(
+            {
+                "case": case,
+                "grad_err": max(grad_rel_err(g, rg) for g, rg in zip(grads, ref_grads)),
+                "param_err": displacement_err(params, ref_params, init),
+                "device_param_err": displacement_err(device_params, ref_params, init),
+                "losses": losses,
+                "ref_losses": ref_losses,
+                "params": params,
+                "init": init,
+                "memory": mem,
+                "expected": expected,
+            }
+        )
     return out

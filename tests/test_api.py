@@ -21,10 +21,12 @@ def test_initialize_from_args_and_counters(tmp_path):
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
     engine, opt, loader, sched = zero_offload.initialize(args=args, model=make_model())
     assert loader is None and sched is None and isinstance(opt, torch.optim.Optimizer)
-    assert engine.train_micro_batch_size_per_gpu() == 2 and engine.gradient_accumulation_steps() == 2
+    assert (
+        engine.train_micro_batch_size_per_gpu() == 2 and engine.gradient_accumulation_steps() == 2
+    )
     assert engine.train_batch_size() == 4 and engine.world_size == 1 and engine.global_rank == 0
     assert engine.device == torch.device("cpu") and engine.get_lr() == [LR]
-    (x, y), = batches(1, 1, 2, 2)
+    ((x, y),) = batches(1, 1, 2, 2)
     flags = []
     for k in range(2):
         flags.append(engine.is_gradient_accumulation_boundary())
@@ -50,8 +52,12 @@ def test_param_groups_without_weight_decay_match_torch():
     init = {n: p.detach().clone() for n, p in ref.named_parameters()}
     rd = [p for n, p in ref.named_parameters() if p.ndim >= 2 and p.requires_grad]
     rn = [p for n, p in ref.named_parameters() if p.ndim < 2 and p.requires_grad]
-    ropt = torch.optim.AdamW([{"params": rd, "weight_decay": 0.5}, {"params": rn, "weight_decay": 0.0}],
-                             lr=LR, betas=BETAS, eps=EPS)
+    ropt = torch.optim.AdamW(
+        [{"params": rd, "weight_decay": 0.5}, {"params": rn, "weight_decay": 0.0}],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+    )
     for x, y in batches(3, 1, 1, 2):
         engine.backward(engine(x, y))
         engine.step()
@@ -68,18 +74,25 @@ def test_param_groups_without_weight_decay_match_torch():
 
 def test_client_torch_optimizer_and_errors():
     model = make_model()
-    client = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.1)
+    client = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.1
+    )
     cfg = engine_config(stage=1, offload=False, gas=1, micro=2, clip=0.0, overlap=False)
     del cfg["optimizer"]
     engine, opt, _, _ = zero_offload.initialize(model=model, optimizer=client, config=cfg)
     assert engine.get_lr() == [3e-3] and opt.param_groups[0]["weight_decay"] == 0.1
     with pytest.raises(ValueError, match="SGD"):
         m = make_model()
-        zero_offload.initialize(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), config=cfg)
+        zero_offload.initialize(
+            model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), config=cfg
+        )
     with pytest.raises(ValueError, match="optimizer"):
         m = make_model()
-        zero_offload.initialize(model=m, optimizer=torch.optim.AdamW(m.parameters()),
-                                config=engine_config(stage=1, offload=False, gas=1, micro=2, clip=0.0, overlap=False))
+        zero_offload.initialize(
+            model=m,
+            optimizer=torch.optim.AdamW(m.parameters()),
+            config=engine_config(stage=1, offload=False, gas=1, micro=2, clip=0.0, overlap=False),
+        )
     with pytest.raises(ValueError, match="config"):
         zero_offload.initialize(model=make_model())
     with pytest.raises(ValueError, match="model"):
@@ -88,10 +101,19 @@ def test_client_torch_optimizer_and_errors():
 
 def test_config_scheduler_drives_lr_and_dataloader():
     cfg = engine_config(stage=0, offload=False, gas=1, micro=3, clip=0.0, overlap=False)
-    cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR,
-                                                       "warmup_num_steps": 4, "warmup_type": "linear"}}
+    cfg["scheduler"] = {
+        "type": "WarmupLR",
+        "params": {
+            "warmup_min_lr": 0.0,
+            "warmup_max_lr": LR,
+            "warmup_num_steps": 4,
+            "warmup_type": "linear",
+        },
+    }
     data = [(torch.randint(0, 32, (5,)), torch.randint(0, 32, (5,))) for _ in range(12)]
-    engine, opt, loader, sched = zero_offload.initialize(model=make_model(), config=cfg, training_data=data)
+    engine, opt, loader, sched = zero_offload.initialize(
+        model=make_model(), config=cfg, training_data=data
+    )
     assert sched is not None and engine.lr_scheduler is sched
     lrs = []
     for x, y in loader:
@@ -109,8 +131,13 @@ def test_module_zero_grad_between_steps_is_harmless():
     engine, *_ = zero_offload.initialize(model=model, config=cfg)
     ref = make_model()
     init = {n: p.detach().clone() for n, p in ref.named_parameters()}
-    ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, betas=BETAS,
-                             eps=EPS, weight_decay=0.01)
+    ropt = torch.optim.AdamW(
+        [p for p in ref.parameters() if p.requires_grad],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        weight_decay=0.01,
+    )
     for x, y in batches(3, 1, 1, 2):
         model.zero_grad()
         engine.backward(engine(x, y))

@@ -7,14 +7,23 @@ import pytest
 import torch
 from parity import engine_config, make_model, run_cases
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 
-@pytest.mark.parametrize("stage,offload", [(0, False), (1, False), (2, False), (1, True), (2, True)])
+@pytest.mark.parametrize(
+    "stage,offload", [(0, False), (1, False), (2, False), (1, True), (2, True)]
+)
 def test_cuda_parity_single_gpu(stage, offload):
-    cases = [dict(stage=stage, offload=offload, gas=g, clip=0.05, overlap=ov, pin_memory=True)
-             if offload else dict(stage=stage, offload=offload, gas=g, clip=0.05, overlap=ov)
-             for g in (1, 2) for ov in (False, True)]
+    cases = [
+        dict(stage=stage, offload=offload, gas=g, clip=0.05, overlap=ov, pin_memory=True)
+        if offload
+        else dict(stage=stage, offload=offload, gas=g, clip=0.05, overlap=ov)
+        for g in (1, 2)
+        for ov in (False, True)
+    ]
     for r in run_cases(cases):
         assert r["grad_err"] < 1e-4, r["case"]
         assert r["param_err"] < 1e-3, r["case"]
@@ -22,8 +31,17 @@ def test_cuda_parity_single_gpu(stage, offload):
 
 def test_cuda_delayed_update_and_bf16_offload_runs():
     for extra in ({"delayed_update": True, "delayed_update_after": 1}, {}):
-        cfg = engine_config(stage=2, offload=True, gas=1, micro=2, clip=1.0, overlap=True, dtype="bf16",
-                            pin_memory=True, **extra)
+        cfg = engine_config(
+            stage=2,
+            offload=True,
+            gas=1,
+            micro=2,
+            clip=1.0,
+            overlap=True,
+            dtype="bf16",
+            pin_memory=True,
+            **extra,
+        )
         import zero_offload
 
         engine, *_ = zero_offload.initialize(model=make_model(), config=cfg)
@@ -44,8 +62,17 @@ def test_cuda_offload_device_bytes_per_param():
 
     torch.cuda.empty_cache()
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)])
-    cfg = engine_config(stage=2, offload=True, gas=1, micro=2, clip=1.0, overlap=True, dtype="bf16",
-                        bucket=1 << 20, pin_memory=True)
+    cfg = engine_config(
+        stage=2,
+        offload=True,
+        gas=1,
+        micro=2,
+        clip=1.0,
+        overlap=True,
+        dtype="bf16",
+        bucket=1 << 20,
+        pin_memory=True,
+    )
     base = torch.cuda.memory_allocated()
     engine, *_ = zero_offload.initialize(model=model, config=cfg)
     x = torch.randn(2, 1024, device=engine.device, dtype=torch.bfloat16)

@@ -9,7 +9,17 @@ import copy
 import pytest
 import torch
 from distributed import run_ranks
-from parity import BETAS, EPS, LR, WD, batches, displacement_err, engine_config, make_model, run_engine
+from parity import (
+    BETAS,
+    EPS,
+    LR,
+    WD,
+    batches,
+    displacement_err,
+    engine_config,
+    make_model,
+    run_engine,
+)
 
 STEPS, MICRO, GAS, AFTER = 6, 2, 1, 2
 
@@ -18,8 +28,13 @@ def delayed_reference(world: int):
     master = make_model()
     init = {n: p.detach().clone() for n, p in master.named_parameters()}
     device = copy.deepcopy(master)
-    opt = torch.optim.AdamW([p for p in master.parameters() if p.requires_grad], lr=LR,
-                            betas=BETAS, eps=EPS, weight_decay=WD)
+    opt = torch.optim.AdamW(
+        [p for p in master.parameters() if p.requires_grad],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+        weight_decay=WD,
+    )
     losses = []
     for k, (x, y) in enumerate(batches(STEPS, world, GAS, MICRO)):
         device.zero_grad()
@@ -39,8 +54,16 @@ def delayed_reference(world: int):
 
 
 def run_delayed(delayed: bool):
-    cfg = engine_config(stage=2, offload=True, gas=GAS, micro=MICRO, clip=0.0, overlap=True,
-                        delayed_update=delayed, delayed_update_after=AFTER)
+    cfg = engine_config(
+        stage=2,
+        offload=True,
+        gas=GAS,
+        micro=MICRO,
+        clip=0.0,
+        overlap=True,
+        delayed_update=delayed,
+        delayed_update_after=AFTER,
+    )
     params, _, _, losses, mem, _ = run_engine(cfg, STEPS, MICRO, GAS)
     return params, losses, mem
 

@@ -19,25 +19,35 @@ def accounting(dtype: str = "bf16") -> list[dict]:
         # No unused params here: an unused param's bucket completes only at the end of backward
         # and holds back the buckets after it (see docs/architecture.md).
         model = make_model(unused=False)
-        cfg = engine_config(stage=stage, offload=offload, gas=gas, micro=2, clip=0.0, overlap=True, dtype=dtype)
+        cfg = engine_config(
+            stage=stage, offload=offload, gas=gas, micro=2, clip=0.0, overlap=True, dtype=dtype
+        )
         engine, *_ = zero_offload.initialize(model=model, config=cfg)
-        (x, y), = batches(1, dist.world_size(), gas, 2)
+        ((x, y),) = batches(1, dist.world_size(), gas, 2)
         grads_after_backward = []
         for k in range(gas):
             lo = (k * dist.world_size() + dist.rank()) * 2
             engine.backward(engine(x[lo : lo + 2], y[lo : lo + 2]))
             grads_after_backward.append(
-                [p.grad is not None for p in model.parameters() if p.requires_grad])
+                [p.grad is not None for p in model.parameters() if p.requires_grad]
+            )
             engine.step()
         have = engine.memory_report()
         padded = sum(g.layout.total for g in engine.groups)
         data = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        out.append({
-            "case": (stage, offload, gas), "have": have, "want": engine.expected_memory(),
-            "padded": padded, "data": data, "world": dist.world_size(),
-            "grads_kept": grads_after_backward, "pool": engine.reducer.pool_size,
-            "bucket": engine.reducer.max_bucket,
-        })
+        out.append(
+            {
+                "case": (stage, offload, gas),
+                "have": have,
+                "want": engine.expected_memory(),
+                "padded": padded,
+                "data": data,
+                "world": dist.world_size(),
+                "grads_kept": grads_after_backward,
+                "pool": engine.reducer.pool_size,
+                "bucket": engine.reducer.max_bucket,
+            }
+        )
     return out
 
 
@@ -54,7 +64,9 @@ def _check(results: list[dict]) -> None:
             where = "host" if r["case"][1] else "device"
             assert have[f"{where}.optimizer_state"] == 8 * shard
         if stage == 2:
-            assert not any(any(k) for k in r["grads_kept"]), "stage 2 must release p.grad in backward"
+            assert not any(any(k) for k in r["grads_kept"]), (
+                "stage 2 must release p.grad in backward"
+            )
             assert "device.grads" not in have  # no full-size gradient buffer
             assert 1 <= r["pool"] <= 2 and buckets == r["pool"] * r["bucket"] * b
         else:

@@ -33,15 +33,22 @@ def _check(results: list[dict]) -> None:
         assert r["param_err"] < PARAM_TOL, r["case"] | {"param_err": r["param_err"]}
         assert r["device_param_err"] < PARAM_TOL * 10, r["case"]  # 16-bit copy of the same master
     # Stage 1/2 (+offload) equal stage 0 on the same ranks and batches.
-    by = {tuple(sorted((k, v) for k, v in r["case"].items() if k not in ("stage", "offload"))): [] for r in results}
+    by = {
+        tuple(sorted((k, v) for k, v in r["case"].items() if k not in ("stage", "offload"))): []
+        for r in results
+    }
     for r in results:
-        by[tuple(sorted((k, v) for k, v in r["case"].items() if k not in ("stage", "offload")))].append(r)
+        by[
+            tuple(sorted((k, v) for k, v in r["case"].items() if k not in ("stage", "offload")))
+        ].append(r)
     for rs in by.values():
         base = next((r for r in rs if r["case"]["stage"] == 0), None)
         if base is None:
             continue
         for r in rs:
-            assert displacement_err(r["params"], base["params"], base["init"]) < PARAM_TOL, r["case"]
+            assert displacement_err(r["params"], base["params"], base["init"]) < PARAM_TOL, r[
+                "case"
+            ]
 
 
 def test_parity_world1():

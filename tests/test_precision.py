@@ -14,7 +14,9 @@ SETUPS = [(0, False), (1, False), (2, False), (2, True)]
 def curves(dtype: str) -> dict:
     out = {}
     for stage, offload in SETUPS:
-        cfg = engine_config(stage=stage, offload=offload, gas=2, micro=2, clip=1.0, overlap=True, dtype=dtype)
+        cfg = engine_config(
+            stage=stage, offload=offload, gas=2, micro=2, clip=1.0, overlap=True, dtype=dtype
+        )
         out[(stage, offload)] = run_engine(cfg, 5, 2, 2)[3]
     return out
 
@@ -46,12 +48,14 @@ def overflow_case(stage: int, offload: bool) -> dict:
     from zero_offload.runtime import dist
     from zero_offload.utils import safe_get_full_fp32_param
 
-    cfg = engine_config(stage=stage, offload=offload, gas=1, micro=2, clip=1.0, overlap=True, dtype="fp16")
+    cfg = engine_config(
+        stage=stage, offload=offload, gas=1, micro=2, clip=1.0, overlap=True, dtype="fp16"
+    )
     cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 2}
     model = make_model()
     engine, *_ = zero_offload.initialize(model=model, config=cfg)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    (x, y), = batches(1, dist.world_size(), 1, 2)
+    ((x, y),) = batches(1, dist.world_size(), 1, 2)
     r = dist.rank()
     xs, ys = x[r * 2 : r * 2 + 2], y[r * 2 : r * 2 + 2]
     engine.backward(engine(xs, ys))
@@ -69,7 +73,9 @@ def overflow_case(stage: int, offload: bool) -> dict:
     after = [safe_get_full_fp32_param(p) for p in trainable]
     return {
         "bit_identical": all(torch.equal(a, b) for a, b in zip(before, after)),
-        "device_identical": all(torch.equal(a, p.detach()) for a, p in zip(device_before, model.parameters())),
+        "device_identical": all(
+            torch.equal(a, p.detach()) for a, p in zip(device_before, model.parameters())
+        ),
         "adam_steps_same": adam_steps == [so.step_count for so in engine.shard_opts],
         "scales": scales,
         "skipped": engine.skipped_steps,

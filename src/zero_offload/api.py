@@ -14,9 +14,15 @@ from .runtime.engine import ZeroOffloadEngine
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add DeepSpeed's ``--deepspeed`` and ``--deepspeed_config`` flags to ``parser``."""
     group = parser.add_argument_group("zero_offload", "zero_offload / DeepSpeed configuration")
-    group.add_argument("--deepspeed", default=False, action="store_true",
-                       help="enable the engine (accepted for DeepSpeed compatibility)")
-    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON config path")
+    group.add_argument(
+        "--deepspeed",
+        default=False,
+        action="store_true",
+        help="enable the engine (accepted for DeepSpeed compatibility)",
+    )
+    group.add_argument(
+        "--deepspeed_config", default=None, type=str, help="DeepSpeed JSON config path"
+    )
     return parser
 
 
@@ -47,21 +53,33 @@ def initialize(
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None)
     if config is None:
-        raise ValueError("initialize: no config; pass config= (dict or JSON path) or --deepspeed_config")
+        raise ValueError(
+            "initialize: no config; pass config= (dict or JSON path) or --deepspeed_config"
+        )
     dist.init_distributed()
-    # Megatron-style scripts (the seeds') give the micro batch as --batch-size, not in the JSON.
-    micro = getattr(args, "batch_size", None) if args is not None else None
-    cfg = load_config(config, world_size=dist.world_size(),
-                      micro_batch_size=micro if isinstance(micro, int) else None)
+    try:
+        cfg = load_config(config, world_size=dist.world_size())
+    except ConfigError as e:
+        # Megatron-style scripts (the seeds') give the micro batch as --batch-size, not in the JSON.
+        micro = getattr(args, "batch_size", None)
+        if not isinstance(micro, int) or "train_micro_batch_size_per_gpu" not in str(e):
+            raise
+        cfg = load_config(config, world_size=dist.world_size(), micro_batch_size=micro)
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
 
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         if not callable(optimizer):
-            raise ValueError(f"initialize: 'optimizer' must be a torch optimizer or a callable, got {type(optimizer).__name__}")
-        optimizer = optimizer(list(model_parameters) if model_parameters is not None else model.parameters())
+            raise ValueError(
+                f"initialize: 'optimizer' must be a torch optimizer or a callable, got {type(optimizer).__name__}"
+            )
+        optimizer = optimizer(
+            list(model_parameters) if model_parameters is not None else model.parameters()
+        )
     if optimizer is not None and cfg.optimizer is not None:
-        raise ConfigError("both a client optimizer and an 'optimizer' config block were given; use one")
+        raise ConfigError(
+            "both a client optimizer and an 'optimizer' config block were given; use one"
+        )
     groups, adamw = _param_groups(model, model_parameters, optimizer, cfg)
 
     loader = _dataloader(training_data, cfg, collate_fn) if training_data is not None else None
@@ -69,7 +87,11 @@ def initialize(
     if cfg.scheduler is not None:
         engine.lr_scheduler = build_lr_scheduler(cfg.scheduler, engine.optimizer)
     elif lr_scheduler is not None:
-        engine.lr_scheduler = lr_scheduler(engine.optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
+        engine.lr_scheduler = (
+            lr_scheduler(engine.optimizer)
+            if callable(lr_scheduler) and not hasattr(lr_scheduler, "step")
+            else lr_scheduler
+        )
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
@@ -83,18 +105,27 @@ def _param_groups(model, model_parameters, client_opt, cfg) -> tuple[list[dict],
                 "optimizer: client optimizers must be torch.optim.Adam or torch.optim.AdamW (the engine "
                 f"runs their math on sharded flat buffers); got {type(client_opt).__name__}"
             )
-        adamw = isinstance(client_opt, torch.optim.AdamW) or bool(client_opt.defaults.get("decoupled_weight_decay"))
+        adamw = isinstance(client_opt, torch.optim.AdamW) or bool(
+            client_opt.defaults.get("decoupled_weight_decay")
+        )
         if any(g.get("amsgrad") for g in client_opt.param_groups):
             raise ValueError("optimizer: amsgrad is not supported")
         raw = client_opt.param_groups
         defaults = {}
     else:
         if cfg.optimizer is None:
-            raise ConfigError("no optimizer: add an 'optimizer' block ({\"type\": \"AdamW\", ...}) or pass optimizer=")
+            raise ConfigError(
+                'no optimizer: add an \'optimizer\' block ({"type": "AdamW", ...}) or pass optimizer='
+            )
         p = cfg.optimizer.params
         adamw = cfg.optimizer.adamw
-        defaults = {"lr": p.lr, "betas": tuple(p.betas), "eps": p.eps,
-                    "weight_decay": p.weight_decay, "bias_correction": p.bias_correction}
+        defaults = {
+            "lr": p.lr,
+            "betas": tuple(p.betas),
+            "eps": p.eps,
+            "weight_decay": p.weight_decay,
+            "bias_correction": p.bias_correction,
+        }
         src = list(model_parameters) if model_parameters is not None else list(model.parameters())
         raw = src if src and isinstance(src[0], dict) else [{"params": src}]
     owned = {id(p) for p in model.parameters()}
@@ -109,7 +140,9 @@ def _param_groups(model, model_parameters, client_opt, cfg) -> tuple[list[dict],
             if id(p) not in owned:
                 raise ValueError(f"model_parameters[{i}]: a parameter does not belong to the model")
             if id(p) in seen:
-                raise ValueError(f"model_parameters[{i}]: a parameter appears in more than one group")
+                raise ValueError(
+                    f"model_parameters[{i}]: a parameter appears in more than one group"
+                )
             seen.add(id(p))
             if p.requires_grad:
                 kept.append(p)
@@ -126,7 +159,9 @@ def _param_groups(model, model_parameters, client_opt, cfg) -> tuple[list[dict],
 def _dataloader(data, cfg, collate_fn):
     from torch.utils.data import DataLoader, DistributedSampler
 
-    sampler = DistributedSampler(data, num_replicas=dist.world_size(), rank=dist.rank(),
-                                 shuffle=True, seed=cfg.seed or 0)
-    return DataLoader(data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler,
-                      collate_fn=collate_fn)
+    sampler = DistributedSampler(
+        data, num_replicas=dist.world_size(), rank=dist.rank(), shuffle=True, seed=cfg.seed or 0
+    )
+    return DataLoader(
+        data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn
+    )

@@ -59,7 +59,9 @@ def _shard_pieces(engine, gi: int, t: torch.Tensor) -> list[torch.Tensor]:
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
     engine, gi, i = _owner(param)
     so = engine.shard_opts[gi]
-    return _param_slice(engine, gi, i, _gather_full(engine, gi, _shard_pieces(engine, gi, so.master)))
+    return _param_slice(
+        engine, gi, i, _gather_full(engine, gi, _shard_pieces(engine, gi, so.master))
+    )
 
 
 def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor:
@@ -67,5 +69,9 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> 
     so = engine.shard_opts[gi]
     states = {"exp_avg": so.exp_avg, "exp_avg_sq": so.exp_avg_sq}
     if optim_state_key not in states:
-        raise ValueError(f"optim_state_key must be one of {sorted(states)}, got {optim_state_key!r}")
-    return _param_slice(engine, gi, i, _gather_full(engine, gi, _shard_pieces(engine, gi, states[optim_state_key])))
+        raise ValueError(
+            f"optim_state_key must be one of {sorted(states)}, got {optim_state_key!r}"
+        )
+    return _param_slice(
+        engine, gi, i, _gather_full(engine, gi, _shard_pieces(engine, gi, states[optim_state_key]))
+    )

@@ -28,9 +28,13 @@ def run(args: argparse.Namespace) -> int:
     if args.model == "gpt2":
         from ..models.gpt2 import GPT2Config, num_parameters
 
-        cfg = GPT2Config(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                         num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                         vocab_size=args.vocab_size)
+        cfg = GPT2Config(
+            num_layers=args.num_layers,
+            hidden_size=args.hidden_size,
+            num_attention_heads=args.num_attention_heads,
+            seq_length=args.seq_length,
+            vocab_size=args.vocab_size,
+        )
         numel = num_parameters(cfg)
         what = f"GPT-2 {args.num_layers}x{args.hidden_size} ({numel / 1e9:.3f}B params)"
     elif args.params:
@@ -41,12 +45,18 @@ def run(args: argparse.Namespace) -> int:
     if args.gpus < 1:
         raise SystemExit(f"estimate: --gpus must be >= 1, got {args.gpus}")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    print(f"model-state memory for {what}, {args.dtype} training with Adam, {args.gpus} rank(s); "
-          "GB = 1e9 bytes; activations and bucket buffers not included")
-    print(f"{'stage':>5} {'offload':>7} {'per device GB':>14} {'host per rank GB':>17} {'optimizer state per rank GB':>28}")
+    print(
+        f"model-state memory for {what}, {args.dtype} training with Adam, {args.gpus} rank(s); "
+        "GB = 1e9 bytes; activations and bucket buffers not included"
+    )
+    print(
+        f"{'stage':>5} {'offload':>7} {'per device GB':>14} {'host per rank GB':>17} {'optimizer state per rank GB':>28}"
+    )
     for row in per_param_table(numel, args.gpus, dtype):
         if args.stage is not None and row["stage"] != args.stage:
             continue
-        print(f"{row['stage']:>5} {('cpu' if row['offload'] else 'none'):>7} {row['device'] / 1e9:>14.2f} "
-              f"{row['host'] / 1e9:>17.2f} {row['optimizer_state'] / 1e9:>28.2f}")
+        print(
+            f"{row['stage']:>5} {('cpu' if row['offload'] else 'none'):>7} {row['device'] / 1e9:>14.2f} "
+            f"{row['host'] / 1e9:>17.2f} {row['optimizer_state'] / 1e9:>28.2f}"
+        )
     return 0

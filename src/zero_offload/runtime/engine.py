@@ -31,14 +31,25 @@ log = logging.getLogger("zero_offload")
 
 
 class ZeroOffloadEngine(torch.nn.Module):
-    def __init__(self, module: torch.nn.Module, config, param_groups: list[dict], adamw: bool,
-                 lr_scheduler=None, training_dataloader=None) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        config,
+        param_groups: list[dict],
+        adamw: bool,
+        lr_scheduler=None,
+        training_dataloader=None,
+    ) -> None:
         super().__init__()
         self.module = module
         self.config = config
         self.device = dist.default_device()
         self.dtype = config.dtype
-        self.world_size, self.global_rank, self.local_rank = dist.world_size(), dist.rank(), dist.local_rank()
+        self.world_size, self.global_rank, self.local_rank = (
+            dist.world_size(),
+            dist.rank(),
+            dist.local_rank(),
+        )
         zc = config.zero_optimization
         self.stage = zc.stage
         self.offload = zc.offload_device == "cpu"
@@ -63,27 +74,59 @@ class ZeroOffloadEngine(torch.nn.Module):
         self.groups, self.grad_shards, self.shard_opts = [], [], []
         self._executor = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zero-offload-host-update")
-            if self.delayed else None
+            if self.delayed
+            else None
         )
         for gi, pg in enumerate(param_groups):
             params = sorted(pg["params"], key=lambda p: order.get(id(p), n_total))
             hyper = pg  # the caller's dict itself: a scheduler writing its "lr" reaches the update
-            g = FlatGroup(gi, params, [names.get(id(p), f"group{gi}.{i}") for i, p in enumerate(params)],
-                          hyper, self.dtype, self.device, self.world_size, self.global_rank,
-                          int(zc.reduce_bucket_size))
-            gs = GradShard(g, self.stage, self.offload, self._gas, self.streams, pin,
-                           host_buffers=2 if self.delayed else 1)
-            so = ShardOptimizer(g, gs, sharded, self.offload, adamw, self.streams, pin,
-                                oc.threads if oc is not None else None, int(zc.allgather_bucket_size),
-                                self._executor)
+            g = FlatGroup(
+                gi,
+                params,
+                [names.get(id(p), f"group{gi}.{i}") for i, p in enumerate(params)],
+                hyper,
+                self.dtype,
+                self.device,
+                self.world_size,
+                self.global_rank,
+                int(zc.reduce_bucket_size),
+            )
+            gs = GradShard(
+                g,
+                self.stage,
+                self.offload,
+                self._gas,
+                self.streams,
+                pin,
+                host_buffers=2 if self.delayed else 1,
+            )
+            so = ShardOptimizer(
+                g,
+                gs,
+                sharded,
+                self.offload,
+                adamw,
+                self.streams,
+                pin,
+                oc.threads if oc is not None else None,
+                int(zc.allgather_bucket_size),
+                self._executor,
+            )
             for i, p in enumerate(g.params):
                 p._zero_offload = (weakref.ref(self), gi, i)
             self.groups.append(g)
             self.grad_shards.append(gs)
             self.shard_opts.append(so)
         pos = {pid: n_total - 1 - i for pid, i in order.items()}
-        self.reducer = Reducer(self.groups, self.grad_shards, self.stage, bool(zc.overlap_comm),
-                               bool(zc.reduce_scatter), self.streams, pos)
+        self.reducer = Reducer(
+            self.groups,
+            self.grad_shards,
+            self.stage,
+            bool(zc.overlap_comm),
+            bool(zc.reduce_scatter),
+            self.streams,
+            pos,
+        )
         self.optimizer = ZeroOptimizer(self.groups, self.shard_opts)
         self.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
         self.lr_scheduler = lr_scheduler
@@ -174,6 +217,7 @@ class ZeroOffloadEngine(torch.nn.Module):
             for so in self.shard_opts:
                 so.launch(factor) if delayed else so.step(factor)
             if self.lr_scheduler is not None:
+                self.optimizer._opt_called = True  # torch's schedulers check the optimizer stepped
                 self.lr_scheduler.step()
         self.loss_scaler.update_scale(overflow)
         self.zero_grad()
@@ -181,7 +225,11 @@ class ZeroOffloadEngine(torch.nn.Module):
         every = self.config.steps_per_print
         if self.global_rank == 0 and every and self.global_steps % every == 0:
             self._log_step(overflow, every)
-        if self.wall_clock and self.global_rank == 0 and (not every or self.global_steps % every == 0):
+        if (
+            self.wall_clock
+            and self.global_rank == 0
+            and (not every or self.global_steps % every == 0)
+        ):
             self._log_wall_clock()
 
     def flush_delayed_update(self) -> None:
@@ -192,8 +240,12 @@ class ZeroOffloadEngine(torch.nn.Module):
     # ---- reporting -----------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds per category ("device.*", "host.*")."""
-        out: dict[str, int] = {"device.params": sum(g.flat.numel() * g.flat.element_size() for g in self.groups)}
-        for part in [gs.nbytes() for gs in self.grad_shards] + [so.nbytes() for so in self.shard_opts]:
+        out: dict[str, int] = {
+            "device.params": sum(g.flat.numel() * g.flat.element_size() for g in self.groups)
+        }
+        for part in [gs.nbytes() for gs in self.grad_shards] + [
+            so.nbytes() for so in self.shard_opts
+        ]:
             for k, v in part.items():
                 out[k] = out.get(k, 0) + v
         if self.reducer.bucket_pool_bytes():
@@ -203,17 +255,24 @@ class ZeroOffloadEngine(torch.nn.Module):
     def expected_memory(self) -> dict[str, int]:
         """The formula's figure for this engine's padded sizes (buckets excluded)."""
         total = sum(g.layout.total for g in self.groups)
-        return expected_bytes(total, self.dtype, self.stage, self.world_size, self.offload,
-                              self._gas, self.delayed)
+        return expected_bytes(
+            total, self.dtype, self.stage, self.world_size, self.offload, self._gas, self.delayed
+        )
 
     def _log_memory(self) -> None:
         have, want = self.memory_report(), self.expected_memory()
-        lines = [f"model-state memory per rank (stage {self.stage}, world {self.world_size}, "
-                 f"offload {'cpu' if self.offload else 'none'}):"]
+        lines = [
+            f"model-state memory per rank (stage {self.stage}, world {self.world_size}, "
+            f"offload {'cpu' if self.offload else 'none'}):"
+        ]
         for k in sorted(set(have) | set(want)):
-            lines.append(f"  {k:<24} {have.get(k, 0) / 2**20:10.2f} MiB   formula {want.get(k, 0) / 2**20:10.2f} MiB")
+            lines.append(
+                f"  {k:<24} {have.get(k, 0) / 2**20:10.2f} MiB   formula {want.get(k, 0) / 2**20:10.2f} MiB"
+            )
         if self.device.type == "cuda":
-            lines.append(f"  cuda max_memory_allocated {torch.cuda.max_memory_allocated(self.device) / 2**20:.1f} MiB")
+            lines.append(
+                f"  cuda max_memory_allocated {torch.cuda.max_memory_allocated(self.device) / 2**20:.1f} MiB"
+            )
         log.info("\n".join(lines))
 
     def _log_step(self, overflow: bool, every: int) -> None:
@@ -221,8 +280,13 @@ class ZeroOffloadEngine(torch.nn.Module):
         dt, self._t_step = now - self._t_step, now
         log.info(
             "step=%d skipped=%d lr=%s loss_scale=%g grad_norm=%s overflow=%s %.3fs/step",
-            self.global_steps, self.skipped_steps, [round(x, 8) for x in self.get_lr()],
-            self.loss_scale, self._grad_norm, overflow, dt / every,
+            self.global_steps,
+            self.skipped_steps,
+            [round(x, 8) for x in self.get_lr()],
+            self.loss_scale,
+            self._grad_norm,
+            overflow,
+            dt / every,
         )
 
     def _timed(self, name: str):
@@ -251,18 +315,35 @@ class ZeroOffloadEngine(torch.nn.Module):
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
         from ..checkpoint import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+        return save_checkpoint(
+            self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest
+        )
 
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ):
         from ..checkpoint import load_checkpoint
 
-        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states,
-                               load_module_only=load_module_only)
+        return load_checkpoint(
+            self,
+            load_dir,
+            tag=tag,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
 
-    def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors",
-                         exclude_frozen_parameters: bool = False):
+    def save_16bit_model(
+        self,
+        save_dir,
+        save_filename: str = "model.safetensors",
+        exclude_frozen_parameters: bool = False,
+    ):
         from ..checkpoint import save_16bit_model
 
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)

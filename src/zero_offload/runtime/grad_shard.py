@@ -48,7 +48,9 @@ class GradShard:
                 p.grad = v
         elif not offload or gas > 1:
             self.device_shard = torch.zeros(numel, dtype=dt, device=dev)
-        self.host = [alloc_host(numel, dt, pin).zero_() for _ in range(host_buffers)] if offload else []
+        self.host = (
+            [alloc_host(numel, dt, pin).zero_() for _ in range(host_buffers)] if offload else []
+        )
         self.host_index = 0
         self.sumsq = torch.zeros((), dtype=torch.float32, device=dev)
         self.d2h_done = None  # event after the last host copy of this step (CUDA only)

@@ -24,8 +24,15 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def expected_bytes(numel: int, dtype: torch.dtype, stage: int, world_size: int, offload: bool,
-                   gas: int = 1, delayed: bool = False) -> dict[str, int]:
+def expected_bytes(
+    numel: int,
+    dtype: torch.dtype,
+    stage: int,
+    world_size: int,
+    offload: bool,
+    gas: int = 1,
+    delayed: bool = False,
+) -> dict[str, int]:
     b = dtype_bytes(dtype)
     shard = numel if stage == 0 else numel // world_size
     out = {"device.params": numel * b}
@@ -53,7 +60,16 @@ def per_param_table(numel: int, world_size: int, dtype: torch.dtype = torch.floa
             e = expected_bytes(numel, dtype, stage, world_size, offload)
             dev = sum(v for k, v in e.items() if k.startswith("device."))
             host = sum(v for k, v in e.items() if k.startswith("host."))
-            rows.append({"stage": stage, "offload": offload, "device": dev, "host": host,
-                         "optimizer_state": e.get("device.optimizer_state", 0) + e.get("device.master_shard", 0)
-                         + e.get("host.optimizer_state", 0) + e.get("host.master_shard", 0)})
+            rows.append(
+                {
+                    "stage": stage,
+                    "offload": offload,
+                    "device": dev,
+                    "host": host,
+                    "optimizer_state": e.get("device.optimizer_state", 0)
+                    + e.get("device.master_shard", 0)
+                    + e.get("host.optimizer_state", 0)
+                    + e.get("host.master_shard", 0),
+                }
+            )
     return rows

@@ -112,9 +112,13 @@ class Reducer:
             g = self.groups[key[0]]
             # Reuse the oldest free buffer once two exist (the two alternating buckets of
             # overlap_comm), or when its collective already finished; otherwise grow the pool.
-            if self.pool and (self.pool_size >= 2 or self.pool[0][1] is None or self.pool[0][1].query()):
+            if self.pool and (
+                self.pool_size >= 2 or self.pool[0][1] is None or self.pool[0][1].query()
+            ):
                 full, ev = self.pool.popleft()
-                if ev is not None:  # the compute stream refills it only after the collective read it
+                if (
+                    ev is not None
+                ):  # the compute stream refills it only after the collective read it
                     torch.cuda.current_stream().wait_event(ev)
             else:
                 full = torch.empty(self.max_bucket, dtype=g.dtype, device=g.device)

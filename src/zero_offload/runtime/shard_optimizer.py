@@ -57,7 +57,9 @@ class ShardOptimizer:
         lowp = group.dtype != torch.float32
         self.staging = alloc_host(numel, group.dtype, pin) if host and lowp else None
         self.chunks = [
-            (s, lo, min(lo + chunk_numel, s.numel)) for s in self.segs for lo in range(0, s.numel, chunk_numel)
+            (s, lo, min(lo + chunk_numel, s.numel))
+            for s in self.segs
+            for lo in range(0, s.numel, chunk_numel)
         ]
         # One worker thread per engine, shared by its groups: their host passes run one after
         # another with the kernel's full thread count instead of oversubscribing the cores.
@@ -70,8 +72,13 @@ class ShardOptimizer:
     def _hyper(self) -> dict:
         h = self.group.hyper
         b1, b2 = h["betas"]
-        return dict(lr=float(h["lr"]), beta1=float(b1), beta2=float(b2), eps=float(h["eps"]),
-                    weight_decay=float(h["weight_decay"]))
+        return dict(
+            lr=float(h["lr"]),
+            beta1=float(b1),
+            beta2=float(b2),
+            eps=float(h["eps"]),
+            weight_decay=float(h["weight_decay"]),
+        )
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self, factor: float) -> None:
@@ -115,8 +122,21 @@ class ShardOptimizer:
         if self.group.hyper.get("bias_correction", True):
             steps = [torch.tensor(float(self.step_count), device=self.master.device) for _ in p]
             fused = torch._fused_adamw_ if self.adamw else torch._fused_adam_
-            fused(p, grads, m, v, [], steps, lr=h["lr"], beta1=h["beta1"], beta2=h["beta2"],
-                  weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False, maximize=False)
+            fused(
+                p,
+                grads,
+                m,
+                v,
+                [],
+                steps,
+                lr=h["lr"],
+                beta1=h["beta1"],
+                beta2=h["beta2"],
+                weight_decay=h["weight_decay"],
+                eps=h["eps"],
+                amsgrad=False,
+                maximize=False,
+            )
         else:
             _adam_no_bias_correction(p, grads, m, v, self.adamw, **h)
         torch._foreach_copy_([self._flat_seg(s) for s in self.segs], p)
@@ -130,17 +150,26 @@ class ShardOptimizer:
             s, lo, hi = c
             a, b = s.shard_start + lo, s.shard_start + hi
             host_adam_step(
-                self.master[a:b], self.exp_avg[a:b], self.exp_avg_sq[a:b], grad[a:b],
+                self.master[a:b],
+                self.exp_avg[a:b],
+                self.exp_avg_sq[a:b],
+                grad[a:b],
                 None if self.staging is None else self.staging[a:b],
-                step=self.step_count, adamw=self.adamw, bias_correction=bc, grad_scale=factor,
-                threads=self.threads, **h,
+                step=self.step_count,
+                adamw=self.adamw,
+                bias_correction=bc,
+                grad_scale=factor,
+                threads=self.threads,
+                **h,
             )
             if upload:  # chunk k travels while chunk k+1 computes
                 self._upload(c)
 
     def _upload(self, c) -> None:
         s, lo, hi = c
-        src = (self.master if self.staging is None else self.staging)[s.shard_start + lo : s.shard_start + hi]
+        src = (self.master if self.staging is None else self.staging)[
+            s.shard_start + lo : s.shard_start + hi
+        ]
         dst = self.group.flat[s.flat_start + lo : s.flat_start + hi]
         st = self.streams
         with st.use(st.h2d):
@@ -163,7 +192,10 @@ class ShardOptimizer:
                 continue
             for lo in range(0, n, piece):  # bucket larger than allgather_bucket_size: in pieces
                 hi = min(lo + piece, n)
-                outs = [flat[b.start + r * n + lo : b.start + r * n + hi] for r in range(dist.world_size())]
+                outs = [
+                    flat[b.start + r * n + lo : b.start + r * n + hi]
+                    for r in range(dist.world_size())
+                ]
                 torch.distributed.all_gather(outs, outs[rank].clone())
 
     def nbytes(self) -> dict[str, int]:

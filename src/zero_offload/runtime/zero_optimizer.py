@@ -18,7 +18,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def __init__(self, groups: list[FlatGroup], shards: list[ShardOptimizer]) -> None:
         defaults = {k: v for k, v in groups[0].hyper.items() if k != "params"}
         super().__init__(
-            [{**{k: v for k, v in g.hyper.items() if k != "params"}, "params": g.params} for g in groups],
+            [
+                {**{k: v for k, v in g.hyper.items() if k != "params"}, "params": g.params}
+                for g in groups
+            ],
             defaults,
         )
         # torch copied the dicts; point param_groups at the live hyper dicts instead.
@@ -30,7 +33,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.shards = shards
 
     def step(self, closure=None):  # noqa: D401
-        raise RuntimeError("call engine.step(), not optimizer.step(): the engine reduces gradients first")
+        raise RuntimeError(
+            "call engine.step(), not optimizer.step(): the engine reduces gradients first"
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in engine-owned buffers; the engine clears them after each step."""
