@@ -106,18 +106,19 @@ class ZeroConfig(Section):
     NOT_IMPLEMENTED: ClassVar[frozenset[str]] = ZERO_NOT_IMPLEMENTED
 
     stage: Int = 0
-    contiguous_gradients: Bool = True
+    # Gradients always go through contiguous buckets and a contiguous grad shard.
+    contiguous_gradients: Bool = Field(True, json_schema_extra=DEFAULT_ONLY)
     reduce_scatter: Bool = True
     reduce_bucket_size: Int = Field(DEFAULT_BUCKET_SIZE, gt=0)
-    use_multi_rank_bucket_allreduce: Bool = True
+    use_multi_rank_bucket_allreduce: Bool = Field(True, json_schema_extra=DEFAULT_ONLY)
     allgather_partitions: Bool = True
     allgather_bucket_size: Int = Field(DEFAULT_BUCKET_SIZE, gt=0)
     # None until validated: DeepSpeed turns it on by default for stage 3 only.
     overlap_comm: Bool | None = None
-    load_from_fp32_weights: Bool = True
+    load_from_fp32_weights: Bool = Field(True, json_schema_extra=DEFAULT_ONLY)
     elastic_checkpoint: Bool = Field(False, json_schema_extra=DEFAULT_ONLY)
     ignore_unused_parameters: Bool = True
-    round_robin_gradients: Bool = False
+    round_robin_gradients: Bool = Field(False, json_schema_extra=DEFAULT_ONLY)
     compute_grad_norm: Bool = Field(True, json_schema_extra=DEFAULT_ONLY)
     parameter_alignment: Bool = Field(False, json_schema_extra=DEFAULT_ONLY)
     # Deprecated in DeepSpeed: true means offload_optimizer {"device": "cpu"}.

@@ -111,6 +111,7 @@ class ZeroOffloadEngine(torch.nn.Module):
                 oc.threads if oc is not None else None,
                 int(zc.allgather_bucket_size),
                 self._executor,
+                bool(zc.allgather_partitions),
             )
             for i, p in enumerate(g.params):
                 p._zero_offload = (weakref.ref(self), gi, i)
@@ -126,6 +127,7 @@ class ZeroOffloadEngine(torch.nn.Module):
             bool(zc.reduce_scatter),
             self.streams,
             pos,
+            ignore_unused=bool(zc.ignore_unused_parameters),
         )
         self.optimizer = ZeroOptimizer(self.groups, self.shard_opts)
         self.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)

@@ -38,6 +38,7 @@ class Reducer:
         reduce_scatter: bool,
         streams: Streams,
         global_pos: dict[int, int],
+        ignore_unused: bool = True,
     ) -> None:
         self.groups, self.shards, self.stage = groups, shards, stage
         self.overlap, self.use_rs, self.streams = overlap, reduce_scatter, streams
@@ -53,6 +54,7 @@ class Reducer:
                 keys.append((last, g.index, b.index))
         self.order = [(gi, bi) for _, gi, bi in sorted(keys)]
         self.bucket_of = [g.layout.param_bucket() for g in groups]
+        self.ignore_unused = ignore_unused
         # Free stage-2 bucket buffers, oldest first, each with the event after which it is free.
         self.pool: collections.deque = collections.deque()
         self.pool_size = 0
@@ -75,6 +77,7 @@ class Reducer:
         self.next = 0  # index into self.order of the next bucket to launch
         self.inflight: list = []
         self.queued = False
+        self.arrived: set[tuple[int, int]] = set()  # (group, param) that got a gradient
 
     def prepare(self, first: bool, last: bool) -> None:
         """Called by the engine before each backward."""
@@ -88,6 +91,7 @@ class Reducer:
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
                 self.queued = True
             key = (gi, self.bucket_of[gi][i])
+            self.arrived.add((gi, i))
             if self.stage == 2:
                 g = self.groups[gi]
                 b = g.layout.buckets[key[1]]
@@ -188,6 +192,18 @@ class Reducer:
 
     def _finish_backward(self) -> None:
         """End of backward: launch what is left (unused params), complete every reduction."""
+        if self.reducing and not self.ignore_unused and any(self.pending.values()):
+            missing = [
+                g.names[i]
+                for g in self.groups
+                for i in range(len(g.params))
+                if (g.index, i) not in self.arrived
+            ]
+            self._reset()
+            raise RuntimeError(
+                "zero_optimization.ignore_unused_parameters is false and these parameters got no "
+                f"gradient in this backward: {missing}; set it to true to reduce them as zeros"
+            )
         if self.reducing:
             self._launch_ready(force=True)
             if self.inflight:

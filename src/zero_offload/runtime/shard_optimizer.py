@@ -39,12 +39,14 @@ class ShardOptimizer:
         threads: int | None,
         allgather_bucket_size: int,
         executor: concurrent.futures.Executor | None = None,
+        allgather_partitions: bool = True,
         chunk_numel: int = 1 << 22,
     ) -> None:
         self.group, self.grads, self.sharded, self.host = group, grad_shard, sharded, host
         self.adamw, self.streams, self.threads = adamw, streams, threads
         self.segs = group.segments(sharded)
         self.allgather_bucket_size = max(1, int(allgather_bucket_size))
+        self.allgather_partitions = allgather_partitions
         numel = group.shard_numel(sharded)
         where = torch.device("cpu") if host else group.device
         self.master = torch.empty(numel, dtype=torch.float32, device=where)
@@ -185,6 +187,12 @@ class ShardOptimizer:
         flat, rank = self.group.flat, self.group.rank
         for b in self.group.layout.buckets:
             n = b.slice_numel
+            if not self.allgather_partitions:  # DeepSpeed's alternative: one broadcast per rank
+                for r in range(dist.world_size()):
+                    torch.distributed.broadcast(
+                        flat[b.start + r * n : b.start + (r + 1) * n], src=r
+                    )
+                continue
             piece = max(1, self.allgather_bucket_size // dist.world_size())
             if piece >= n:
                 own = flat[b.start + rank * n : b.start + (rank + 1) * n]
