@@ -145,6 +145,8 @@ class ZeroOffloadEngine(torch.nn.Module):
             return self.module(*inputs, **kwargs)
 
     def train(self, mode: bool = True):
+        if not mode:  # evaluate on the newest params, not the one-step-old ones
+            self.flush_delayed_update()
         self.module.train(mode)
         return self
 

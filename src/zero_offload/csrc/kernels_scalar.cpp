@@ -1,0 +1,60 @@
+// Portable scalar variant of the host Adam update: the fallback on x86-64 CPUs without AVX2 and
+// the only variant on other architectures (compilers still auto-vectorise it for the baseline
+// ISA, e.g. SSE2 or NEON, which keeps results bitwise identical: lanes do the same IEEE ops).
+#include "host_adam.h"
+#include "scalar_math.h"
+
+namespace zo {
+namespace {
+
+template <int G, int O, int WD>
+void scalar_range(const AdamArgs& a, size_t begin, size_t end)
+{
+    adam_scalar_range<G, O, WD, kBaselineHwFma>(a, begin, end);
+}
+
+template <int G, int O>
+RangeFn select_wd(int wd_mode)
+{
+    switch (wd_mode) {
+        case kWdL2: return &scalar_range<G, O, kWdL2>;
+        case kWdDecoupled: return &scalar_range<G, O, kWdDecoupled>;
+        default: return &scalar_range<G, O, kWdNone>;
+    }
+}
+
+template <int G>
+RangeFn select_out(int out_type, int wd_mode)
+{
+    switch (out_type) {
+        case kOutBF16: return select_wd<G, kOutBF16>(wd_mode);
+        case kOutF16: return select_wd<G, kOutF16>(wd_mode);
+        default: return select_wd<G, kOutNone>(wd_mode);
+    }
+}
+
+RangeFn select_kernel(int grad_type, int out_type, int wd_mode, bool /*stream_out*/)
+{
+    switch (grad_type) {
+        case kGradBF16: return select_out<kGradBF16>(out_type, wd_mode);
+        case kGradF16: return select_out<kGradF16>(out_type, wd_mode);
+        default: return select_out<kGradF32>(out_type, wd_mode);
+    }
+}
+
+void round_f32(const float* src, uint16_t* dst, size_t n, int out_type)
+{
+    if (out_type == kOutBF16) {
+        for (size_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+    } else {
+        for (size_t i = 0; i < n; ++i) dst[i] = f32_to_f16(src[i]);
+    }
+}
+
+const KernelSet kScalar = {kIsaScalar, "scalar", 1, &select_kernel, &round_f32, 0};
+
+}  // namespace
+
+const KernelSet* scalar_kernels() { return &kScalar; }
+
+}  // namespace zo
