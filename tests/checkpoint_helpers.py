@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import random
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -118,9 +119,26 @@ def draws() -> list[float]:
     return [random.random(), float(np.random.rand()), float(torch.rand(()))]
 
 
+class one_thread:
+    """CPU kernels sum in thread-count-dependent order: every phase runs on one thread, as the
+    spawned ranks do, so a run in this process and one in a fresh process compute alike."""
+
+    def __enter__(self) -> None:
+        self.prev = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc) -> None:
+        torch.set_num_threads(self.prev)
+
+
 def save_phase(cases: list[dict], root: str) -> dict:
     """Per case: the uninterrupted run, and a run that saves at SPLIT (then keeps training, which
     must match the uninterrupted run too: saving changes nothing)."""
+    with one_thread():
+        return _save_phase(cases, root)
+
+
+def _save_phase(cases: list[dict], root: str) -> dict:
     out = {}
     for case in cases:
         engine, model = build(case)
@@ -170,6 +188,76 @@ def resume_phase(cases: list[dict], root: str) -> dict:
             "final": snapshot(engine, model),
         }
         engine.destroy()
+    return out
+
+
+# ---- one rank fails: every rank refuses ----------------------------------------------------------
+def refused_saves(case: dict, root: str) -> list[str]:
+    """Saves that only some ranks refuse (rank 1's client_state is not JSON; ranks pass
+    different tags): every rank must raise, and nothing may be published."""
+    from zero_offload.checkpoint import CheckpointError
+    from zero_offload.runtime import dist
+
+    with one_thread():
+        engine, _ = build(case)
+        msgs = []
+        bad = {"x": {1, 2}} if dist.rank() == 1 else {}
+        for kwargs in ({"client_state": bad, "tag": "refused"}, {"tag": f"rank{dist.rank()}"}):
+            try:
+                engine.save_checkpoint(f"{root}/refused", **kwargs)
+                msgs.append("saved")
+            except CheckpointError as e:
+                msgs.append(str(e))
+        engine.destroy()
+    return msgs
+
+
+def refused_load(case: dict, root: str) -> dict:
+    """A copy of the case's checkpoint in which only rank 1's file is damaged: rank 1 finds it,
+    every rank refuses, and no rank's engine changes."""
+    import shutil
+
+    from zero_offload.checkpoint import CheckpointError
+    from zero_offload.checkpoint.tensor_file import read_header
+    from zero_offload.runtime import dist
+
+    dst = Path(root) / "damaged"
+    if dist.rank() == 0:
+        shutil.copytree(Path(root) / case["id"], dst)
+        path = dst / f"global_step{SPLIT}" / "rank_00001.safetensors"
+        header = read_header(path)
+        data = bytearray(path.read_bytes())
+        data[header.data_start + header.tensors["group0.master"].begin + 8] ^= 0x10
+        path.write_bytes(bytes(data))
+    dist.barrier()
+    with one_thread():
+        engine, model = build(case)
+        train(engine, case, 0, 1)
+        before = snapshot(engine, model)
+        try:
+            engine.load_checkpoint(str(dst))
+            msg = "loaded"
+        except CheckpointError as e:
+            msg = str(e)
+        after = snapshot(engine, model)
+        engine.destroy()
+    unchanged = after["counters"] == before["counters"] and all(
+        torch.equal(after[part][k], v)
+        for part in ("master", "module")
+        for k, v in before[part].items()
+    )
+    return {"msg": msg, "unchanged": unchanged}
+
+
+def save_world2(cases: list[dict], root: str) -> dict:
+    out = save_phase(cases, root)
+    out["refused_saves"] = refused_saves(cases[0], root)
+    return out
+
+
+def resume_world2(cases: list[dict], root: str) -> dict:
+    out = {"refused_load": refused_load(cases[0], root)}
+    out.update(resume_phase(cases, root))
     return out
 
 

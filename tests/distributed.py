@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import socket
@@ -37,6 +38,8 @@ def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
             buf = io.BytesIO()
             torch.save(out, buf)
             queue.put(("ok", buf.getvalue()))
+        del out
+        gc.collect()  # engines (hooks, async work handles) go while the process group lives
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:

@@ -2,6 +2,7 @@
 configured with DeepSpeed's JSON keys (``import zero_offload as deepspeed`` mostly just works)."""
 
 from .api import add_config_arguments, initialize
+from .checkpoint import get_fp32_state_dict_from_zero_checkpoint
 from .runtime.dist import init_distributed
 from .runtime.engine import ZeroOffloadEngine
 
@@ -13,6 +14,7 @@ __all__ = [
     "ZeroOffloadEngine",
     "__version__",
     "add_config_arguments",
+    "get_fp32_state_dict_from_zero_checkpoint",
     "init_distributed",
     "initialize",
 ]

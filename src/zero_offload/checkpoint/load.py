@@ -1,0 +1,153 @@
+"""Loading: plan and validate everything (load_plan.py), agree across ranks, then apply.
+A collective. Only when every rank's plan succeeded does any rank apply it, so a bad
+checkpoint never leaves a partial load behind.
+
+Apply: module tensors from the model file, master/exp_avg/exp_avg_sq slices straight into the
+live shards (host or device), padding zeroed, 16-bit params rebuilt from the master (own slices,
+then all-gather), then counters, loss scaler, LR scheduler and this rank's RNG states.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from . import rng
+from .collective import failed_ranks
+from .format import MODEL_FILE, RNG_CUDA, RNG_TORCH, SHARD_KINDS, CheckpointError, shard_tensor
+from .load_plan import COUNTERS, LoadPlan, make_plan
+from .reader import CheckpointReader
+
+log = logging.getLogger("zero_offload")
+
+
+# ---- apply --------------------------------------------------------------------------------------
+@torch.no_grad()
+def _apply(
+    engine,
+    ckpt: CheckpointReader,
+    plan: LoadPlan,
+    use_opt: bool,
+    module_only: bool,
+    load_lr_scheduler_states: bool,
+) -> None:
+    live = engine.module.state_dict()
+    for key, target in plan.module:
+        live[key].copy_(ckpt.read_tensor(MODEL_FILE, target))
+    if use_opt:
+        saved = ckpt.groups
+        for g, so, gp, old in zip(engine.groups, engine.shard_opts, plan.groups, saved):
+            for f, src, dst, n in gp.reads:
+                for kind in SHARD_KINDS:
+                    getattr(so, kind)[dst : dst + n].copy_(
+                        ckpt.read_slice(f, shard_tensor(g.index, kind), src, src + n)
+                    )
+            for lo, hi in gp.padding:
+                for kind in SHARD_KINDS:
+                    getattr(so, kind)[lo:hi].zero_()
+            so.step_count = old.step_count
+            _restore_hyper(g.hyper, old.hyper)
+            for s in so.segs:  # the 16-bit params are the master's cast, as after a step
+                g.flat[s.flat_start : s.flat_start + s.numel].copy_(
+                    so.master[s.shard_start : s.shard_start + s.numel]
+                )
+            so.gather()
+    else:
+        for g, so in zip(engine.groups, engine.shard_opts):  # master from the loaded 16-bit weights
+            for s in so.segs:
+                so.master[s.shard_start : s.shard_start + s.numel].copy_(
+                    g.flat[s.flat_start : s.flat_start + s.numel]
+                )
+    if not module_only:
+        meta = ckpt.meta
+        for k, v in meta["counters"].items():
+            if k in COUNTERS:
+                setattr(engine, k, int(v))
+        if use_opt:
+            _restore_loss_scaler(engine, meta)
+        sched = meta.get("lr_scheduler")
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and sched is not None:
+            engine.lr_scheduler.load_state_dict(sched)
+        if plan.rng_json is not None:
+            header = ckpt.header(plan.rng_file)
+            tensors = {
+                t: ckpt.read_tensor(plan.rng_file, t)
+                for t in (RNG_TORCH, RNG_CUDA)
+                if t in header.tensors
+            }
+            rng.restore(plan.rng_json, tensors, engine.device)
+    engine.zero_grad()  # a new accumulation window starts at the loaded step
+
+
+def _restore_hyper(hyper: dict, saved: dict) -> None:
+    """The saved lr, betas, eps, ... as DeepSpeed's optimizer state restores them."""
+    for k, v in saved.items():
+        if k == "params" or k not in hyper:
+            continue
+        cur = hyper[k]
+        if isinstance(cur, torch.Tensor):
+            cur.fill_(v)
+        elif isinstance(cur, tuple) and isinstance(v, list):
+            hyper[k] = tuple(v)
+        else:
+            hyper[k] = v
+
+
+def _restore_loss_scaler(engine, meta: dict) -> None:
+    saved = meta.get("loss_scaler") or {}
+    same_kind = saved.get("kind") == type(engine.loss_scaler).__name__
+    same_dtype = meta.get("dtype") == str(engine.dtype).removeprefix("torch.")
+    if same_kind and same_dtype:
+        engine.loss_scaler.load_state_dict(saved["state"])
+    else:  # e.g. fp16 saved, bf16 resumed: a saved fp16 scale would be wrong here
+        log.info(
+            "checkpoint loss scaler (%s, %s) not restored into a %s %s engine",
+            saved.get("kind"),
+            meta.get("dtype"),
+            type(engine.loss_scaler).__name__,
+            engine.dtype,
+        )
+
+
+def load_checkpoint(
+    engine,
+    load_dir,
+    tag=None,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+):
+    """Load ``<load_dir>/<tag>`` (``latest``'s tag when None) into ``engine``; returns
+    ``(checkpoint directory, client_state)``, or ``(None, None)`` when ``tag`` is None and there
+    is no ``latest`` file (DeepSpeed's behaviour). A collective: every rank calls it."""
+    engine.flush_delayed_update()  # a pending host update must not land on top of the load
+    err: BaseException | None = None
+    ckpt = plan = None
+    use_opt = load_optimizer_states and not load_module_only
+    try:
+        ckpt = CheckpointReader.open(Path(load_dir), tag)
+        if ckpt is not None:
+            plan = make_plan(engine, ckpt, use_opt, load_module_only)
+    except Exception as e:
+        err = e
+    failed = failed_ranks(engine.device, err is None)
+    if failed:
+        if ckpt is not None:
+            ckpt.close()
+        if err is not None:
+            raise err
+        raise CheckpointError(
+            f"checkpoint validation failed on rank(s) {failed}; nothing was loaded"
+        )
+    if ckpt is None:
+        log.warning(
+            "no %s file in %s: nothing loaded (pass tag= to load a specific checkpoint)",
+            "latest",
+            load_dir,
+        )
+        return None, None
+    with ckpt:
+        _apply(engine, ckpt, plan, use_opt, load_module_only, load_lr_scheduler_states)
+    return str(ckpt.path), ckpt.meta.get("client_state", {})

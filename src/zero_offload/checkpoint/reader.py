@@ -1,0 +1,242 @@
+"""A checkpoint directory opened for reading: ``meta.json`` parsed and schema-checked, safetensors
+headers parsed on demand, checksums verified for the bytes a caller will read, slices read with
+``safetensors.safe_open(...).get_slice`` (no file is ever read whole unless asked, nothing is
+unpickled)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from ..runtime.layout import FlatLayout, layout_from_buckets
+from . import atomic
+from .format import (
+    FORMAT,
+    FORMAT_VERSION,
+    META_FILE,
+    CheckpointError,
+    CheckpointNotFoundError,
+    read_json,
+    require,
+)
+from .reslice import Piece, SourceIndex, shard_pieces, source_segments
+from .tensor_file import Header, check_digest_schema, read_header, verify
+
+log = logging.getLogger("zero_offload")
+
+
+@dataclass
+class GroupMeta:
+    """One saved param group: its names and shapes (flat order), the layout it was saved under,
+    and which rank files hold its shards."""
+
+    index: int
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    layout: FlatLayout
+    sharded: bool
+    step_count: int
+    hyper: dict
+    files: list[str]  # one per source shard: rank files when sharded, rank 0's file otherwise
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel if self.sharded else self.layout.total
+
+    @cached_property
+    def index_by_name(self) -> SourceIndex:
+        """The old shards' pieces by param name (what re-slicing queries)."""
+        segs = source_segments(self.layout, self.sharded)
+        return SourceIndex([shard_pieces(self.layout, s, self.names) for s in segs])
+
+
+class CheckpointReader:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.meta = read_json(self.path / META_FILE)
+        where = str(self.path / META_FILE)
+        if not isinstance(self.meta, dict) or self.meta.get("format") != FORMAT:
+            raise CheckpointError(
+                f"{where}: not a zero_offload checkpoint (format {FORMAT!r} expected)"
+            )
+        version = require(self.meta, "format_version", where)
+        if version != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{where}: format_version {version} is not supported (this version reads {FORMAT_VERSION})"
+            )
+        for key in ("world_size", "files", "model", "groups", "counters", "ranks"):
+            require(self.meta, key, where)
+        self._headers: dict[str, Header] = {}
+        self._handles: dict[str, object] = {}
+        self._slices: dict[tuple[str, str], object] = {}
+
+    @classmethod
+    def open(cls, root, tag: str | None) -> CheckpointReader | None:
+        """The checkpoint ``tag`` of ``root`` (``latest``'s when None; None when there is no
+        ``latest`` or no ``root``). ``root`` may also be a tag directory itself (it holds
+        meta.json)."""
+        root = Path(root)
+        if tag is None and (root / META_FILE).is_file():
+            return cls(root)
+        if not root.is_dir():
+            if tag is None:
+                return None  # a first run: nothing saved yet, as with a missing ``latest``
+            raise CheckpointNotFoundError(f"checkpoint directory {root} does not exist")
+        if tag is None:
+            tag = atomic.read_latest(root)
+            if tag is None:
+                return None
+        path = atomic.resolve(root, str(tag))
+        if path.name != str(tag):
+            log.warning(
+                "checkpoint %s: using %s, left by an interrupted replacement of that tag", tag, path
+            )
+        return cls(path)
+
+    # ---- files ---------------------------------------------------------------------------------
+    def digest(self, name: str) -> dict:
+        files = self.meta["files"]
+        if not isinstance(files, dict) or name not in files:
+            raise CheckpointError(f"{self.path / META_FILE}: no digest recorded for {name}")
+        return files[name]
+
+    def header(self, name: str) -> Header:
+        """Parsed header of ``name``; the file must exist with the recorded size."""
+        if name not in self._headers:
+            path = self.path / name
+            digest = self.digest(name)
+            check_digest_schema(path, digest)
+            if not path.is_file():
+                raise CheckpointNotFoundError(f"{path}: file is missing")
+            size = path.stat().st_size
+            if size != digest.get("size"):
+                raise CheckpointError(
+                    f"{path}: {size} bytes, the checkpoint recorded {digest.get('size')} (truncated or changed)"
+                )
+            self._headers[name] = read_header(path)
+        return self._headers[name]
+
+    def require_tensor(
+        self, name: str, tensor: str, dtype: str | None, shape: tuple[int, ...] | None
+    ):
+        info = self.header(name).tensors.get(tensor)
+        if info is None:
+            raise CheckpointError(f"{self.path / name}: tensor {tensor!r} is missing")
+        if (dtype is not None and info.dtype != dtype) or (
+            shape is not None and info.shape != tuple(shape)
+        ):
+            raise CheckpointError(
+                f"{self.path / name}: tensor {tensor!r} is {info.dtype} {list(info.shape)}, "
+                f"expected {dtype or info.dtype} {list(shape) if shape is not None else list(info.shape)}"
+            )
+        return info
+
+    def verify(self, name: str, ranges: Iterable[tuple[int, int]] | None) -> None:
+        """Checksum the blocks holding the header and ``ranges`` (the whole file when None)."""
+        header = self.header(name)
+        if ranges is not None:
+            ranges = [(0, header.data_start), *ranges]
+        verify(self.path / name, self.digest(name), ranges, header)
+
+    def tensor_range(
+        self, name: str, tensor: str, lo: int | None = None, hi: int | None = None
+    ) -> tuple[int, int]:
+        header = self.header(name)
+        info = header.tensors[tensor]
+        if lo is None:
+            return header.data_start + info.begin, header.data_start + info.end
+        itemsize = (info.end - info.begin) // max(1, _numel(info.shape))
+        return header.byte_range(tensor, lo, hi, itemsize)
+
+    # ---- data ----------------------------------------------------------------------------------
+    def _handle(self, name: str):
+        if name not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[name] = safe_open(str(self.path / name), framework="pt", device="cpu")
+        return self._handles[name]
+
+    def read_tensor(self, name: str, tensor: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(tensor)
+
+    def read_slice(self, name: str, tensor: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of the 1-D tensor ``tensor``; only those bytes are read."""
+        key = (name, tensor)
+        if key not in self._slices:
+            self._slices[key] = self._handle(name).get_slice(tensor)
+        return self._slices[key][lo:hi]
+
+    def close(self) -> None:
+        self._slices.clear()
+        self._handles.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- schema --------------------------------------------------------------------------------
+    @cached_property
+    def groups(self) -> list[GroupMeta]:
+        where = f"{self.path / META_FILE}"
+        rank_files = require(self.meta["ranks"], "files", f"{where} ranks")
+        out = []
+        for gi, g in enumerate(self.meta["groups"]):
+            w = f"{where} groups[{gi}]"
+            try:
+                names = [str(n) for n in require(g, "names", w)]
+                shapes = [tuple(int(d) for d in s) for s in require(g, "shapes", w)]
+                numels = [int(n) for n in require(g, "numels", w)]
+                layout = layout_from_buckets(
+                    numels,
+                    [[int(i) for i in b] for b in require(g, "bucket_params", w)],
+                    int(require(g, "layout_world_size", w)),
+                    int(require(g, "align", w)),
+                )
+                sharded = bool(require(g, "sharded", w))
+            except (TypeError, ValueError, IndexError) as e:
+                raise CheckpointError(f"{w}: malformed ({e})") from None
+            if (
+                len(names) != len(shapes)
+                or len(names) != len(numels)
+                or any(_numel(s) != n for s, n in zip(shapes, numels))
+            ):
+                raise CheckpointError(f"{w}: names, shapes and numels disagree")
+            files = list(rank_files[: layout.world_size]) if sharded else [rank_files[0]]
+            if len(files) != (layout.world_size if sharded else 1):
+                raise CheckpointError(
+                    f"{w}: {layout.world_size} shards but {len(rank_files)} rank files listed"
+                )
+            out.append(
+                GroupMeta(
+                    gi,
+                    names,
+                    shapes,
+                    layout,
+                    sharded,
+                    int(g.get("step_count", 0)),
+                    dict(g.get("hyper", {})),
+                    files,
+                )
+            )
+        return out
+
+    def param_pieces(
+        self, group: GroupMeta, name: str, numel: int
+    ) -> list[tuple[str, int, int, int]]:
+        """Where param ``name``'s elements lie: (file, old shard lo, dst lo, numel) reads."""
+        reads = group.index_by_name.reads([Piece(name, 0, numel, 0)])
+        return [(group.files[r.source], r.src, r.dst, r.numel) for r in reads]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

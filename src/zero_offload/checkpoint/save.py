@@ -1,0 +1,243 @@
+"""Saving: every rank writes its own shard file, rank 0 the model file and ``meta.json``, and the
+directory is published atomically (see atomic.py). A collective: every rank calls it.
+
+Everything that could refuse the save (the tag, non-JSON ``client_state`` or scheduler state) is
+checked before the first byte is written, and ranks agree that all of them succeeded before rank 0
+publishes, so a failure on any rank leaves ``save_dir`` as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from . import atomic, rng
+from .collective import check_same_tag, failed_ranks
+from .format import (
+    FORMAT,
+    FORMAT_VERSION,
+    META_FILE,
+    MODEL_FILE,
+    RANK_META_KEY,
+    SHARD_KINDS,
+    CheckpointError,
+    check_tag,
+    json_value,
+    rank_file,
+    read_json,
+    shard_tensor,
+)
+from .module_state import alias_map, frozen_param_names, module_state, param_names
+from .tensor_file import Entry, write_file
+
+
+def _agree(engine, err: BaseException | None, what: str, cleanup=None) -> None:
+    """Raise on every rank if any rank failed ``what`` (the failing rank re-raises its own error)."""
+    failed = failed_ranks(engine.device, err is None)
+    if failed:
+        if cleanup is not None:
+            cleanup()
+        if err is not None:
+            raise err
+        raise CheckpointError(
+            f"checkpoint {what} failed on rank(s) {failed}; nothing was published"
+        )
+
+
+def _hyper_json(hyper: dict) -> dict:
+    """A param group's hyperparameters that JSON can carry (a tensor lr becomes a float)."""
+    out = {}
+    for k, v in hyper.items():
+        if k == "params":
+            continue
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        try:
+            out[k] = json_value(v, k)
+        except CheckpointError:
+            continue  # not a hyperparameter the update reads; a custom group annotation
+    return out
+
+
+def _common_meta(engine, tag: str, client_state) -> dict:
+    """Rank-independent metadata; raises before anything is written when it cannot be JSON."""
+    import safetensors
+
+    from .. import __version__
+
+    sched = engine.lr_scheduler
+    groups = []
+    for g, so in zip(engine.groups, engine.shard_opts):
+        layout = g.layout
+        groups.append(
+            {
+                "names": list(g.names),
+                "shapes": [list(p.shape) for p in g.params],
+                "numels": list(layout.numels),
+                "bucket_params": [list(b.params) for b in layout.buckets],
+                "align": layout.align,
+                "layout_world_size": layout.world_size,
+                "sharded": bool(so.sharded),
+                "step_count": int(so.step_count),
+                "hyper": _hyper_json(g.hyper),
+            }
+        )
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "versions": {
+            "zero_offload": __version__,
+            "torch": torch.__version__,
+            "safetensors": getattr(safetensors, "__version__", "unknown"),
+        },
+        "tag": tag,
+        "world_size": engine.world_size,
+        "stage": engine.stage,
+        "offload": bool(engine.offload),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "counters": {
+            k: int(getattr(engine, k))
+            for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+        },
+        "loss_scaler": {
+            "kind": type(engine.loss_scaler).__name__,
+            "state": json_value(engine.loss_scaler.state_dict(), "loss_scaler.state_dict()"),
+        },
+        "lr_scheduler": None
+        if sched is None
+        else json_value(sched.state_dict(), "lr_scheduler.state_dict()"),
+        "client_state": json_value({} if client_state is None else client_state, "client_state"),
+        "config": json_value(engine.config.to_dict(), "config"),
+        "groups": groups,
+    }
+
+
+def _write_rank_file(engine, stage: Path) -> dict:
+    """This rank's master shard and optimizer state (stage 0: rank 0 alone, every rank holds the
+    same) and its RNG states."""
+    entries = []
+    if engine.stage >= 1 or engine.global_rank == 0:
+        for gi, so in enumerate(engine.shard_opts):
+            entries += [Entry.of(shard_tensor(gi, k), getattr(so, k)) for k in SHARD_KINDS]
+    rng_json, rng_tensors = rng.capture(engine.device)
+    entries += [Entry.of(k, v) for k, v in rng_tensors.items()]
+    info = {"rank": engine.global_rank, "world_size": engine.world_size, "rng": rng_json}
+    return write_file(
+        stage / rank_file(engine.global_rank), entries, {RANK_META_KEY: json.dumps(info)}
+    )
+
+
+def _write_model_file(engine, stage: Path) -> tuple[dict, dict]:
+    sd = module_state(engine.module)
+    aliases = alias_map(sd, prefer={n for g in engine.groups for n in g.names})
+    entries = [Entry.of(k, t) for k, t in sd.items() if k not in aliases]
+    digest = write_file(stage / MODEL_FILE, entries, {"format": "pt"})
+    names = set(param_names(engine.module))
+    model = {
+        "file": MODEL_FILE,
+        "keys": list(sd),
+        "aliases": aliases,
+        "params": [k for k in sd if k in names],
+        "frozen": sorted(frozen_param_names(engine.module) & set(sd)),
+    }
+    return digest, model
+
+
+def _digest_file(stage: Path, rank: int) -> Path:
+    return stage / f".digests.{rank:05d}.json"
+
+
+def save_checkpoint(
+    engine, save_dir, tag=None, client_state=None, save_latest: bool = True
+) -> bool:
+    """Save a complete, resumable checkpoint as ``<save_dir>/<tag>`` (default
+    ``global_step<N>``) and, with ``save_latest``, point ``<save_dir>/latest`` at it."""
+    engine.flush_delayed_update()  # the saved master must be the one the live params came from
+    tag = check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
+    check_same_tag(engine.device, tag)
+    root, rank, world = Path(save_dir), engine.global_rank, engine.world_size
+    stage = atomic.staging_dir(root, tag)
+
+    def discard() -> None:
+        if rank == 0 and stage.exists():
+            shutil.rmtree(stage, ignore_errors=True)
+
+    err: BaseException | None = None
+    common = None
+    try:
+        common = _common_meta(engine, tag, client_state)
+        if rank == 0:
+            atomic.prepare_staging(root, tag)
+    except Exception as e:
+        err = e
+    _agree(engine, err, "preparation", discard)
+
+    try:
+        digests = {rank_file(rank): _write_rank_file(engine, stage)}
+        model = None
+        if rank == 0:
+            digests[MODEL_FILE], model = _write_model_file(engine, stage)
+        atomic.write_bytes_atomic(_digest_file(stage, rank), json.dumps(digests).encode("utf-8"))
+        atomic.pause("after_shards")
+    except Exception as e:
+        err = e
+    _agree(engine, err, "writing", discard)
+
+    if rank == 0:
+        try:
+            files: dict = {}
+            for r in range(world):
+                files.update(read_json(_digest_file(stage, r)))
+            meta = dict(
+                common,
+                model=model,
+                ranks={"files": [rank_file(r) for r in range(world)]},
+                files=files,
+            )
+            atomic.write_bytes_atomic(stage / META_FILE, json.dumps(meta, indent=1).encode("utf-8"))
+            for r in range(world):
+                os.remove(_digest_file(stage, r))
+            atomic.pause("before_publish")
+            atomic.publish(root, tag)
+            atomic.pause("before_latest")
+            if save_latest:
+                atomic.write_latest(root, tag)
+        except Exception as e:
+            err = e
+    _agree(engine, err, "publishing", discard)
+    return True
+
+
+def save_16bit_model(
+    engine,
+    save_dir,
+    save_filename: str = "model.safetensors",
+    exclude_frozen_parameters: bool = False,
+) -> str:
+    """Write the module's 16-bit weights (its state dict as trained, tied names each present) to
+    ``<save_dir>/<save_filename>`` from rank 0; safetensors unless the name ends in .bin/.pt/.pth
+    (then ``torch.save`` of a plain tensor dict). A collective: every rank calls it."""
+    engine.flush_delayed_update()  # all ranks: the pending update is gathered into every param
+    path = Path(save_dir) / save_filename
+    err: BaseException | None = None
+    if engine.global_rank == 0:
+        try:
+            sd = module_state(engine.module, exclude_frozen=exclude_frozen_parameters)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.tmp")
+            if path.suffix in (".bin", ".pt", ".pth"):
+                # Clones: saving views would write the whole flat buffer once per param.
+                torch.save({k: v.detach().to("cpu", copy=True) for k, v in sd.items()}, tmp)
+                atomic.fsync_file(tmp)
+            else:
+                write_file(tmp, [Entry.of(k, t) for k, t in sd.items()], {"format": "pt"})
+            os.replace(tmp, path)
+            atomic.fsync_dir(path.parent)
+        except Exception as e:
+            err = e
+    _agree(engine, err, "16-bit model save")
+    return str(path)
