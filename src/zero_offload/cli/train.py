@@ -16,6 +16,17 @@ import os
 import time
 from typing import Any
 
+from .run_folder import METRIC_COLUMNS, RunFolder
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "METRIC_COLUMNS",
+    "RunFolder",
+    "add_arguments",
+    "resolve_config",
+    "run",
+]
+
 # The built-in job. fp32, not bf16, on the CPU: measured on a 2-core AVX2 CPU without AVX-512
 # BF16 or AMX, the "small" model trains at about 7,300 tokens/s in fp32 and 380 tokens/s in bf16
 # (plain PyTorch: 0.9 s against 8.3 s per step): with no bf16 arithmetic in the CPU, bf16
@@ -54,7 +65,6 @@ DEFAULT_STEPS = 300
 DEFAULT_PRESET = "small"
 _DECAYING_SCHEDULERS = ("WarmupDecayLR", "WarmupCosineLR")
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-METRIC_COLUMNS = ("step", "loss", "lr", "tokens_per_s", "grad_norm", "loss_scale", "mem_mib")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--eval-batches", type=int, default=16, help="held-out micro-batches per rank"
     )
+    parser.add_argument(
+        "--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)"
+    )
+    parser.add_argument("--save-dir", help="checkpoint folder (default: <run folder>/checkpoints)")
+    parser.add_argument("--resume", metavar="DIR", help="resume from the latest checkpoint in DIR")
 
 
 def resolve_config(
@@ -200,95 +215,6 @@ def _pooled(total: float, count: int, device) -> tuple[float, int]:
     return total, int(pooled_count)
 
 
-class RunFolder:
-    """The run's files. Every rank holds one, but only rank 0's writes anything."""
-
-    def __init__(self, path: str | None, writer: bool) -> None:
-        self.path = path
-        self.writer = writer
-        self._written: list[str] = []
-        self._rows: list[dict[str, Any]] = []
-        self._csv = None
-        if writer:
-            assert path is not None
-            os.makedirs(path, exist_ok=True)
-            self._csv = open(os.path.join(path, "metrics.csv"), "w", newline="")
-            self._csv.write(",".join(METRIC_COLUMNS) + "\n")
-            self._written.append("metrics.csv")
-
-    @classmethod
-    def create(cls, out: str | None, rank: int) -> RunFolder:
-        path = out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-        return cls(path, writer=rank == 0)
-
-    def add_metrics(self, row: dict[str, Any]) -> None:
-        if self._csv is None:
-            return
-        self._rows.append(row)
-        self._csv.write(",".join(_csv_value(row[c]) for c in METRIC_COLUMNS) + "\n")
-        self._csv.flush()  # a run stopped early still leaves its curve behind
-
-    def write_json(self, name: str, data: dict[str, Any]) -> None:
-        if not self.writer:
-            return
-        import json
-
-        assert self.path is not None
-        with open(os.path.join(self.path, name), "w") as handle:
-            json.dump(data, handle, indent=2)
-            handle.write("\n")
-        self._written.append(name)
-
-    def plot_loss(self, heldout: float) -> None:
-        if not self.writer or not self._rows:
-            return
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: no display on training machines
-        import matplotlib.pyplot as plt
-
-        assert self.path is not None
-        steps = [r["step"] for r in self._rows]
-        fig, (ax_loss, ax_lr) = plt.subplots(
-            2, 1, figsize=(7, 5), sharex=True, gridspec_kw={"height_ratios": [3, 1]}
-        )
-        losses = [r["loss"] for r in self._rows]
-        ax_loss.plot(steps, losses, lw=0.8, alpha=0.4, color="C0", label="train loss")
-        window = max(1, len(losses) // 30)
-        smooth = [
-            sum(losses[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1))
-            for i in range(len(losses))
-        ]
-        ax_loss.plot(steps, smooth, lw=1.5, color="C0", label=f"mean of {window} steps")
-        if math.isfinite(heldout):
-            ax_loss.axhline(heldout, color="C1", ls="--", label=f"held-out {heldout:.3f}")
-        ax_loss.set_ylabel("loss (nats/byte)")
-        ax_loss.grid(alpha=0.3)
-        ax_loss.legend()
-        ax_lr.plot(steps, [r["lr"] for r in self._rows], color="C2", lw=1)
-        ax_lr.set_ylabel("lr")
-        ax_lr.set_xlabel("step")
-        ax_lr.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(os.path.join(self.path, "loss.png"), dpi=100)
-        plt.close(fig)
-        self._written.append("loss.png")
-
-    def files(self) -> list[str]:
-        return list(self._written)
-
-    def close(self) -> None:
-        if self._csv is not None:
-            self._csv.close()
-            self._csv = None
-
-
-def _csv_value(value: Any) -> str:
-    if value is None:
-        return ""
-    return f"{value:.6g}" if isinstance(value, float) else str(value)
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -300,8 +226,8 @@ def run(args: argparse.Namespace) -> int:
         cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         ds_config, steps, notes = resolve_config(args.config, args.steps, cuda_bf16)
         mcfg = model_config(args)
-        if args.log_every < 0 or args.eval_batches < 0:
-            raise ValueError("--log-every and --eval-batches must be >= 0")
+        if args.log_every < 0 or args.eval_batches < 0 or args.save_every < 0:
+            raise ValueError("--log-every, --eval-batches and --save-every must be >= 0")
         tokens = load_corpus(args.data, args.max_bytes)
         train_tokens, heldout_tokens = split_heldout(tokens)
         train_set = TokenBlockDataset(train_tokens, mcfg.seq_length)
@@ -331,7 +257,29 @@ def run(args: argparse.Namespace) -> int:
         folder.write_json(
             "config.json", resolved.to_dict() if hasattr(resolved, "to_dict") else ds_config
         )
-    losses, elapsed = _train(engine, batches, steps, mcfg.seq_length, folder, args.log_every)
+    save_dir = args.save_dir or os.path.join(folder.path, "checkpoints")
+    first = 1
+    if args.resume:
+        path, client = engine.load_checkpoint(args.resume)
+        if path is None:
+            print(f"zero-offload train: error: no checkpoint to resume from in {args.resume}")
+            return 2
+        first = int(client["step"]) + 1
+        for _ in range(int(client["micro_batches"])):  # the data position, exactly
+            next(batches)
+        if engine.global_rank == 0:
+            print(f"resumed from {path} at step {first}")
+    losses, elapsed = _train(
+        engine,
+        batches,
+        steps,
+        mcfg.seq_length,
+        folder,
+        args.log_every,
+        first=first,
+        save_every=args.save_every,
+        save_dir=save_dir,
+    )
     heldout = evaluate(engine, heldout_set, micro, args.eval_batches)
     if engine.global_rank == 0:
         _summarize(engine, mcfg, folder, losses, elapsed, heldout)
@@ -365,19 +313,29 @@ def _describe(engine, mcfg, ds_config: dict[str, Any], corpus_bytes: int, steps:
 
 
 def _train(
-    engine, batches, steps: int, seq_length: int, folder: RunFolder, log_every: int
+    engine,
+    batches,
+    steps: int,
+    seq_length: int,
+    folder: RunFolder,
+    log_every: int,
+    first: int = 1,
+    save_every: int = 0,
+    save_dir: str | None = None,
 ) -> tuple[list[float], float]:
-    """``steps`` optimizer steps; returns the per-step loss (mean over ranks) and seconds."""
+    """Steps ``first..steps``; returns the per-step loss (mean over ranks) and seconds. Every
+    ``save_every`` steps all ranks save a checkpoint whose client state records the data
+    position, so ``--resume`` continues exactly."""
     from tqdm import tqdm
 
     device, gas = engine.device, engine.gradient_accumulation_steps()
     tokens_per_step = _tokens_per_step(engine, seq_length)
     rank0 = engine.global_rank == 0
-    bar = tqdm(total=steps, desc="train", disable=not rank0, dynamic_ncols=True)
+    bar = tqdm(total=steps, initial=first - 1, desc="train", disable=not rank0, dynamic_ncols=True)
     losses: list[float] = []
     engine.train()
     start = time.perf_counter()
-    for step in range(1, steps + 1):
+    for step in range(first, steps + 1):
         t0 = time.perf_counter()
         lr = engine.get_lr()[0]  # before step(): the schedule then moves on to the next step's
         loss_sum = 0.0
@@ -389,6 +347,10 @@ def _train(
             loss_sum += loss.item()
         pooled_sum, pooled_count = _pooled(loss_sum, gas, device)
         losses.append(pooled_sum / pooled_count)
+        if save_every and step % save_every == 0:
+            engine.save_checkpoint(
+                save_dir, client_state={"step": step, "micro_batches": step * gas}
+            )
         row = {
             "step": step,
             "loss": losses[-1],
