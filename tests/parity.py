@@ -56,6 +56,23 @@ def batches(steps: int, world: int, gas: int, micro: int, seed: int = 1):
 LR, WD, BETAS, EPS = 1e-2, 0.01, (0.9, 0.999), 1e-8
 
 
+def reference_step(model, opt, x, y, clip: float = 0.0, grads: list | None = None):
+    """One plain PyTorch step on the whole global batch; unused params get zero gradients, as
+    the engine reduces them."""
+    opt.zero_grad()
+    loss = model(x, y)
+    loss.backward()
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if grads is not None:
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return loss.detach()
+
+
 def reference(steps: int, world: int, gas: int, micro: int, clip: float):
     """Plain PyTorch: one process, whole global batch, AdamW."""
     model = make_model()
@@ -69,16 +86,7 @@ def reference(steps: int, world: int, gas: int, micro: int, clip: float):
     )
     grads, losses = [], []
     for x, y in batches(steps, world, gas, micro):
-        opt.zero_grad()
-        loss = model(x, y)
-        loss.backward()
-        for p in model.parameters():
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)  # the engine reduces unused params as zeros
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
-        if clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
+        loss = reference_step(model, opt, x, y, clip, grads)
         losses.append(float(loss))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return init, params, grads, losses

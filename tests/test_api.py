@@ -8,7 +8,16 @@ import json
 
 import pytest
 import torch
-from parity import BETAS, EPS, LR, batches, displacement_err, engine_config, make_model
+from parity import (
+    BETAS,
+    EPS,
+    LR,
+    batches,
+    displacement_err,
+    engine_config,
+    make_model,
+    reference_step,
+)
 
 import zero_offload
 
@@ -61,12 +70,7 @@ def test_param_groups_without_weight_decay_match_torch():
     for x, y in batches(3, 1, 1, 2):
         engine.backward(engine(x, y))
         engine.step()
-        ropt.zero_grad()
-        ref(x, y).backward()
-        for p in ref.parameters():
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
-        ropt.step()
+        reference_step(ref, ropt, x, y)
     got = {n: p.detach().float() for n, p in model.named_parameters()}
     want = {n: p.detach() for n, p in ref.named_parameters()}
     assert displacement_err(got, want, init) < 1e-3
@@ -142,12 +146,7 @@ def test_module_zero_grad_between_steps_is_harmless():
         model.zero_grad()
         engine.backward(engine(x, y))
         engine.step()
-        ropt.zero_grad()
-        ref(x, y).backward()
-        for p in ref.parameters():
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
-        ropt.step()
+        reference_step(ref, ropt, x, y)
     got = {n: p.detach().float() for n, p in model.named_parameters()}
     assert displacement_err(got, {n: p.detach() for n, p in ref.named_parameters()}, init) < 1e-3
 
