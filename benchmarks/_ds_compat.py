@@ -1,0 +1,65 @@
+"""DeepSpeed as a benchmark anchor, on a machine without a GPU.
+
+What it takes (DeepSpeed 0.19): the CPU accelerator (``DS_ACCELERATOR=cpu``, set before the first
+``import deepspeed``; on a GPU machine DeepSpeed picks CUDA itself), and a gloo process group
+(the CPU accelerator asks for oneCCL's ``ccl`` backend only when ``oneccl_bindings_for_pytorch``
+is installed, so ``init_distributed(dist_backend="gloo")`` is explicit about it). Its ops are
+JIT-compiled C++ the first time they are used (``fused_adam`` for stages 0-2 without offload, the
+CPU accelerator's build of the same AVX Adam as ``cpu_adam``, which backs DeepSpeedCPUAdam under
+offload), each tens of seconds, cached under the torch extensions directory; :func:`prebuild`
+does it once, outside any timed run. A build killed half-way leaves a ``lock`` file in that
+directory and every later build waits on it forever: delete the lock.
+
+DeepSpeed is never imported by the package; only these benchmark processes import it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+
+def select_accelerator() -> None:
+    """Pick DeepSpeed's CPU accelerator when there is no GPU; must run before ``import deepspeed``."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def initialize(model: torch.nn.Module, model_parameters: list[dict], config: dict[str, Any]):
+    """``deepspeed.initialize`` on this machine; returns DeepSpeed's engine."""
+    select_accelerator()
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=backend(), verbose=False)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model_parameters, config=config
+    )
+    return engine
+
+
+def optimizer_name(engine) -> str:
+    """DeepSpeed's wrapper and the inner optimizer it chose, e.g. ``DeepSpeedZeroOptimizer(FusedAdam)``."""
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", None)
+    if inner is None or inner is opt:
+        return type(opt).__name__
+    return f"{type(opt).__name__}({type(inner).__name__})"
+
+
+def prebuild() -> list[str]:
+    """JIT-build the Adam ops the runs use, so no timed run (or run timeout) pays for it."""
+    select_accelerator()
+    from deepspeed.accelerator import get_accelerator
+
+    built = []
+    for name in ("FusedAdamBuilder", "CPUAdamBuilder"):
+        builder = get_accelerator().create_op_builder(name)
+        builder.load(verbose=False)
+        built.append(f"{type(builder).__module__}.{type(builder).__name__}")
+    return built

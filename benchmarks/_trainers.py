@@ -1,0 +1,111 @@
+"""The three implementations behind one interface: ``step(x, y) -> loss``, ``finish()``.
+
+Every trainer gets the same fp32-initialised GPT-2 and the same recipe: AdamW (lr, betas, eps,
+weight decay on 2-D weights only, via ``param_groups``), global-norm clipping, one micro-step per
+step. Only the machinery differs:
+
+- ``torch``: the model in the run's dtype, ``torch.optim.AdamW(fused=True)`` on it (no fp32
+  master copy: plain bf16 training), ``clip_grad_norm_``; DDP on the process group when world > 1.
+- ``engine``: ``zero_offload.initialize`` with the run's config dict.
+- ``deepspeed``: ``deepspeed.initialize`` with the same dict (see ``_ds_compat``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from _spec import Run, Shape, ds_config, for_deepspeed
+
+from zero_offload.models.gpt2 import param_groups
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class TorchTrainer:
+    def __init__(self, model: torch.nn.Module, shape: Shape, run: Run, device: torch.device):
+        model.to(device=device, dtype=TORCH_DTYPES[run.dtype])
+        groups = param_groups(model)
+        self.params = [p for g in groups for p in g["params"]]
+        self.optimizer = torch.optim.AdamW(
+            groups,
+            lr=shape.lr,
+            betas=(0.9, 0.999),
+            eps=1e-8,
+            weight_decay=shape.weight_decay,
+            fused=True,
+        )
+        if run.world > 1:
+            ids = [device.index] if device.type == "cuda" else None
+            model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        self.model, self.clip = model, shape.clip
+        self.info = "AdamW(fused)" + (" + DDP" if run.world > 1 else "")
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.model(x, y)
+        loss.backward()
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def finish(self) -> None:
+        pass
+
+    def accounting(self) -> tuple[dict[str, int], dict[str, int]] | None:
+        return None
+
+
+class EngineTrainer:
+    def __init__(self, model: torch.nn.Module, shape: Shape, run: Run, device: torch.device):
+        import zero_offload
+
+        config = ds_config(shape, run)
+        if (
+            run.offload
+        ):  # the host update gets the rank's threads, as DeepSpeedCPUAdam's OpenMP does
+            config["zero_optimization"]["offload_optimizer"]["threads"] = torch.get_num_threads()
+        self.engine, _, _, _ = zero_offload.initialize(
+            model=model, model_parameters=param_groups(model), config=config
+        )
+        self.info = "zero_offload"
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.engine(x, y)
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach()
+
+    def finish(self) -> None:
+        self.engine.flush_delayed_update()
+
+    def accounting(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(``memory_report()``, ``expected_memory()``), each in bytes by category."""
+        return self.engine.memory_report(), self.engine.expected_memory()
+
+
+class DeepSpeedTrainer:
+    def __init__(self, model: torch.nn.Module, shape: Shape, run: Run, device: torch.device):
+        import _ds_compat
+
+        config = for_deepspeed(ds_config(shape, run))
+        self.engine = _ds_compat.initialize(model, param_groups(model), config)
+        self.info = _ds_compat.optimizer_name(self.engine)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.engine(x, y)
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach()
+
+    def finish(self) -> None:
+        pass
+
+    def accounting(self) -> tuple[dict[str, int], dict[str, int]] | None:
+        return None
+
+
+def build_trainer(model: torch.nn.Module, shape: Shape, run: Run, device: torch.device) -> Any:
+    cls = {"torch": TorchTrainer, "engine": EngineTrainer, "deepspeed": DeepSpeedTrainer}[run.impl]
+    return cls(model, shape, run, device)

@@ -1,0 +1,242 @@
+"""Step time and memory of the engine against plain PyTorch and DeepSpeed, same model, same config.
+
+For each world size and dtype, every run in its own processes (one per rank, fresh memory):
+
+- ``torch``: plain PyTorch, ``AdamW(fused=True)``, the same clipping (DDP on gloo at world > 1);
+- ``engine``: stage 0, 1, 2, stage 1 and 2 with ``offload_optimizer: {device: cpu}``, and stage 2
+  offload with ``delayed_update``;
+- ``deepspeed``: stage 0, 1, 2, stage 1 and 2 with offload (DeepSpeedCPUAdam), from the same
+  config dict (a failure shows its error in the table).
+
+Prints one Markdown table: median seconds per step over the timed steps (a step ends when its
+slowest rank does) with the interquartile range, tokens/s (all ranks), time ratios against plain
+PyTorch and DeepSpeed's same mode (> 1: slower), peak RSS of the largest rank, bytes of live
+tensors after the last step (rank 0), the engine's ``memory_report()`` and its formula
+``expected_memory()`` as device/host MiB, and rank 0's last loss (the same model, data and
+recipe: fp32 runs agree to rounding).
+
+    python benchmarks/engine_step.py --quick --world 1 --no-deepspeed   # smoke test, < 60 s
+    python benchmarks/engine_step.py --world 1 2 --json results.json    # the full table
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _launch import cores, launch, prebuild_deepspeed  # noqa: E402
+from _report import add_ratios, merge_rounds, summarize, table  # noqa: E402
+from _spec import DTYPES, IMPLS, Run, Shape  # noqa: E402
+
+# (layers, hidden, heads, seq, micro, steps, warmup): --quick, and the default full size.
+QUICK = dict(layers=2, hidden=64, heads=4, seq=64, micro=2, steps=3, warmup=1)
+FULL = dict(layers=8, hidden=512, heads=8, seq=256, micro=2, steps=10, warmup=2)
+
+
+# (stage, offload, delayed update) of the ZeRO runs; the delayed update is the engine's only.
+ZERO_MODES = (
+    (0, False, False),
+    (1, False, False),
+    (2, False, False),
+    (1, True, False),
+    (2, True, False),
+)
+ENGINE_ONLY_MODES = ((2, True, True),)
+
+
+def matrix(worlds: list[int], dtypes: list[str], impls: list[str]) -> list[Run]:
+    """Every run, grouped by world size then dtype, the plain PyTorch anchor first."""
+    runs = []
+    for world in worlds:
+        for dtype in dtypes:
+            if "torch" in impls:
+                runs.append(Run("torch", 0, False, False, world, dtype))
+            if "engine" in impls:
+                for s, o, d in ZERO_MODES + ENGINE_ONLY_MODES:
+                    runs.append(Run("engine", s, o, d, world, dtype))
+            if "deepspeed" in impls:
+                runs += [Run("deepspeed", s, o, d, world, dtype) for s, o, d in ZERO_MODES]
+    return runs
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help=f"tiny model, few steps: {QUICK}")
+    for name in ("layers", "hidden", "heads", "seq", "micro", "steps", "warmup"):
+        p.add_argument(
+            f"--{name}",
+            type=int,
+            default=None,
+            help=f"default {FULL[name]} ({QUICK[name]} with --quick)",
+        )
+    p.add_argument(
+        "--bucket",
+        type=float,
+        default=1e7,
+        help="reduce_bucket_size and allgather_bucket_size in elements (default 1e7)",
+    )
+    p.add_argument("--world", type=int, nargs="+", default=[1, 2], help="world sizes (default 1 2)")
+    p.add_argument(
+        "--dtype",
+        nargs="+",
+        choices=DTYPES,
+        default=["fp32"],
+        help="training dtypes (default fp32: without AVX-512 BF16/AMX, bf16 matmuls on "
+        "the CPU are many times slower than fp32)",
+    )
+    p.add_argument(
+        "--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations to run"
+    )
+    p.add_argument("--no-deepspeed", action="store_true", help="skip the DeepSpeed rows")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="intra-op threads per rank (default: the cores split between the ranks; 1 avoids "
+        "OpenMP barrier stalls when other processes share the cores)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every run this many times, interleaved, and pool the timed steps "
+        "(evens out a shared machine's changing load; default 1)",
+    )
+    p.add_argument("--timeout", type=float, default=600, help="seconds per run (default 600)")
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = p.parse_args(argv)
+    base = QUICK if args.quick else FULL
+    for name in base:
+        if getattr(args, name) is None:
+            setattr(args, name, base[name])
+        if getattr(args, name) <= 0 and name != "warmup":
+            p.error(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.hidden % args.heads:
+        p.error(f"--hidden ({args.hidden}) must be divisible by --heads ({args.heads})")
+    if any(w < 1 for w in args.world):
+        p.error(f"--world sizes must be >= 1, got {args.world}")
+    if args.bucket < 1:
+        p.error(f"--bucket must be >= 1 element, got {args.bucket}")
+    if args.no_deepspeed:
+        args.impls = [i for i in args.impls if i != "deepspeed"]
+    return args
+
+
+def _meta(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
+    import torch
+
+    meta: dict[str, Any] = {
+        "shape": dataclasses.asdict(shape),
+        "cores": cores(),
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "loadavg_start": os.getloadavg(),
+    }
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    from zero_offload.kernels.host_adam import kernel_info
+
+    meta["host_adam"] = kernel_info()
+    if "deepspeed" in args.impls:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            meta["deepspeed"] = version("deepspeed")
+        except PackageNotFoundError:
+            meta["deepspeed"] = None
+    return meta
+
+
+def _header(shape: Shape, meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    params = next((r["params"] for r in rows if "params" in r), 0)
+    adam = meta["host_adam"]
+    return (
+        f"\nGPT-2 {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads, vocab 256, "
+        f"seq {shape.seq}, micro batch {shape.micro}: {params / 1e6:.1f}M params\n"
+        f"{shape.steps} timed steps after {shape.warmup} warm-up, x {meta['rounds']} round(s); "
+        f"{meta['cores']} cores, {meta['threads']} thread(s) per rank; torch {meta['torch']}, "
+        f"deepspeed {meta.get('deepspeed', '-')}; host Adam {adam['kernel']}/{adam['isa']}; "
+        f"load average {meta['loadavg_start'][0]:.1f} -> {meta['loadavg_end'][0]:.1f}\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    shape = Shape(
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        seq=args.seq,
+        micro=args.micro,
+        steps=args.steps,
+        warmup=args.warmup,
+        bucket=int(args.bucket),
+    )
+    meta = _meta(args, shape)
+    meta.update(rounds=args.rounds, threads=args.threads or "cores/world")
+    ds_error = None
+    if "deepspeed" in args.impls:
+        if meta["deepspeed"] is None:
+            ds_error = "deepspeed is not installed"
+        else:
+            print("building DeepSpeed's ops (once) ...", file=sys.stderr, flush=True)
+            ds_error = prebuild_deepspeed(args.timeout)
+    runs = matrix(args.world, args.dtype, args.impls)
+    results: list[list[dict[str, Any]]] = [[] for _ in runs]
+    t_start = time.perf_counter()
+    for rnd in range(args.rounds):
+        # Alternate the order so that a slow drift of the machine's load does not favour one end
+        # of the matrix.
+        order = list(range(len(runs))) if rnd % 2 == 0 else list(reversed(range(len(runs))))
+        for n, i in enumerate(order, 1):
+            run, t0 = runs[i], time.perf_counter()
+            if run.impl == "deepspeed" and ds_error:
+                result: dict[str, Any] = {"error": ds_error}
+            else:
+                result = launch(shape, run, args.timeout, args.threads)
+            results[i].append(result)
+            said = result.get("error") or "{:.3f} s/step".format(
+                sorted(max(r["wall"][k] for r in result["ranks"]) for k in range(shape.steps))[
+                    shape.steps // 2
+                ]
+            )
+            print(
+                f"[round {rnd + 1}/{args.rounds}, {n}/{len(runs)}] {run.label}: {said} "
+                f"({time.perf_counter() - t0:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+    rows = [summarize(shape, run, merge_rounds(res)) for run, res in zip(runs, results)]
+    add_ratios(rows)
+    meta["loadavg_end"] = os.getloadavg()
+    meta["elapsed_s"] = time.perf_counter() - t_start
+
+    print(_header(shape, meta, rows))
+    print(table(rows))
+    anchors = {(r["impl"], r["stage"], r["offload"], r["info"]) for r in rows if "info" in r}
+    for impl, stage, offload, info in sorted(anchors):
+        if impl != "engine":
+            print(f"  {impl} stage {stage} offload {offload}: {info}")
+    if args.json:
+        out = {"meta": meta, "rows": [{k: v for k, v in r.items() if k != "run"} for r in rows]}
+        args.json.write_text(json.dumps(out, indent=1))
+    return 1 if all("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
