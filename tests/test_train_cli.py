@@ -157,4 +157,7 @@ def test_save_every_and_resume_continue_exactly(tmp_path: Path) -> None:
     got = [row["loss"] for row in read_metrics(resumed)]
     assert [row["step"] for row in read_metrics(resumed)] == ["4", "5", "6"]
     assert got == want  # bitwise equal losses (as printed to 6 digits)
-    assert main(["train", *SMALL, "--resume", str(tmp_path / "none"), "--out", str(tmp_path / "x")]) == 2
+    assert (
+        main(["train", *SMALL, "--resume", str(tmp_path / "none"), "--out", str(tmp_path / "x")])
+        == 2
+    )
