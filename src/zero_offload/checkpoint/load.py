@@ -50,16 +50,12 @@ def _apply(
             so.step_count = old.step_count
             _restore_hyper(g.hyper, old.hyper)
             for s in so.segs:  # the 16-bit params are the master's cast, as after a step
-                g.flat[s.flat_start : s.flat_start + s.numel].copy_(
-                    so.master[s.shard_start : s.shard_start + s.numel]
-                )
-            so.gather()
+                so.home.own(s).copy_(so.master[s.shard_start : s.shard_start + s.numel])
+            so.home.publish()
     else:
         for g, so in zip(engine.groups, engine.shard_opts):  # master from the loaded 16-bit weights
             for s in so.segs:
-                so.master[s.shard_start : s.shard_start + s.numel].copy_(
-                    g.flat[s.flat_start : s.flat_start + s.numel]
-                )
+                so.master[s.shard_start : s.shard_start + s.numel].copy_(so.home.own(s))
     if not module_only:
         meta = ckpt.meta
         for k, v in meta["counters"].items():

@@ -22,6 +22,7 @@ from .flat_group import FlatGroup
 from .grad_shard import GradShard
 from .loss_scaler import build_loss_scaler
 from .memory import expected_bytes
+from .param_home import FlatHome
 from .reducer import Reducer
 from .shard_optimizer import ShardOptimizer
 from .streams import Streams
@@ -100,18 +101,20 @@ class ZeroOffloadEngine(torch.nn.Module):
                 pin,
                 host_buffers=2 if self.delayed else 1,
             )
+            home = FlatHome(
+                g, self.streams, sharded, int(zc.allgather_bucket_size), bool(zc.allgather_partitions)
+            )
             so = ShardOptimizer(
                 g,
                 gs,
+                home,
                 sharded,
                 self.offload,
                 adamw,
                 self.streams,
                 pin,
                 oc.threads if oc is not None else None,
-                int(zc.allgather_bucket_size),
                 self._executor,
-                bool(zc.allgather_partitions),
             )
             for i, p in enumerate(g.params):
                 p._zero_offload = (weakref.ref(self), gi, i)

@@ -1,8 +1,12 @@
-"""A flat group: one optimizer param group's model params, re-homed as views of one flat buffer.
+"""A flat group: one optimizer param group's model params laid out in one flat index space.
 
-Invariant: after ``bind()`` every param's ``.data`` is a view of ``flat`` at its layout offset, so
-anything written into ``flat`` (an all-gather, a copy from the master shard) is what the module
-computes with, and no other copy of the params exists on the device.
+Stages 0-2 (``materialize=True``): the params are re-homed as views of one flat buffer on the
+device. Invariant: after ``bind()`` every param's ``.data`` is a view of ``flat`` at its layout
+offset, so anything written into ``flat`` (an all-gather, a copy from the master shard) is what
+the module computes with, and no other copy of the params exists on the device.
+
+Stage 3 (``materialize=False``): no full flat buffer exists; ``flat`` is None and the group only
+defines the index space (layout, segments) that the param store and the shard optimizer share.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ class FlatGroup:
         rank: int,
         bucket_size: int,
         align: int = 16,
+        layout: FlatLayout | None = None,
+        materialize: bool = True,
     ) -> None:
         # Flat order = reverse registration order: the order backward produces gradients.
         order = list(reversed(range(len(params))))
@@ -35,11 +41,18 @@ class FlatGroup:
         self.dtype = dtype
         self.device = device
         self.rank = rank
-        self.layout: FlatLayout = build_layout(
+        self.layout: FlatLayout = layout or build_layout(
             [p.numel() for p in self.params], world_size, bucket_size, align
         )
-        self.flat = torch.zeros(self.layout.total, dtype=dtype, device=device)
-        self._bind()
+        self.flat: torch.Tensor | None = None
+        if materialize:
+            self.flat = torch.zeros(self.layout.total, dtype=dtype, device=device)
+            self._bind()
+
+    @staticmethod
+    def flat_order(params: list) -> list:
+        """The order a group of ``params`` (registration order) takes in its flat index space."""
+        return list(reversed(params))
 
     def _bind(self) -> None:
         with torch.no_grad():

@@ -117,6 +117,26 @@ def build_layout(
     return layout_from_buckets(numels, groups, world_size, align)
 
 
+def build_unit_layout(
+    numels: list[int] | tuple[int, ...],
+    units: list[int] | tuple[int, ...],
+    world_size: int,
+    align: int = 16,
+) -> FlatLayout:
+    """Stage 3: one bucket per run of consecutive params of the same fetch unit (the module that
+    owns them), so fetching a module is one all-gather of its bucket and its gradients are one
+    reduce-scatter. ``units[i]`` is param i's unit id (flat order)."""
+    if len(units) != len(numels):
+        raise ValueError(f"units has {len(units)} entries for {len(numels)} params")
+    groups: list[list[int]] = []
+    for i, u in enumerate(units):
+        if groups and units[groups[-1][-1]] == u:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return layout_from_buckets(numels, groups, world_size, align)
+
+
 def layout_from_buckets(
     numels: list[int] | tuple[int, ...],
     bucket_params: list[list[int]],

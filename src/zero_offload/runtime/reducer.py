@@ -214,7 +214,7 @@ class Reducer:
     def bucket_pool_bytes(self) -> int:
         if self.stage != 2:
             return 0
-        esize = self.groups[0].flat.element_size() if self.groups else 0
+        esize = self.groups[0].dtype.itemsize if self.groups else 0
         return self.pool_size * self.max_bucket * esize
 
     def remove(self) -> None:

@@ -5,8 +5,10 @@ Adam(W) over this rank's segments. placement "host": they live in host memory an
 host kernel, one pass per element (16-bit grad in -> fp32 state updated -> 16-bit param out into a
 staging buffer), run chunk by chunk so chunk k travels host-to-device while chunk k+1 computes.
 
-Either way the updated 16-bit slices land in this rank's own slices of the flat buffer and one
-all-gather per bucket rebuilds the full params on every rank.
+Either way the updated 16-bit slices land in the param home (param_home.py): this rank's slices
+of the flat buffer, all-gathered per bucket (stages 0-2), or its param shard (stage 3). When the
+home is the host param shard (stage 3 with offload_param and offload_optimizer), the host kernel
+writes the 16-bit output there in place and nothing is uploaded.
 
 Delayed update (host only): ``launch`` starts the host pass of step t on a worker thread and
 returns; the next ``launch`` (or ``flush``) joins it and uploads its params, so forward and backward
@@ -20,9 +22,9 @@ import concurrent.futures
 import torch
 
 from ..kernels.host_adam import host_adam_step
-from . import dist
 from .flat_group import FlatGroup
 from .grad_shard import GradShard
+from .param_home import ParamHome
 from .streams import Streams, alloc_host
 
 
@@ -31,33 +33,40 @@ class ShardOptimizer:
         self,
         group: FlatGroup,
         grad_shard: GradShard,
+        home: ParamHome,
         sharded: bool,
         host: bool,
         adamw: bool,
         streams: Streams,
         pin: bool,
         threads: int | None,
-        allgather_bucket_size: int,
         executor: concurrent.futures.Executor | None = None,
-        allgather_partitions: bool = True,
         chunk_numel: int = 1 << 22,
     ) -> None:
-        self.group, self.grads, self.sharded, self.host = group, grad_shard, sharded, host
+        self.group, self.grads, self.home = group, grad_shard, home
+        self.sharded, self.host = sharded, host
         self.adamw, self.streams, self.threads = adamw, streams, threads
         self.segs = group.segments(sharded)
-        self.allgather_bucket_size = max(1, int(allgather_bucket_size))
-        self.allgather_partitions = allgather_partitions
         numel = group.shard_numel(sharded)
         where = torch.device("cpu") if host else group.device
         self.master = torch.empty(numel, dtype=torch.float32, device=where)
         for s in self.segs:
-            self.master[s.shard_start : s.shard_start + s.numel].copy_(self._flat_seg(s))
+            self.master[s.shard_start : s.shard_start + s.numel].copy_(home.own(s))
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.step_count = 0
-        # 16-bit staging for the trip up; fp32 training uploads straight from the master.
+        # 16-bit staging for the trip up; fp32 training uploads straight from the master. A host
+        # home is written in place by the kernel, except with the delayed update: the next
+        # forward gathers from the home while the worker computes, so the worker writes a
+        # separate staging buffer that ``flush`` copies over.
         lowp = group.dtype != torch.float32
-        self.staging = alloc_host(numel, group.dtype, pin) if host and lowp else None
+        in_place = home.host_shard() if host and lowp and executor is None else None
+        self.staging = (
+            in_place
+            if in_place is not None
+            else (alloc_host(numel, group.dtype, pin) if host and lowp else None)
+        )
+        self.staging_is_home = in_place is not None
         self.chunks = [
             (s, lo, min(lo + chunk_numel, s.numel))
             for s in self.segs
@@ -67,9 +76,6 @@ class ShardOptimizer:
         # another with the kernel's full thread count instead of oversubscribing the cores.
         self.executor = executor
         self._pending: concurrent.futures.Future | None = None
-
-    def _flat_seg(self, s) -> torch.Tensor:
-        return self.group.flat[s.flat_start : s.flat_start + s.numel]
 
     def _hyper(self) -> dict:
         h = self.group.hyper
@@ -91,7 +97,7 @@ class ShardOptimizer:
             self._host_pass(self.grads.host_grad(), factor, self._hyper(), upload=True)
         else:
             self._device_step(factor)
-        self.gather()
+        self.home.publish()
 
     def launch(self, factor: float) -> None:
         """Delayed update: apply the previous step's params, start this step's host pass."""
@@ -112,7 +118,7 @@ class ShardOptimizer:
         self.streams.wait(self.streams.h2d, None)
         for c in self.chunks:
             self._upload(c)
-        self.gather()
+        self.home.publish()
 
     # ---- device placement ----------------------------------------------------------------------
     def _device_step(self, factor: float) -> None:
@@ -141,7 +147,7 @@ class ShardOptimizer:
             )
         else:
             _adam_no_bias_correction(p, grads, m, v, self.adamw, **h)
-        torch._foreach_copy_([self._flat_seg(s) for s in self.segs], p)
+        torch._foreach_copy_([self.home.own(s) for s in self.segs], p)
 
     # ---- host placement ------------------------------------------------------------------------
     def _host_pass(self, grad: torch.Tensor, factor: float, h: dict, upload: bool) -> None:
@@ -168,43 +174,16 @@ class ShardOptimizer:
                 self._upload(c)
 
     def _upload(self, c) -> None:
+        if self.staging_is_home:  # the kernel wrote the home itself
+            return
         s, lo, hi = c
         src = (self.master if self.staging is None else self.staging)[
             s.shard_start + lo : s.shard_start + hi
         ]
-        dst = self.group.flat[s.flat_start + lo : s.flat_start + hi]
+        dst = self.home.own(s)[lo:hi]
         st = self.streams
         with st.use(st.h2d):
             dst.copy_(src, non_blocking=st.cuda)
-
-    # ---- all-gather ----------------------------------------------------------------------------
-    def gather(self) -> None:
-        """Rebuild every bucket of the flat buffer from all ranks' updated slices, in place."""
-        st = self.streams
-        st.wait(None, st.h2d)  # uploads land before the gather reads them
-        if not self.sharded or dist.world_size() == 1:
-            return
-        flat, rank = self.group.flat, self.group.rank
-        for b in self.group.layout.buckets:
-            n = b.slice_numel
-            if not self.allgather_partitions:  # DeepSpeed's alternative: one broadcast per rank
-                for r in range(dist.world_size()):
-                    torch.distributed.broadcast(
-                        flat[b.start + r * n : b.start + (r + 1) * n], src=r
-                    )
-                continue
-            piece = max(1, self.allgather_bucket_size // dist.world_size())
-            if piece >= n:
-                own = flat[b.start + rank * n : b.start + (rank + 1) * n]
-                dist.all_gather(flat[b.start : b.start + b.numel], own)
-                continue
-            for lo in range(0, n, piece):  # bucket larger than allgather_bucket_size: in pieces
-                hi = min(lo + piece, n)
-                outs = [
-                    flat[b.start + r * n + lo : b.start + r * n + hi]
-                    for r in range(dist.world_size())
-                ]
-                torch.distributed.all_gather(outs, outs[rank].clone())
 
     def nbytes(self) -> dict[str, int]:
         where = "host" if self.host else "device"
@@ -212,7 +191,7 @@ class ShardOptimizer:
             f"{where}.master_shard": self.master.numel() * 4,
             f"{where}.optimizer_state": (self.exp_avg.numel() + self.exp_avg_sq.numel()) * 4,
         }
-        if self.staging is not None:
+        if self.staging is not None and not self.staging_is_home:
             out["host.param_staging"] = self.staging.numel() * self.staging.element_size()
         return out
 

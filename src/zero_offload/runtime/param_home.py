@@ -1,0 +1,81 @@
+"""Where the 16-bit values of a rank's partition live, and how an update becomes visible.
+
+The shard optimizer writes its updated 16-bit slices through ``own(seg)`` and then calls
+``publish()``. Two homes:
+
+- ``FlatHome`` (stages 0-2): the slices are this rank's ranges of the full flat buffer on the
+  device; ``publish`` all-gathers every bucket in place so every rank computes with the new params.
+- ``ShardHome`` (stage 3, param_store.py): the slices are the rank's param shard (device, or host
+  memory with ``offload_param``); ``publish`` only drops stale gathered copies, since params travel
+  when a module fetches them.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from . import dist
+from .flat_group import FlatGroup
+from .layout import Segment
+from .streams import Streams
+
+
+class ParamHome(Protocol):
+    on_host: bool  # the 16-bit values live in host memory (stage 3 with offload_param)
+
+    def own(self, seg: Segment) -> torch.Tensor: ...
+
+    def host_shard(self) -> torch.Tensor | None:
+        """The whole host-resident 16-bit shard, which the host update may write in place."""
+        ...
+
+    def publish(self) -> None: ...
+
+
+class FlatHome:
+    on_host = False
+
+    def __init__(
+        self,
+        group: FlatGroup,
+        streams: Streams,
+        sharded: bool,
+        allgather_bucket_size: int,
+        allgather_partitions: bool = True,
+    ) -> None:
+        self.group, self.streams, self.sharded = group, streams, sharded
+        self.allgather_bucket_size = max(1, int(allgather_bucket_size))
+        self.allgather_partitions = allgather_partitions
+
+    def own(self, seg: Segment) -> torch.Tensor:
+        return self.group.flat[seg.flat_start : seg.flat_start + seg.numel]
+
+    def host_shard(self) -> None:
+        return None
+
+    def publish(self) -> None:
+        """Rebuild every bucket of the flat buffer from all ranks' updated slices, in place."""
+        st = self.streams
+        st.wait(None, st.h2d)  # uploads land before the gather reads them
+        if not self.sharded or dist.world_size() == 1:
+            return
+        flat, rank, world = self.group.flat, self.group.rank, dist.world_size()
+        for b in self.group.layout.buckets:
+            n = b.slice_numel
+            if not self.allgather_partitions:  # DeepSpeed's alternative: one broadcast per rank
+                for r in range(world):
+                    torch.distributed.broadcast(
+                        flat[b.start + r * n : b.start + (r + 1) * n], src=r
+                    )
+                continue
+            piece = max(1, self.allgather_bucket_size // world)
+            if piece >= n:
+                own = flat[b.start + rank * n : b.start + (rank + 1) * n]
+                dist.all_gather(flat[b.start : b.start + b.numel], own)
+                continue
+            for lo in range(0, n, piece):  # bucket larger than allgather_bucket_size: in pieces
+                hi = min(lo + piece, n)
+                outs = [flat[b.start + r * n + lo : b.start + r * n + hi] for r in range(world)]
+                torch.distributed.all_gather(outs, outs[rank].clone())
