@@ -53,7 +53,7 @@ def _apply(
                 so.home.own(s).copy_(so.master[s.shard_start : s.shard_start + s.numel])
             so.home.publish()
     else:
-        for g, so in zip(engine.groups, engine.shard_opts):  # master from the loaded 16-bit weights
+        for so in engine.shard_opts:  # master from the loaded 16-bit weights
             for s in so.segs:
                 so.master[s.shard_start : s.shard_start + s.numel].copy_(so.home.own(s))
     if not module_only:
