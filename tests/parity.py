@@ -101,6 +101,8 @@ def engine_config(
     overlap: bool,
     dtype: str = "fp32",
     bucket: int = 100,
+    offload_param: bool = False,
+    zero_extra: dict | None = None,
     **offload_extra,
 ) -> dict:
     zero: dict = {
@@ -108,9 +110,12 @@ def engine_config(
         "reduce_bucket_size": bucket,
         "allgather_bucket_size": 40,
         "overlap_comm": overlap,
+        **(zero_extra or {}),
     }
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", **offload_extra}
+    if offload_param:
+        zero["offload_param"] = {"device": "cpu"}
     cfg = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
@@ -132,6 +137,7 @@ def engine_config(
 def run_engine(cfg: dict, steps: int, micro: int, gas: int):
     """Train with the engine on this rank's share of each global batch."""
     import zero_offload
+    import zero_offload.zero
     from zero_offload.runtime import dist
     from zero_offload.utils import safe_get_full_fp32_param, safe_get_full_grad
 
@@ -164,8 +170,11 @@ def run_engine(cfg: dict, steps: int, micro: int, gas: int):
     engine.flush_delayed_update()
     named = dict(model.named_parameters())
     params = {n: safe_get_full_fp32_param(named[n]).cpu() for n in names}
-    params.update({n: p.detach().float().cpu() for n, p in named.items() if not p.requires_grad})
-    device_params = {n: p.detach().float().cpu() for n, p in named.items()}
+    with zero_offload.zero.GatheredParameters(model.parameters()):  # stage 3: full params
+        params.update(
+            {n: p.detach().float().cpu() for n, p in named.items() if not p.requires_grad}
+        )
+        device_params = {n: p.detach().float().cpu() for n, p in named.items()}
     grads = [{n: t.cpu() for n, t in g.items()} for g in grads]
     return params, device_params, grads, losses, engine.memory_report(), engine.expected_memory()
 

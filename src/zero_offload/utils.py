@@ -37,8 +37,8 @@ def _gather_full(engine, gi: int, pieces: list[torch.Tensor]) -> torch.Tensor:
 
 def _param_slice(engine, gi: int, i: int, full: torch.Tensor) -> torch.Tensor:
     g = engine.groups[gi]
-    off, p = g.layout.offsets[i], g.params[i]
-    return full[off : off + p.numel()].view(p.shape).clone()
+    off, n, p = g.layout.offsets[i], g.layout.numels[i], g.params[i]
+    return full[off : off + n].view(getattr(p, "ds_shape", p.shape)).clone()
 
 
 def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor:

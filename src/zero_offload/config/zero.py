@@ -129,9 +129,7 @@ class ZeroConfig(Section):
     @field_validator("stage", mode="before")
     @classmethod
     def _stage(cls, value: Any) -> Any:
-        if value == 3 and not isinstance(value, bool):
-            raise ValueError("stage 3 is not built; use 0, 1 or 2")
-        if isinstance(value, bool) or value not in (0, 1, 2):
+        if isinstance(value, bool) or value not in (0, 1, 2, 3):
             raise ValueError(f"allowed: 0, 1, 2; got {json_repr(value)}")
         return value
 
@@ -162,7 +160,7 @@ class ZeroConfig(Section):
             raise rule_error(
                 "offload_optimizer.delayed_update", 'needs offload_optimizer.device "cpu"'
             )
-        if self.offload_param is not None and self.offload_param.device != "none":
+        if self.offload_param is not None and self.offload_param.device == "nvme":
             raise rule_error(
                 "offload_param.device",
                 f'"{self.offload_param.device}": parameter offload needs ZeRO stage 3, '

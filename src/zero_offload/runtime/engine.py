@@ -18,11 +18,15 @@ import weakref
 import torch
 
 from . import dist
+from .fetch_schedule import FetchSchedule
 from .flat_group import FlatGroup
 from .grad_shard import GradShard
+from .init_partition import materialize
 from .loss_scaler import build_loss_scaler
 from .memory import expected_bytes
 from .param_home import FlatHome
+from .param_store import ParamStore, ShardHome, Stage3Policy
+from .partition_units import move_buffers, unit_ids, unit_layout
 from .reducer import Reducer
 from .shard_optimizer import ShardOptimizer
 from .streams import Streams
@@ -65,44 +69,83 @@ class ZeroOffloadEngine(torch.nn.Module):
         self._grad_norm: float | None = None
         self.training_dataloader = training_dataloader
 
-        module.to(device=self.device, dtype=self.dtype)
+        partitioned = self.stage == 3
+        if partitioned:  # params are partitioned from wherever they are, one at a time
+            move_buffers(module, self.device)
+        else:
+            for p in module.parameters():
+                materialize(p)
+            module.to(device=self.device, dtype=self.dtype)
         self.streams = Streams(self.device)
         pin = bool(oc is not None and oc.pin_memory and self.device.type == "cuda")
         names = {id(p): n for n, p in module.named_parameters()}
         order = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
         n_total = len(order)
         sharded = self.stage >= 1
-        self.groups, self.grad_shards, self.shard_opts = [], [], []
         self._executor = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zero-offload-host-update")
             if self.delayed
             else None
         )
-        for gi, pg in enumerate(param_groups):
-            params = sorted(pg["params"], key=lambda p: order.get(id(p), n_total))
-            hyper = pg  # the caller's dict itself: a scheduler writing its "lr" reaches the update
-            g = FlatGroup(
+        units = unit_ids(module) if partitioned else None
+        world = self.world_size
+
+        def group(gi: int, params: list, hyper: dict) -> FlatGroup:
+            params = sorted(params, key=lambda p: order.get(id(p), n_total))
+            return FlatGroup(
                 gi,
                 params,
                 [names.get(id(p), f"group{gi}.{i}") for i, p in enumerate(params)],
                 hyper,
                 self.dtype,
                 self.device,
-                self.world_size,
+                world,
                 self.global_rank,
                 int(zc.reduce_bucket_size),
+                layout=unit_layout(params, units, world) if partitioned else None,
+                materialize=not partitioned,
             )
+
+        # hyper: the caller's dict itself, so a scheduler writing its "lr" reaches the update
+        self.groups = [group(gi, pg["params"], pg) for gi, pg in enumerate(param_groups)]
+        self.param_store: ParamStore | None = None
+        self.fetch_schedule: FetchSchedule | None = None
+        if partitioned:
+            trained = {id(p) for g in self.groups for p in g.params}
+            rest = [
+                p
+                for p in dict.fromkeys(module.parameters())
+                if id(p) not in trained and (p.is_floating_point() or hasattr(p, "_z3_init"))
+            ]
+            store_groups = self.groups + ([group(len(self.groups), rest, {})] if rest else [])
+            self.param_store = ParamStore(
+                store_groups,
+                [g in self.groups for g in store_groups],
+                Stage3Policy.from_config(zc),
+                self.streams,
+                self.device,
+            )
+        self.grad_shards, self.shard_opts = [], []
+        for gi, g in enumerate(self.groups):
             gs = GradShard(
                 g,
-                self.stage,
+                min(self.stage, 2),  # stage 3 reduces gradients exactly as stage 2
                 self.offload,
                 self._gas,
                 self.streams,
                 pin,
                 host_buffers=2 if self.delayed else 1,
             )
-            home = FlatHome(
-                g, self.streams, sharded, int(zc.allgather_bucket_size), bool(zc.allgather_partitions)
+            home = (
+                ShardHome(self.param_store, gi)
+                if partitioned
+                else FlatHome(
+                    g,
+                    self.streams,
+                    sharded,
+                    int(zc.allgather_bucket_size),
+                    bool(zc.allgather_partitions),
+                )
             )
             so = ShardOptimizer(
                 g,
@@ -116,22 +159,25 @@ class ZeroOffloadEngine(torch.nn.Module):
                 oc.threads if oc is not None else None,
                 self._executor,
             )
+            if partitioned:
+                self.param_store.masters[gi] = so.master
             for i, p in enumerate(g.params):
                 p._zero_offload = (weakref.ref(self), gi, i)
-            self.groups.append(g)
             self.grad_shards.append(gs)
             self.shard_opts.append(so)
         pos = {pid: n_total - 1 - i for pid, i in order.items()}
         self.reducer = Reducer(
             self.groups,
             self.grad_shards,
-            self.stage,
+            min(self.stage, 2),
             bool(zc.overlap_comm),
             bool(zc.reduce_scatter),
             self.streams,
             pos,
             ignore_unused=bool(zc.ignore_unused_parameters),
         )
+        if partitioned:  # after the reducer: its hooks read a gradient before a slot is released
+            self.fetch_schedule = FetchSchedule(self.param_store, module, self.param_store.policy)
         self.optimizer = ZeroOptimizer(self.groups, self.shard_opts)
         self.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
         self.lr_scheduler = lr_scheduler
@@ -247,12 +293,15 @@ class ZeroOffloadEngine(torch.nn.Module):
     # ---- reporting -----------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds per category ("device.*", "host.*")."""
-        out: dict[str, int] = {
-            "device.params": sum(g.flat.numel() * g.flat.element_size() for g in self.groups)
-        }
-        for part in [gs.nbytes() for gs in self.grad_shards] + [
-            so.nbytes() for so in self.shard_opts
-        ]:
+        parts = [gs.nbytes() for gs in self.grad_shards] + [so.nbytes() for so in self.shard_opts]
+        if self.param_store is not None:
+            parts.append(self.param_store.nbytes())
+        else:
+            parts.append(
+                {"device.params": sum(g.flat.numel() * g.flat.element_size() for g in self.groups)}
+            )
+        out: dict[str, int] = {}
+        for part in parts:
             for k, v in part.items():
                 out[k] = out.get(k, 0) + v
         if self.reducer.bucket_pool_bytes():
@@ -262,8 +311,16 @@ class ZeroOffloadEngine(torch.nn.Module):
     def expected_memory(self) -> dict[str, int]:
         """The formula's figure for this engine's padded sizes (buckets excluded)."""
         total = sum(g.layout.total for g in self.groups)
+        extra = {"offload_param": self.param_store.policy.offload_param} if self.stage == 3 else {}
         return expected_bytes(
-            total, self.dtype, self.stage, self.world_size, self.offload, self._gas, self.delayed
+            total,
+            self.dtype,
+            self.stage,
+            self.world_size,
+            self.offload,
+            self._gas,
+            self.delayed,
+            **extra,
         )
 
     def _log_memory(self) -> None:

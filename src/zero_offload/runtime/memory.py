@@ -32,6 +32,7 @@ def expected_bytes(
     offload: bool,
     gas: int = 1,
     delayed: bool = False,
+    offload_param: bool = False,
 ) -> dict[str, int]:
     b = dtype_bytes(dtype)
     shard = numel if stage == 0 else numel // world_size

@@ -31,6 +31,10 @@ class ParamHome(Protocol):
         """The whole host-resident 16-bit shard, which the host update may write in place."""
         ...
 
+    def prepare_write(self) -> None:
+        """Before the update writes ``own`` slices: nothing may still be reading them."""
+        ...
+
     def publish(self) -> None: ...
 
 
@@ -54,6 +58,9 @@ class FlatHome:
 
     def host_shard(self) -> None:
         return None
+
+    def prepare_write(self) -> None:
+        """The flat buffer's own slices are only read by compute, which the uploads wait for."""
 
     def publish(self) -> None:
         """Rebuild every bucket of the flat buffer from all ranks' updated slices, in place."""

@@ -92,6 +92,7 @@ class ShardOptimizer:
     def step(self, factor: float) -> None:
         """One synchronous update with the combined grad factor (unscale x clip)."""
         self.flush()
+        self.home.prepare_write()
         self.step_count += 1
         if self.host:
             self._host_pass(self.grads.host_grad(), factor, self._hyper(), upload=True)
@@ -115,6 +116,7 @@ class ShardOptimizer:
             return
         pending, self._pending = self._pending, None
         pending.result()  # re-raises a failure of the host pass here, on the main thread
+        self.home.prepare_write()
         self.streams.wait(self.streams.h2d, None)
         for c in self.chunks:
             self._upload(c)

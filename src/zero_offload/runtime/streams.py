@@ -21,8 +21,9 @@ class Streams:
             self.reduce = torch.cuda.Stream(device)
             self.d2h = torch.cuda.Stream(device)
             self.h2d = torch.cuda.Stream(device)
+            self.fetch = torch.cuda.Stream(device)  # stage 3: param all-gathers (and their h2d)
         else:
-            self.reduce = self.d2h = self.h2d = None
+            self.reduce = self.d2h = self.h2d = self.fetch = None
 
     def use(self, stream) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

@@ -1,0 +1,209 @@
+"""Stage 3: when params are fetched, prefetched and released (the param store does the moving).
+
+Module hooks, installed on every submodule of the model, so any forward gathers what it needs
+(through the engine or not: ``engine.module.generate``, ``torch.no_grad()`` evaluation):
+
+- forward pre-hook: fetch the module's slots (the units of the params it owns directly, plus any
+  other module's params it was seen reading, see below), then prefetch ahead;
+- forward post-hook: release the module's slots, except those a module still running (an
+  ancestor on the forward stack) needs. Inside backward (activation-checkpoint recomputation)
+  nothing is released here: the backward about to run needs the params. When the output
+  requires grad, a hook on it fetches the module's slots again before its backward runs;
+- after a param's gradient is final (post-accumulate-grad hook), its slot is released once every
+  trainable param in it is final; at the end of backward everything not persistent is released.
+
+Params read across modules (a head that uses ``embedding.weight`` in its parent's forward): each
+module's ``_parameters`` dict is replaced by one whose ``__getitem__`` notices a read of a
+partitioned param while a forward runs, fetches it if needed and records it as needed by the
+module whose forward is running, so it is fetched with that module from then on.
+
+Prefetch: the order in which slots were demanded in the previous pass of the same kind (train or
+eval, grad or not) is replayed; on each demand that matches the recorded order the next slots are
+gathered asynchronously, up to ``stage3_prefetch_bucket_size`` elements ahead and never beyond
+``stage3_max_live_parameters`` live. A demand that departs from the recorded order stops
+prefetching for the rest of the pass; the new order is used on the next one. All ranks record the
+same order, so they issue the same collectives.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .param_store import ParamStore, Stage3Policy
+from .status import ZeroParamStatus
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _ParamDict(dict):
+    """A module's ``_parameters`` that reports reads of partitioned params to the schedule."""
+
+    def __init__(self, src: dict, schedule: FetchSchedule) -> None:
+        super().__init__(src)
+        self._schedule = weakref.ref(schedule)
+
+    def __getitem__(self, name):
+        p = dict.__getitem__(self, name)
+        i = getattr(p, "_z3_slot", None)
+        if i is not None:
+            sched = self._schedule()
+            if sched is not None and sched.stack:
+                sched.on_read(i)
+        return p
+
+    def __deepcopy__(self, memo):
+        return {k: v for k, v in self.items()}
+
+    def __reduce__(self):
+        return (dict, (dict(self.items()),))
+
+
+class FetchSchedule:
+    def __init__(self, store: ParamStore, module: torch.nn.Module, policy: Stage3Policy) -> None:
+        self.store, self.module, self.policy = store, module, policy
+        self.stack: list[torch.nn.Module] = []
+        self.needs: dict[int, list[int]] = {}  # id(module) -> slot ids it fetches
+        self.need_sets: dict[int, set[int]] = {}
+        self.handles = []
+        self.modules = []
+        store.schedule = self
+        for m in module.modules():
+            ids = []
+            for p in [*m._parameters.values(), *getattr(m, "_z3_external", ())]:
+                i = getattr(p, "_z3_slot", None)
+                if i is not None and i not in ids:
+                    ids.append(i)
+            self.needs[id(m)] = ids
+            self.need_sets[id(m)] = set(ids)
+            self.modules.append(m)
+            m.__dict__["_parameters"] = _ParamDict(m._parameters, self)
+            self.handles.append(m.register_forward_pre_hook(self._pre_forward))
+            self.handles.append(m.register_forward_hook(self._post_forward, always_call=True))
+        self.grad_pending = [0] * len(store.slots)
+        self.grad_count = [sum(p.requires_grad for p in s.params) for s in store.slots]
+        for s in store.slots:
+            for p in s.params:
+                if p.requires_grad:
+                    self.handles.append(p.register_post_accumulate_grad_hook(self._grad_final))
+        self._reset_grads()
+        self.traces: dict[tuple, list[int]] = {}
+        self.recording: list[int] | None = None
+        self.rec_key: tuple | None = None
+        self.replay: list[int] | None = None
+        self.pos = 0
+        self.in_backward_pass = False
+
+    # ---- pass bookkeeping ----------------------------------------------------------------------
+    def _begin_pass(self) -> None:
+        if self.recording is not None and self.rec_key is not None:
+            self.traces[self.rec_key] = self.recording
+        self.rec_key = (self.module.training, torch.is_grad_enabled())
+        self.recording = []
+        self.replay = self.traces.get(self.rec_key)
+        self.pos = 0
+
+    def _demand(self, ids: list[int]) -> None:
+        rec, replay = self.recording, self.replay
+        for i in ids:
+            if rec is not None and (not rec or rec[-1] != i):
+                rec.append(i)
+            if replay is not None:
+                if self.pos < len(replay) and replay[self.pos] == i:
+                    self.pos += 1
+                elif not (self.pos > 0 and replay[self.pos - 1] == i):
+                    self.replay = replay = None  # the order changed: stop guessing this pass
+        self.store.fetch(ids)
+        if replay is not None:
+            self._prefetch(replay)
+
+    def _prefetch(self, replay: list[int]) -> None:
+        store, ahead, j = self.store, 0, self.pos
+        limit = self.policy.max_live_parameters
+        while j < len(replay) and ahead < self.policy.prefetch_bucket_size:
+            slot = store.slots[replay[j]]
+            if slot.status is ZeroParamStatus.NOT_AVAILABLE:
+                if store.live + slot.numel > limit:
+                    break
+                store.start(slot.index)
+            ahead += slot.numel
+            j += 1
+
+    def add_external(self, m: torch.nn.Module, i: int) -> None:
+        if id(m) in self.need_sets and i not in self.need_sets[id(m)]:
+            self.need_sets[id(m)].add(i)
+            self.needs[id(m)].append(i)
+
+    def on_read(self, i: int) -> None:
+        """A param of slot ``i`` was read while the top module's forward runs."""
+        self.add_external(self.stack[-1], i)
+        if self.store.slots[i].status is not ZeroParamStatus.AVAILABLE:
+            self._demand([i])
+
+    # ---- forward -------------------------------------------------------------------------------
+    def _pre_forward(self, m: torch.nn.Module, args) -> None:
+        if not self.stack and not _in_backward():
+            self._begin_pass()
+        self.stack.append(m)
+        ids = self.needs[id(m)]
+        if ids:
+            self._demand(ids)
+
+    def _post_forward(self, m: torch.nn.Module, args, output) -> None:
+        if self.stack and self.stack[-1] is m:
+            self.stack.pop()
+        ids = self.needs[id(m)]
+        if not ids:
+            return
+        backward = _in_backward()
+        if torch.is_grad_enabled() and not backward:
+            tensors = [
+                t
+                for t in tree_flatten(output)[0]
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, lambda _g, ids=ids: self._pre_backward(ids), mode="any"
+                )
+        if backward:
+            return
+        still = set()
+        for a in self.stack:
+            still |= self.need_sets[id(a)]
+        for i in ids:
+            if i not in still:
+                self.store.release(i)
+
+    # ---- backward ------------------------------------------------------------------------------
+    def _pre_backward(self, ids: list[int]) -> None:
+        if not self.in_backward_pass:
+            self.in_backward_pass = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._demand(ids)
+
+    def _grad_final(self, p: torch.Tensor) -> None:
+        i = p._z3_slot
+        self.grad_pending[i] -= 1
+        if self.grad_pending[i] == 0 and not self.stack:
+            self.store.release(i)
+
+    def _end_backward(self) -> None:
+        self.in_backward_pass = False
+        self._reset_grads()
+        if not self.stack:
+            self.store.release_all()
+
+    def _reset_grads(self) -> None:
+        self.grad_pending[:] = self.grad_count
+
+    # ---- teardown ------------------------------------------------------------------------------
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        for m in self.modules:
+            m.__dict__["_parameters"] = dict(m._parameters.items())

@@ -1,0 +1,325 @@
+"""Stage 3: the param store. Every rank keeps only its param shard of every 16-bit param; a
+module's params are gathered to full size (fetched) just before they are used and freed
+(released) after.
+
+Index space: each flat group (trainable optimizer groups, plus one group for every other param of
+the module) is laid out with one bucket per fetch unit (``build_unit_layout``: the params a module
+owns directly). Rank r's param shard is the r-th slice of every bucket, stored contiguously: the
+same coordinates as its grad shard and master shard, so the shard optimizer updates it in place
+(``ShardHome``) and one all-gather of a bucket rebuilds that module's params.
+
+A **slot** is one bucket with its gather state. Invariants:
+- a param's ``.data`` is a view of its slot's gathered buffer exactly while the slot is AVAILABLE,
+  and an empty tensor otherwise (``p.numel() == 0``, ``p.ds_status`` NOT_AVAILABLE);
+- ``live`` is the number of gathered elements (AVAILABLE or INFLIGHT slots), ``peak_live`` its
+  maximum since the last ``reset_peak``;
+- a pinned slot (``GatheredParameters``) and, between optimizer steps, a persistent slot are never
+  released; ``invalidate`` (after the shard changed) releases every slot of a group, persistent or
+  not, and the next fetch gathers the new values.
+
+Placement: the shard lives on the device, or in host memory with ``offload_param`` (pinned when
+CUDA is present). CUDA: a gather runs on the fetch stream (host-to-device copy of the own slice,
+then the all-gather) and records an event; the compute stream waits on that event before the
+params are used, and a released buffer is marked in use by the compute stream so the caching
+allocator does not hand it to the fetch stream while compute may still read it.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from . import dist
+from .flat_group import FlatGroup
+from .init_partition import full_value, next_ds_id
+from .layout import Segment
+from .status import ZeroParamStatus
+from .streams import Streams, alloc_host
+
+
+@dataclass(frozen=True)
+class Stage3Policy:
+    """The stage-3 settings the store and the fetch schedule act on (elements, not bytes)."""
+
+    offload_param: bool = False
+    pin_memory: bool = True
+    prefetch_bucket_size: int = 50_000_000
+    param_persistence_threshold: int = 100_000
+    model_persistence_threshold: int = 2**63 - 1
+    max_live_parameters: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+
+    @classmethod
+    def from_config(cls, zc) -> Stage3Policy:
+        op = zc.offload_param
+        d = cls()
+        return cls(
+            offload_param=bool(op is not None and op.device == "cpu"),
+            pin_memory=bool(op.pin_memory) if op is not None else True,
+            **{
+                f: int(getattr(zc, f"stage3_{f}", getattr(d, f)))
+                for f in (
+                    "prefetch_bucket_size",
+                    "param_persistence_threshold",
+                    "model_persistence_threshold",
+                    "max_live_parameters",
+                    "max_reuse_distance",
+                )
+            },
+        )
+
+
+class Slot:
+    """One fetch unit's bucket of one group, and its gather state."""
+
+    __slots__ = (
+        "index",
+        "group",
+        "bucket",
+        "params",
+        "views",
+        "numel",
+        "status",
+        "buf",
+        "work",
+        "event",
+        "persistent",
+        "trainable",
+    )
+
+    def __init__(self, index: int, group: FlatGroup, bucket, trainable: bool) -> None:
+        self.index, self.group, self.bucket, self.trainable = index, group, bucket, trainable
+        self.params = [group.params[i] for i in bucket.params]
+        # (offset inside the bucket, numel, shape) of each param's full view
+        self.views = [
+            (group.layout.offsets[i] - bucket.start, p.ds_numel, p.ds_shape)
+            for i, p in zip(bucket.params, self.params)
+        ]
+        self.numel = bucket.numel
+        self.status = ZeroParamStatus.NOT_AVAILABLE
+        self.buf: torch.Tensor | None = None
+        self.work = None
+        self.event = None
+        self.persistent = False
+
+
+class ParamStore:
+    def __init__(
+        self,
+        groups: list[FlatGroup],
+        trainable: list[bool],
+        policy: Stage3Policy,
+        streams: Streams,
+        device: torch.device,
+    ) -> None:
+        self.groups, self.policy, self.streams, self.device = groups, policy, streams, device
+        self.rank, self.world = dist.rank(), dist.world_size()
+        pin = policy.pin_memory and device.type == "cuda"
+        self.shards: list[torch.Tensor] = []
+        self.slots: list[Slot] = []
+        self.group_slots: list[list[int]] = []
+        self.masters: dict[int, torch.Tensor] = {}  # group index -> fp32 master shard (trainable)
+        persistent_left = policy.model_persistence_threshold
+        for gi, g in enumerate(groups):
+            assert g.index == gi, "store groups are indexed by position"
+            numel = g.layout.shard_numel
+            shard = (
+                alloc_host(numel, g.dtype, pin)
+                if policy.offload_param
+                else torch.empty(numel, dtype=g.dtype, device=device)
+            )
+            shard.zero_()  # padding stays zero
+            self.shards.append(shard)
+            self._partition(g, shard)
+            ids = []
+            for b in g.layout.buckets:
+                slot = Slot(len(self.slots), g, b, trainable[gi])
+                data = sum(p.ds_numel for p in slot.params)
+                if data <= policy.param_persistence_threshold and data <= persistent_left:
+                    slot.persistent = True
+                    persistent_left -= data
+                for p in slot.params:
+                    p._z3_slot = slot.index
+                ids.append(slot.index)
+                self.slots.append(slot)
+            self.group_slots.append(ids)
+        self.live = 0
+        self.peak_live = 0
+        self.pinned: collections.Counter = collections.Counter()
+        self.schedule = None  # the FetchSchedule acting on this store, once built
+
+    # ---- construction --------------------------------------------------------------------------
+    def _partition(self, g: FlatGroup, shard: torch.Tensor) -> None:
+        """Copy this rank's ranges of every param into the shard, one param at a time, then empty
+        the params and give them DeepSpeed's attributes."""
+        layout, r = g.layout, self.rank
+        bucket_of = layout.param_bucket()
+        with torch.no_grad():
+            for i, p in enumerate(g.params):
+                b = layout.buckets[bucket_of[i]]
+                lo_own = b.start + r * b.slice_numel
+                off, n = layout.offsets[i], layout.numels[i]
+                lo, hi = max(off, lo_own), min(off + n, lo_own + b.slice_numel)
+                value = full_value(p)
+                shape = tuple(value.shape)
+                dst = shard[
+                    b.shard_start + max(lo - lo_own, 0) : b.shard_start + max(hi - lo_own, 0)
+                ]
+                if hi > lo:
+                    dst.copy_(value.reshape(-1)[lo - off : hi - off])
+                for attr in ("_z3_init", "ds_tensor"):
+                    if hasattr(p, attr):
+                        delattr(p, attr)
+                p.ds_numel = n
+                p.ds_shape = torch.Size(shape)
+                p.ds_tensor = dst  # this rank's piece of the param (may be empty)
+                if not hasattr(p, "ds_id"):
+                    p.ds_id = next_ds_id()
+                p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+                p._z3_store = weakref.ref(self)
+                p.data = torch.empty(0, dtype=g.dtype, device=self.device)
+
+    # ---- gather / release ----------------------------------------------------------------------
+    def start(self, i: int) -> None:
+        """Begin gathering slot ``i`` (asynchronously where the backend allows)."""
+        slot = self.slots[i]
+        if slot.status is not ZeroParamStatus.NOT_AVAILABLE:
+            return
+        b, n = slot.bucket, slot.bucket.slice_numel
+        src = self.shards[slot.group.index][b.shard_start : b.shard_start + n]
+        st = self.streams
+        st.wait(st.fetch, None)  # the own slice may be rewritten only after compute is done
+        with st.use(st.fetch):
+            buf = torch.empty(b.numel, dtype=slot.group.dtype, device=self.device)
+            own = buf[self.rank * n : (self.rank + 1) * n]
+            own.copy_(src, non_blocking=st.cuda)
+            slot.work = dist.all_gather(buf, own, async_op=self.world > 1 and not st.cuda)
+            slot.event = st.record(st.fetch)
+        slot.buf = buf
+        slot.status = ZeroParamStatus.INFLIGHT
+        self._set_status(slot, ZeroParamStatus.INFLIGHT)
+        self.live += slot.numel
+        self.peak_live = max(self.peak_live, self.live)
+
+    def wait(self, i: int) -> None:
+        """Slot ``i`` is gathered and its params bound to the full views."""
+        slot = self.slots[i]
+        if slot.status is ZeroParamStatus.NOT_AVAILABLE:
+            self.start(i)
+        if slot.status is ZeroParamStatus.AVAILABLE:
+            return
+        if slot.work is not None:
+            slot.work.wait()
+            slot.work = None
+        if slot.event is not None:
+            torch.cuda.current_stream().wait_event(slot.event)
+            slot.event = None
+        for p, (off, n, shape) in zip(slot.params, slot.views):
+            p.data = slot.buf[off : off + n].view(shape)
+        slot.status = ZeroParamStatus.AVAILABLE
+        self._set_status(slot, ZeroParamStatus.AVAILABLE)
+
+    def fetch(self, ids) -> None:
+        """Gather the slots ``ids`` (all collectives started before the first wait)."""
+        for i in ids:
+            self.start(i)
+        for i in ids:
+            self.wait(i)
+
+    def release(self, i: int, force: bool = False) -> None:
+        """Free slot ``i``'s full params (persistent and pinned ones only with ``force``)."""
+        slot = self.slots[i]
+        if slot.status is ZeroParamStatus.NOT_AVAILABLE:
+            return
+        if not force and (slot.persistent or self.pinned[i]):
+            return
+        if slot.status is ZeroParamStatus.INFLIGHT:
+            self.wait(i)
+        for p in slot.params:
+            p.data = torch.empty(0, dtype=slot.group.dtype, device=self.device)
+        self.streams.keep_alive(
+            slot.buf, torch.cuda.current_stream() if self.streams.cuda else None
+        )
+        slot.buf = None
+        slot.status = ZeroParamStatus.NOT_AVAILABLE
+        self._set_status(slot, ZeroParamStatus.NOT_AVAILABLE)
+        self.live -= slot.numel
+
+    def release_all(self, force: bool = False) -> None:
+        for i in range(len(self.slots)):
+            self.release(i, force=force)
+
+    def quiesce(self) -> None:
+        """Every gather started so far has finished reading the shards (before they change)."""
+        for slot in self.slots:
+            if slot.status is ZeroParamStatus.INFLIGHT:
+                self.wait(slot.index)
+        if self.streams.cuda:
+            self.streams.fetch.synchronize()
+
+    def invalidate(self, gi: int) -> None:
+        """Group ``gi``'s shard changed: drop every gathered copy (persistent ones too)."""
+        for i in self.group_slots[gi]:
+            self.release(i, force=True)
+
+    @staticmethod
+    def _set_status(slot: Slot, status: ZeroParamStatus) -> None:
+        for p in slot.params:
+            p.ds_status = status
+
+    # ---- edits of full params (GatheredParameters with a modifier rank) ------------------------
+    def write_back(self, ids, src_rank: int) -> None:
+        """Every rank takes rank ``src_rank``'s full values of the gathered slots ``ids`` into its
+        param shard (and its fp32 master shard, for trainable groups)."""
+        with torch.no_grad():
+            for i in ids:
+                slot = self.slots[i]
+                self.wait(i)
+                if self.world > 1:
+                    torch.distributed.broadcast(slot.buf, src=src_rank)
+                b, n = slot.bucket, slot.bucket.slice_numel
+                own = slot.buf[self.rank * n : (self.rank + 1) * n]
+                self.shards[slot.group.index][b.shard_start : b.shard_start + n].copy_(own)
+                master = self.masters.get(slot.group.index)
+                if master is not None:
+                    master[b.shard_start : b.shard_start + n].copy_(own)
+
+    # ---- reporting -----------------------------------------------------------------------------
+    def nbytes(self) -> dict[str, int]:
+        where = "host" if self.policy.offload_param else "device"
+        out: dict[str, int] = {}
+        for gi, shard in enumerate(self.shards):
+            key = f"{where}.param_shard" if self.trainable(gi) else f"{where}.frozen_param_shard"
+            out[key] = out.get(key, 0) + shard.numel() * shard.element_size()
+        if self.live:
+            esize = self.groups[0].dtype.itemsize if self.groups else 0
+            out["device.gathered_params"] = self.live * esize
+        return out
+
+    def trainable(self, gi: int) -> bool:
+        return bool(self.group_slots[gi]) and self.slots[self.group_slots[gi][0]].trainable
+
+
+class ShardHome:
+    """The shard optimizer's view of one trainable group's param shard (see param_home.py)."""
+
+    def __init__(self, store: ParamStore, gi: int) -> None:
+        self.store, self.gi = store, gi
+        self.on_host = store.policy.offload_param
+
+    def own(self, seg: Segment) -> torch.Tensor:
+        return self.store.shards[self.gi][seg.shard_start : seg.shard_start + seg.numel]
+
+    def host_shard(self) -> torch.Tensor | None:
+        return self.store.shards[self.gi] if self.on_host else None
+
+    def prepare_write(self) -> None:
+        self.store.quiesce()
+
+    def publish(self) -> None:
+        st = self.store.streams
+        st.wait(None, st.h2d)  # uploads into a device shard land before anything gathers it
+        self.store.invalidate(self.gi)

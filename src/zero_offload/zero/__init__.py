@@ -1,0 +1,8 @@
+"""DeepSpeed's ``deepspeed.zero`` names: build partitioned models (``Init``), see or edit full
+params of a partitioned model (``GatheredParameters``), and declare cross-module param use."""
+
+from ..runtime.status import ZeroParamStatus
+from .gathered import GatheredParameters, register_external_parameter
+from .init import Init
+
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "register_external_parameter"]

@@ -1,0 +1,90 @@
+"""``GatheredParameters``: full params of a partitioned model inside a block; with
+``modifier_rank``, that rank's edits become every rank's shard (and fp32 master) on exit.
+
+Collective: every rank enters and leaves the block with the same params, in the same order.
+Works for params managed by a stage-3 engine (fetched through its param store and kept gathered,
+pinned, while the block runs) and for params partitioned by ``zero.Init`` before any engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from ..runtime import dist
+from ..runtime.init_partition import full_value, write_back
+
+
+def _as_list(params) -> list[torch.nn.Parameter]:
+    if params is None:
+        return []
+    if isinstance(params, torch.Tensor):
+        return [params]
+    return list(dict.fromkeys(params))
+
+
+class GatheredParameters:
+    def __init__(
+        self,
+        params: torch.nn.Parameter | Iterable[torch.nn.Parameter],
+        modifier_rank: int | None = None,
+        fwd_module: torch.nn.Module | None = None,
+        enabled: bool = True,
+    ) -> None:
+        if modifier_rank is not None and not 0 <= int(modifier_rank) < dist.world_size():
+            raise ValueError(
+                f"GatheredParameters: modifier_rank must be None or in [0, {dist.world_size()}), "
+                f"got {modifier_rank}"
+            )
+        self.enabled = enabled
+        self.modifier_rank = modifier_rank
+        self.fwd_module = fwd_module
+        params = _as_list(params) if enabled else []
+        self.init_params = [p for p in params if hasattr(p, "_z3_init")]
+        self.by_store: dict[int, tuple] = {}
+        for p in params:
+            ref = getattr(p, "_z3_store", None)
+            store = ref() if ref is not None else None
+            if store is None:
+                continue
+            entry = self.by_store.setdefault(id(store), (store, []))
+            if p._z3_slot not in entry[1]:
+                entry[1].append(p._z3_slot)
+
+    def __enter__(self) -> None:
+        for store, ids in self.by_store.values():
+            for i in ids:
+                store.pinned[i] += 1
+            store.fetch(ids)
+        for p in self.init_params:
+            p.data = full_value(p).clone()
+
+    def __exit__(self, *exc) -> None:
+        with torch.no_grad():
+            for store, ids in self.by_store.values():
+                if self.modifier_rank is not None:
+                    store.write_back(ids, self.modifier_rank)
+                for i in ids:
+                    store.pinned[i] -= 1
+                    store.release(i)
+            for p in self.init_params:
+                if self.modifier_rank is not None:
+                    if dist.world_size() > 1:
+                        torch.distributed.broadcast(p.data, src=self.modifier_rank)
+                    write_back(p, p.data)
+                p.data = torch.empty(0, dtype=p.data.dtype, device=p.data.device)
+
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """Declare that ``module``'s forward reads ``parameter`` though another module owns it, so it
+    is fetched with ``module``. (Reads through attribute access are also detected on their own.)"""
+    if not isinstance(parameter, torch.nn.Parameter):
+        raise ValueError("register_external_parameter: 'parameter' must be a torch.nn.Parameter")
+    ext = module.__dict__.setdefault("_z3_external", [])
+    if all(q is not parameter for q in ext):
+        ext.append(parameter)
+    ref = getattr(parameter, "_z3_store", None)
+    store = ref() if ref is not None else None
+    if store is not None and store.schedule is not None:
+        store.schedule.add_external(module, parameter._z3_slot)

@@ -1,0 +1,149 @@
+"""``zero.Init``: partition params as modules are constructed, so a model larger than one rank's
+device (with ``remote_device="cpu"``: larger than the device altogether) can be built.
+
+Inside the context every ``torch.nn.Module`` subclass's ``__init__`` is wrapped: when the
+outermost ``__init__`` of a module returns (its own params created and initialized), each of its
+direct params is broadcast from rank 0 and cut into ``world_size`` chunks, of which this rank
+keeps one (``p.ds_tensor``) and ``p.data`` is emptied. Peak memory while building is therefore
+the shards plus one module's full params. Leaving the context restores the classes.
+
+A stage-3 engine takes such params as they are (gathering one param at a time to re-lay them out
+in its own buckets); stages 0-2 gather them back to full params.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ..runtime import dist
+from ..runtime.init_partition import partition_at_init
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _all_subclasses(cls: type) -> list[type]:
+    out, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        for sub in c.__subclasses__():
+            out.append(sub)
+            todo.append(sub)
+    return out
+
+
+class Init:
+    def __init__(
+        self,
+        module: torch.nn.Module | None = None,
+        data_parallel_group=None,
+        mem_efficient_linear: bool = True,
+        remote_device: str | None = None,
+        pin_memory: bool = False,
+        config_dict_or_path=None,
+        config=None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        mpu=None,
+        **_: object,
+    ) -> None:
+        if remote_device not in (None, "cpu", "cuda", "none"):
+            raise ValueError(
+                f'zero.Init: remote_device must be None, "cpu" or "cuda", got {remote_device!r}'
+                + (" (NVMe offload is not built)" if remote_device == "nvme" else "")
+            )
+        if mpu is not None:
+            raise ValueError("zero.Init: 'mpu' (model parallelism) is not supported")
+        self.enabled = enabled
+        dist.init_distributed()
+        cfg = config_dict_or_path if config_dict_or_path is not None else config
+        if dtype is None and cfg is not None:
+            dtype = self._config_dtype(cfg)
+        self.dtype = dtype
+        self.shard_device = torch.device("cpu") if remote_device == "cpu" else dist.default_device()
+        self.pin = bool(pin_memory)
+        self._patched: list[tuple[type, object]] = []
+        self._orig_init_subclass = None
+        if enabled and module is not None:
+            self._partition_tree(module)
+
+    @staticmethod
+    def _config_dtype(cfg) -> torch.dtype | None:
+        from ..config import load_config
+
+        if isinstance(cfg, str | os.PathLike):
+            from ..config.json_text import read_json_file
+
+            cfg = read_json_file(cfg)
+        if isinstance(cfg, dict):
+            for key in ("fp16", "bf16", "bfloat16"):
+                block = cfg.get(key)
+                if isinstance(block, dict) and block.get("enabled") is True:
+                    return torch.bfloat16 if key != "fp16" else torch.float16
+            return None
+        return load_config(cfg, world_size=dist.world_size()).dtype
+
+    # ---- partitioning --------------------------------------------------------------------------
+    def _partition_module(self, m: torch.nn.Module) -> None:
+        with torch.no_grad():
+            for p in m._parameters.values():
+                if p is not None and (p.is_floating_point() or hasattr(p, "_z3_init")):
+                    partition_at_init(p, self.shard_device, self.dtype, self.pin)
+
+    def _partition_tree(self, module: torch.nn.Module) -> None:
+        for m in module.modules():
+            self._partition_module(m)
+
+    def _wrap(self, cls: type) -> None:
+        orig = cls.__dict__.get("__init__")
+        if orig is None or getattr(orig, "_z3_wrapped", False):
+            return
+        ctx = self
+
+        @functools.wraps(orig)
+        def init(module, *args, **kwargs):
+            depth = module.__dict__.get("_z3_init_depth", 0)
+            module.__dict__["_z3_init_depth"] = depth + 1
+            try:
+                orig(module, *args, **kwargs)
+            finally:
+                if depth:
+                    module.__dict__["_z3_init_depth"] = depth
+                else:
+                    module.__dict__.pop("_z3_init_depth", None)
+            if depth == 0:
+                ctx._partition_module(module)
+
+        init._z3_wrapped = True
+        cls.__init__ = init
+        self._patched.append((cls, orig))
+
+    # ---- context -------------------------------------------------------------------------------
+    def __enter__(self) -> Init:
+        if not self.enabled:
+            return self
+        for cls in [torch.nn.Module, *_all_subclasses(torch.nn.Module)]:
+            self._wrap(cls)
+        ctx = self
+        self._orig_init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
+
+        @classmethod
+        def init_subclass(cls, **kwargs):
+            super(torch.nn.Module, cls).__init_subclass__(**kwargs)
+            ctx._wrap(cls)
+
+        torch.nn.Module.__init_subclass__ = init_subclass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.enabled:
+            return
+        for cls, orig in reversed(self._patched):
+            cls.__init__ = orig
+        self._patched.clear()
+        if self._orig_init_subclass is None:
+            del torch.nn.Module.__init_subclass__
+        else:
+            torch.nn.Module.__init_subclass__ = self._orig_init_subclass
