@@ -43,6 +43,7 @@ def case_config(case: dict) -> dict:
         overlap=case.get("overlap", False),
         dtype=case["dtype"],
         bucket=case.get("bucket", 100),
+        offload_param=case.get("offload_param", False),
     )
     # A schedule still warming up at the split: a resume that lost the lr or the schedule's
     # position diverges at once.
@@ -100,7 +101,7 @@ def snapshot(engine, model) -> dict:
     named = dict(model.named_parameters())
     return {
         "master": {n: safe_get_full_fp32_param(p) for n, p in named.items() if p.requires_grad},
-        "module": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "module": _module_state(engine, model),
         "counters": [
             engine.global_steps,
             engine.global_samples,
@@ -110,6 +111,11 @@ def snapshot(engine, model) -> dict:
         "lr": engine.get_lr(),
         "loss_scale": engine.loss_scale,
     }
+
+
+def _module_state(engine, model) -> dict:
+    with engine.params_on_host():  # stage 3: the full params
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def draws() -> list[float]:

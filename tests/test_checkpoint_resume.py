@@ -38,6 +38,15 @@ W1 = [
     },
     {"id": "w1-s0-bf16-gas2", "stage": 0, "offload": False, "dtype": "bf16", "micro": 2, "gas": 2},
     {"id": "w1-s1-fp16", "stage": 1, "offload": False, "dtype": "fp16", "micro": 2, "gas": 1},
+    {
+        "id": "w1-s3-params-bf16-gas2",
+        "stage": 3,
+        "offload": True,
+        "offload_param": True,
+        "dtype": "bf16",
+        "micro": 2,
+        "gas": 2,
+    },
 ]
 W2 = [
     {
@@ -65,6 +74,16 @@ W2 = [
         "micro": 2,
         "gas": 1,
     },
+    {"id": "w2-s3-fp32", "stage": 3, "offload": False, "dtype": "fp32", "micro": 2, "gas": 1},
+    {
+        "id": "w2-s3-params-fp16",
+        "stage": 3,
+        "offload": True,
+        "offload_param": True,
+        "dtype": "fp16",
+        "micro": 2,
+        "gas": 1,
+    },
 ]
 # Same global batch (4 samples) as the world-2 source; stage 1, no offload, other bucket size.
 ELASTIC_W1 = [
@@ -77,7 +96,26 @@ ELASTIC_W1 = [
         "micro": 4,
         "gas": 1,
         "bucket": 64,
-    }
+    },
+    {  # stage 2 -> stage 3 (params on the host)
+        "id": "elastic-s2-to-s3-w1",
+        "from": "w2-s2-offload-fp32",
+        "stage": 3,
+        "offload": True,
+        "offload_param": True,
+        "dtype": "fp32",
+        "micro": 4,
+        "gas": 1,
+    },
+    {  # stage 3 -> stage 2
+        "id": "elastic-s3-to-s2-w1",
+        "from": "w2-s3-fp32",
+        "stage": 2,
+        "offload": False,
+        "dtype": "fp32",
+        "micro": 4,
+        "gas": 1,
+    },
 ]
 ELASTIC_W4 = [
     {
@@ -89,7 +127,16 @@ ELASTIC_W4 = [
         "micro": 1,
         "gas": 1,
         "bucket": 300,
-    }
+    },
+    {
+        "id": "elastic-s3-w4",
+        "from": "w2-s3-fp32",
+        "stage": 3,
+        "offload": False,
+        "dtype": "fp32",
+        "micro": 1,
+        "gas": 1,
+    },
 ]
 
 
@@ -179,12 +226,15 @@ def _check_elastic(case, saved, resumed) -> None:
     assert max(abs(a - b) for a, b in zip(r["rest"], src["straight"][SPLIT:])) < 1e-4, case["id"]
 
 
-def test_elastic_world2_to_world1(saved, resumed_w1):
-    _check_elastic(ELASTIC_W1[0], saved, resumed_w1)
+@pytest.mark.parametrize("case", ELASTIC_W1, ids=lambda c: c["id"])
+def test_elastic_world2_to_world1(case, saved, resumed_w1):
+    _check_elastic(case, saved, resumed_w1)
 
 
 def test_elastic_world2_to_world4(saved, root):
-    _check_elastic(ELASTIC_W4[0], saved, run_ranks(4, resume_phase, ELASTIC_W4, root))
+    resumed = run_ranks(4, resume_phase, ELASTIC_W4, root)
+    for case in ELASTIC_W4:
+        _check_elastic(case, saved, resumed)
 
 
 def test_export_of_sharded_checkpoint_equals_gathered_masters(saved, root):
@@ -192,7 +242,7 @@ def test_export_of_sharded_checkpoint_equals_gathered_masters(saved, root):
 
     from zero_offload.checkpoint import export_safetensors, get_fp32_state_dict_from_zero_checkpoint
 
-    for cid in ("w2-s2-offload-fp32", "w2-s2-offload-bf16"):
+    for cid in ("w2-s2-offload-fp32", "w2-s2-offload-bf16", "w2-s3-fp32", "w2-s3-params-fp16"):
         at_save = saved[cid]["at_save"]
         sd = get_fp32_state_dict_from_zero_checkpoint(f"{root}/{cid}")
         assert list(sd) == list(at_save["module"])

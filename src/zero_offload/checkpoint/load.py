@@ -33,9 +33,10 @@ def _apply(
     module_only: bool,
     load_lr_scheduler_states: bool,
 ) -> None:
-    live = engine.module.state_dict()
-    for key, target in plan.module:
-        live[key].copy_(ckpt.read_tensor(MODEL_FILE, target))
+    with engine.params_on_host(write_back=True):  # stage 3: into every rank's param shard
+        live = engine.module.state_dict()
+        for key, target in plan.module:
+            live[key].copy_(ckpt.read_tensor(MODEL_FILE, target))
     if use_opt:
         saved = ckpt.groups
         for g, so, gp, old in zip(engine.groups, engine.shard_opts, plan.groups, saved):
@@ -125,7 +126,8 @@ def load_checkpoint(
     try:
         ckpt = CheckpointReader.open(Path(load_dir), tag)
         if ckpt is not None:
-            plan = make_plan(engine, ckpt, use_opt, load_module_only)
+            with engine.params_on_host():  # stage 3: the module's full shapes
+                plan = make_plan(engine, ckpt, use_opt, load_module_only)
     except Exception as e:
         err = e
     failed = failed_ranks(engine.device, err is None)

@@ -89,7 +89,7 @@ def _plan_groups(engine, ckpt: CheckpointReader, plan: LoadPlan) -> None:
         )
     plan.groups = []
     for g, so, old in zip(engine.groups, engine.shard_opts, saved):
-        shapes = [tuple(p.shape) for p in g.params]
+        shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in g.params]
         if list(g.names) != old.names:
             diff = next(
                 (i for i, (a, b) in enumerate(zip(g.names, old.names)) if a != b),

@@ -9,6 +9,7 @@ publishes, so a failure on any rank leaves ``save_dir`` as it was.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -33,6 +34,8 @@ from .format import (
 )
 from .module_state import alias_map, frozen_param_names, module_state, param_names
 from .tensor_file import Entry, write_file
+
+log = logging.getLogger("zero_offload")
 
 
 def _agree(engine, err: BaseException | None, what: str, cleanup=None) -> None:
@@ -76,7 +79,7 @@ def _common_meta(engine, tag: str, client_state) -> dict:
         groups.append(
             {
                 "names": list(g.names),
-                "shapes": [list(p.shape) for p in g.params],
+                "shapes": [list(getattr(p, "ds_shape", p.shape)) for p in g.params],
                 "numels": list(layout.numels),
                 "bucket_params": [list(b.params) for b in layout.buckets],
                 "align": layout.align,
@@ -177,10 +180,13 @@ def save_checkpoint(
     _agree(engine, err, "preparation", discard)
 
     try:
-        digests = {rank_file(rank): _write_rank_file(engine, stage)}
-        model = None
-        if rank == 0:
-            digests[MODEL_FILE], model = _write_model_file(engine, stage)
+        # stage 3: full params in host memory, gathered one module at a time (a collective,
+        # entered first so that every rank reaches it)
+        with engine.params_on_host():
+            digests = {rank_file(rank): _write_rank_file(engine, stage)}
+            model = None
+            if rank == 0:
+                digests[MODEL_FILE], model = _write_model_file(engine, stage)
         atomic.write_bytes_atomic(_digest_file(stage, rank), json.dumps(digests).encode("utf-8"))
         atomic.pause("after_shards")
     except Exception as e:
@@ -217,12 +223,27 @@ def save_16bit_model(
     save_dir,
     save_filename: str = "model.safetensors",
     exclude_frozen_parameters: bool = False,
-) -> str:
+) -> str | bool:
     """Write the module's 16-bit weights (its state dict as trained, tied names each present) to
     ``<save_dir>/<save_filename>`` from rank 0; safetensors unless the name ends in .bin/.pt/.pth
     (then ``torch.save`` of a plain tensor dict). A collective: every rank calls it."""
     engine.flush_delayed_update()  # all ranks: the pending update is gathered into every param
     path = Path(save_dir) / save_filename
+    zc = engine.config.zero_optimization
+    if engine.stage == 3 and not getattr(zc, "stage3_gather_16bit_weights_on_model_save", False):
+        log.warning(
+            "save_16bit_model: did NOT save %s: at ZeRO stage 3 the weights are partitioned and "
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save is false. Set it to true "
+            "to gather and save them, or save a checkpoint (save_checkpoint) and convert it with "
+            "`zero-offload export` or get_fp32_state_dict_from_zero_checkpoint",
+            path,
+        )
+        return False
+    with engine.params_on_host():
+        return _save_16bit(engine, path, exclude_frozen_parameters)
+
+
+def _save_16bit(engine, path: Path, exclude_frozen_parameters: bool) -> str:
     err: BaseException | None = None
     if engine.global_rank == 0:
         try:

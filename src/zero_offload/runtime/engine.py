@@ -412,6 +412,15 @@ class ZeroOffloadEngine(torch.nn.Module):
 
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
+    def params_on_host(self, write_back: bool = False):
+        """Stage 3: every param bound to a full host copy for the block (see ParamStore); a
+        no-op context at stages 0-2, whose params are always whole."""
+        if self.param_store is None:
+            return contextlib.nullcontext()
+        return self.param_store.params_on_host(write_back)
+
     def destroy(self) -> None:
         self.flush_delayed_update()
         self.reducer.remove()
+        if self.fetch_schedule is not None:
+            self.fetch_schedule.remove()

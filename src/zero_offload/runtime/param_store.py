@@ -27,6 +27,7 @@ allocator does not hand it to the fetch stream while compute may still read it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import weakref
 from dataclasses import dataclass
 
@@ -217,8 +218,7 @@ class ParamStore:
         if slot.event is not None:
             torch.cuda.current_stream().wait_event(slot.event)
             slot.event = None
-        for p, (off, n, shape) in zip(slot.params, slot.views):
-            p.data = slot.buf[off : off + n].view(shape)
+        self._bind(slot, slot.buf)
         slot.status = ZeroParamStatus.AVAILABLE
         self._set_status(slot, ZeroParamStatus.AVAILABLE)
 
@@ -286,6 +286,45 @@ class ParamStore:
                 master = self.masters.get(slot.group.index)
                 if master is not None:
                     master[b.shard_start : b.shard_start + n].copy_(own)
+
+    # ---- whole-model access (checkpoints) -------------------------------------------------------
+    @contextlib.contextmanager
+    def params_on_host(self, write_back: bool = False):
+        """Every param bound to a full copy in host memory while the block runs (a collective;
+        one slot on the device at a time). With ``write_back``, on a clean exit each rank's
+        param shard takes its own slice of the (possibly edited) host copy. Within the block a
+        param's ``ds_status`` is not what its ``.data`` holds; nothing may fetch or step."""
+        self.quiesce()
+        copies = []
+        try:
+            for slot in self.slots:
+                was_available = slot.status is ZeroParamStatus.AVAILABLE
+                self.wait(slot.index)
+                host = slot.buf.to("cpu", copy=True)
+                if not was_available:
+                    self.release(slot.index, force=True)
+                self._bind(slot, host)
+                copies.append(host)
+            yield
+            if write_back:
+                for slot, host in zip(self.slots, copies):
+                    b, n = slot.bucket, slot.bucket.slice_numel
+                    own = host[self.rank * n : (self.rank + 1) * n]
+                    self.shards[slot.group.index][b.shard_start : b.shard_start + n].copy_(own)
+                    if slot.status is ZeroParamStatus.AVAILABLE:
+                        slot.buf.copy_(host)
+        finally:
+            for slot in self.slots[: len(copies)]:
+                if slot.status is ZeroParamStatus.AVAILABLE:
+                    self._bind(slot, slot.buf)
+                else:
+                    for p in slot.params:
+                        p.data = torch.empty(0, dtype=slot.group.dtype, device=self.device)
+
+    @staticmethod
+    def _bind(slot: Slot, buf: torch.Tensor) -> None:
+        for p, (off, n, shape) in zip(slot.params, slot.views):
+            p.data = buf[off : off + n].view(shape)
 
     # ---- reporting -----------------------------------------------------------------------------
     def nbytes(self) -> dict[str, int]:
