@@ -53,10 +53,11 @@ def delayed_reference(world: int):
     return init, {n: p.detach().clone() for n, p in master.named_parameters()}, losses
 
 
-def run_delayed(delayed: bool):
+def run_delayed(delayed: bool, stage: int = 2, offload_param: bool = False):
     cfg = engine_config(
-        stage=2,
+        stage=stage,
         offload=True,
+        offload_param=offload_param,
         gas=GAS,
         micro=MICRO,
         clip=0.0,
@@ -68,10 +69,10 @@ def run_delayed(delayed: bool):
     return params, losses, mem
 
 
-def check(world: int) -> dict:
+def check(world: int, stage: int = 2, offload_param: bool = False) -> dict:
     init, ref_params, ref_losses = delayed_reference(world)
-    params, losses, mem = run_delayed(True)
-    plain_params, plain_losses, _ = run_delayed(False)
+    params, losses, mem = run_delayed(True, stage, offload_param)
+    plain_params, plain_losses, _ = run_delayed(False, stage, offload_param)
     return {
         "err": displacement_err(params, ref_params, init),
         "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
@@ -93,6 +94,11 @@ def _assert(r: dict) -> None:
 
 def test_delayed_update_world1():
     _assert(check(1))
+
+
+def test_delayed_update_stage3_params_on_host():
+    # The worker writes a staging buffer, not the host param shard the next forward gathers from.
+    _assert(check(1, stage=3, offload_param=True))
 
 
 @pytest.mark.slow
