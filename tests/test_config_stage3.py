@@ -1,12 +1,14 @@
-"""Stage 3 config: DeepSpeed's stage-3 keys, spellings and defaults, ``offload_param``, and the
-rules between them."""
+"""Stage 3 config: DeepSpeed's stage-3 keys, spellings and defaults, ``offload_param``, the rules
+between them, and ``"auto"`` sizes filled from the model's hidden size."""
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from zero_offload.config import (
     NotImplementedSettingWarning,
     ZeroOffloadConfig,
     load_config,
+    resolve_auto_sizes,
 )
 from zero_offload.config.zero import ZERO_NOT_IMPLEMENTED
 
@@ -289,3 +292,128 @@ def test_stage3_example_config_file() -> None:
     assert zc.stage == 3 and zc.offload and zc.offload_params and zc.overlap_comm
     assert cfg.dtype in (torch.float16, torch.bfloat16)
     assert cfg.train_batch_size == 8 * cfg.train_micro_batch_size_per_gpu
+
+
+# ---- "auto" sizes from the model's hidden size ---------------------------------------------------
+
+
+def tiny_model(hidden_size: object = None, hidden_sizes: object = None) -> torch.nn.Module:
+    model = torch.nn.Linear(4, 4)
+    fields = {}
+    if hidden_size is not None:
+        fields["hidden_size"] = hidden_size
+    if hidden_sizes is not None:
+        fields["hidden_sizes"] = hidden_sizes
+    model.config = SimpleNamespace(**fields)  # type: ignore[assignment]
+    return model
+
+
+AUTO_ZERO = {
+    "stage": 3,
+    "reduce_bucket_size": "auto",
+    "stage3_prefetch_bucket_size": "auto",
+    "stage3_param_persistence_threshold": "auto",
+}
+
+
+def test_auto_keys_are_recorded() -> None:
+    cfg = load(AUTO_ZERO)
+    assert cfg.auto_keys == frozenset(
+        {
+            "zero_optimization.reduce_bucket_size",
+            "zero_optimization.stage3_prefetch_bucket_size",
+            "zero_optimization.stage3_param_persistence_threshold",
+        }
+    )
+    assert load({"stage": 3}).auto_keys == frozenset()
+
+
+def test_auto_sizes_from_hidden_size(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = load(AUTO_ZERO)
+    zc = cfg.zero_optimization
+    assert zc.reduce_bucket_size == 500_000_000  # the default until resolved
+    with caplog.at_level(logging.INFO, logger="zero_offload"):
+        chosen = resolve_auto_sizes(cfg, tiny_model(hidden_size=768))
+    assert chosen == {
+        "reduce_bucket_size": 768 * 768,
+        "stage3_prefetch_bucket_size": int(0.9 * 768 * 768),
+        "stage3_param_persistence_threshold": 7680,
+    }
+    assert (
+        zc.reduce_bucket_size,
+        zc.stage3_prefetch_bucket_size,
+        zc.stage3_param_persistence_threshold,
+    ) == (589_824, 530_841, 7680)
+    lines = [r for r in caplog.records if r.name == "zero_offload"]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    text = lines[0].getMessage()
+    for key, value in chosen.items():
+        assert f"zero_optimization.{key}={value}" in text
+    assert cfg.to_dict()["zero_optimization"]["reduce_bucket_size"] == 589_824
+
+
+def test_auto_sizes_only_for_keys_that_were_auto() -> None:
+    cfg = load({"stage": 3, "reduce_bucket_size": 1000, "prefetch_bucket_size": "auto"})
+    chosen = resolve_auto_sizes(cfg, tiny_model(hidden_size=100))
+    assert chosen == {"stage3_prefetch_bucket_size": 9000}  # the alias spelling counts too
+    zc = cfg.zero_optimization
+    assert zc.reduce_bucket_size == 1000 and zc.stage3_param_persistence_threshold == 100_000
+
+
+def test_auto_sizes_hidden_sizes_uses_the_largest() -> None:
+    cfg = load(AUTO_ZERO)
+    chosen = resolve_auto_sizes(cfg, tiny_model(hidden_sizes=[64, 512, 256]))
+    assert chosen["reduce_bucket_size"] == 512 * 512
+    assert chosen["stage3_param_persistence_threshold"] == 5120
+
+
+def test_auto_stage3_sizes_not_filled_below_stage3() -> None:
+    cfg = load({**AUTO_ZERO, "stage": 2})
+    assert resolve_auto_sizes(cfg, tiny_model(hidden_size=64)) == {"reduce_bucket_size": 4096}
+    assert cfg.zero_optimization.stage3_prefetch_bucket_size == 50_000_000
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        torch.nn.Linear(2, 2),  # no .config at all
+        tiny_model(hidden_size=True),
+        tiny_model(hidden_size=0),
+        tiny_model(hidden_size="768"),
+        tiny_model(hidden_sizes=[]),
+    ],
+)
+def test_auto_sizes_without_hidden_size_keep_defaults(model: torch.nn.Module) -> None:
+    cfg = load(AUTO_ZERO)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert resolve_auto_sizes(cfg, model) == {}
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    for key, default in (
+        ("reduce_bucket_size", 500_000_000),
+        ("stage3_prefetch_bucket_size", 50_000_000),
+        ("stage3_param_persistence_threshold", 100_000),
+    ):
+        assert f"zero_optimization.{key}={default}" in message
+    assert cfg.zero_optimization.reduce_bucket_size == 500_000_000
+
+
+def test_no_auto_keys_nothing_to_do() -> None:
+    cfg = load({"stage": 3})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_auto_sizes(cfg, torch.nn.Linear(2, 2)) == {}
+
+
+def test_auto_sizes_from_the_projects_gpt2() -> None:
+    from zero_offload.models.gpt2 import GPT2Config, GPT2Model
+
+    model = GPT2Model(GPT2Config(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8))
+    cfg = load_config(CONFIGS / "gpt2_stage3_offload.json", 1)
+    chosen = resolve_auto_sizes(cfg, model)
+    assert chosen == {
+        "reduce_bucket_size": 1024,
+        "stage3_prefetch_bucket_size": 921,
+        "stage3_param_persistence_threshold": 320,
+    }
