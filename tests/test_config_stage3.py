@@ -417,3 +417,125 @@ def test_auto_sizes_from_the_projects_gpt2() -> None:
         "stage3_prefetch_bucket_size": 921,
         "stage3_param_persistence_threshold": 320,
     }
+
+
+# ---- memory formula and estimate -----------------------------------------------------------------
+
+N_PARAMS = 1_500_000_000  # the seeds' 1.5B model
+
+
+def stage3_bytes(offload: bool, offload_param: bool, **kw) -> dict[str, int]:
+    from zero_offload.runtime.memory import expected_bytes
+
+    dtype = kw.pop("dtype", torch.float16)
+    return expected_bytes(8000, dtype, 3, 8, offload, offload_param=offload_param, **kw)
+
+
+def test_stage3_categories() -> None:
+    s = 1000  # shard: 8000 padded elements on 8 ranks, 2 bytes each in fp16
+    assert stage3_bytes(False, False) == {
+        "device.param_shard": 2 * s,
+        "device.grad_shard": 2 * s,
+        "device.master_shard": 4 * s,
+        "device.optimizer_state": 8 * s,
+    }
+    assert stage3_bytes(True, False) == {
+        "device.param_shard": 2 * s,
+        "host.master_shard": 4 * s,
+        "host.optimizer_state": 8 * s,
+        "host.grad_shard": 2 * s,
+        "host.param_staging": 2 * s,
+    }
+    assert stage3_bytes(False, True) == {
+        "host.param_shard": 2 * s,
+        "device.grad_shard": 2 * s,
+        "device.master_shard": 4 * s,
+        "device.optimizer_state": 8 * s,
+    }
+    # Both offloads: the host update writes the 16-bit param shard in place, no staging.
+    assert stage3_bytes(True, True) == {
+        "host.param_shard": 2 * s,
+        "host.master_shard": 4 * s,
+        "host.optimizer_state": 8 * s,
+        "host.grad_shard": 2 * s,
+    }
+
+
+def test_stage3_accumulation_delayed_and_fp32() -> None:
+    s = 1000
+    acc = stage3_bytes(True, True, gas=2, delayed=True)
+    assert acc["device.grad_shard"] == 2 * s and acc["host.grad_shard"] == 4 * s
+    fp32 = stage3_bytes(True, False, dtype=torch.float32)
+    assert "host.param_staging" not in fp32 and fp32["device.param_shard"] == 4 * s
+    bf16 = stage3_bytes(False, True, dtype=torch.bfloat16)
+    assert bf16["host.param_shard"] == 2 * s
+
+
+def test_offload_param_needs_stage3_in_the_formula() -> None:
+    from zero_offload.runtime.memory import expected_bytes
+
+    with pytest.raises(ValueError, match="offload_param needs stage 3"):
+        expected_bytes(8000, torch.float16, 2, 8, True, offload_param=True)
+
+
+# (offload, offload_param) -> (device bytes/param, host bytes/param) on N ranks, fp16: DESIGN.md's
+# rows (stage 3: (2+2+12)/N on the device; both offloads: (2+4+4+4+2)/N on the host, none on it).
+STAGE3_PER_PARAM = {
+    (False, False): (16, 0),
+    (True, False): (2, 16),
+    (False, True): (14, 2),
+    (True, True): (0, 16),
+}
+
+
+@pytest.mark.parametrize("world", [1, 8])
+def test_stage3_rows_for_1p5b(world: int) -> None:
+    from zero_offload.runtime.memory import per_param_table
+
+    rows = {
+        (r["offload"], r["offload_param"]): r
+        for r in per_param_table(N_PARAMS, world, torch.float16)
+        if r["stage"] == 3
+    }
+    assert rows.keys() == STAGE3_PER_PARAM.keys()
+    for case, (device, host) in STAGE3_PER_PARAM.items():
+        assert rows[case]["device"] == device * N_PARAMS // world, case
+        assert rows[case]["host"] == host * N_PARAMS // world, case
+        assert rows[case]["optimizer_state"] == 12 * N_PARAMS // world, case
+    # Below stage 3 the rows are unchanged and offload_param is never set.
+    others = [r for r in per_param_table(N_PARAMS, world) if r["stage"] < 3]
+    assert len(others) == 5 and not any(r["offload_param"] for r in others)
+
+
+@pytest.mark.parametrize(
+    ("world", "expected"),
+    [
+        (
+            1,
+            [
+                ["none", "24.00", "0.00", "18.00", "none"],
+                ["cpu", "3.00", "24.00", "18.00", "none"],
+                ["none", "21.00", "3.00", "18.00", "cpu"],
+                ["cpu", "0.00", "24.00", "18.00", "cpu"],
+            ],
+        ),
+        (
+            8,
+            [
+                ["none", "3.00", "0.00", "2.25", "none"],
+                ["cpu", "0.38", "3.00", "2.25", "none"],
+                ["none", "2.62", "0.38", "2.25", "cpu"],
+                ["cpu", "0.00", "3.00", "2.25", "cpu"],
+            ],
+        ),
+    ],
+)
+def test_estimate_prints_stage3_rows(world: int, expected: list[list[str]], capsys) -> None:
+    from zero_offload.cli.main import main
+
+    assert main(["estimate", "--params", "1.5e9", "--gpus", str(world), "--stage", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[-1] == "offload_param"
+    rows = [line.split() for line in lines[2:] if line.split()[0] == "3"]
+    assert [row[1:] for row in rows] == expected
+    assert "stage3_max_live_parameters" in lines[-1]  # live gathered params are outside the formula
