@@ -521,12 +521,8 @@ def test_config_object_source_is_reresolved_for_a_new_world_size() -> None:
             "optimizer.params.betas[1]: must be < 1.0 (got 1.5)",
         ),
         (
-            {"train_batch_size": 1, "zero_optimization": {"stage": 3}},
-            "zero_optimization.stage: stage 3 is not built; use 0, 1 or 2",
-        ),
-        (
             {"train_batch_size": 1, "zero_optimization": {"stage": 5}},
-            "zero_optimization.stage: allowed: 0, 1, 2; got 5",
+            "zero_optimization.stage: allowed: 0, 1, 2, 3; got 5",
         ),
         (
             {
@@ -544,11 +540,13 @@ def test_config_object_source_is_reresolved_for_a_new_world_size() -> None:
         ),
         (
             {"train_batch_size": 1, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}},
-            'zero_optimization.offload_optimizer.device: "cpu" needs zero_optimization.stage 1 or 2',
+            'zero_optimization.offload_optimizer.device: "cpu" needs zero_optimization.stage 1, 2 '
+            "or 3 (stage is 0)",
         ),
         (
             {"train_batch_size": 1, "zero_optimization": {"cpu_offload": True}},
-            'zero_optimization.offload_optimizer.device: "cpu" needs zero_optimization.stage 1 or 2',
+            'zero_optimization.offload_optimizer.device: "cpu" needs zero_optimization.stage 1, 2 '
+            "or 3",
         ),
         (
             {
@@ -566,7 +564,8 @@ def test_config_object_source_is_reresolved_for_a_new_world_size() -> None:
                 "train_batch_size": 1,
                 "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}},
             },
-            'zero_optimization.offload_param.device: "cpu": parameter offload needs ZeRO stage 3',
+            'zero_optimization.offload_param.device: "cpu" parameter offload needs '
+            "zero_optimization.stage 3 (stage is 2)",
         ),
         (
             {
@@ -647,7 +646,7 @@ def test_all_problems_are_reported_together() -> None:
             {
                 "train_batch_size": 1,
                 "stepz_per_print": 3,
-                "zero_optimization": {"stage": 3, "overlap_com": True},
+                "zero_optimization": {"stage": 4, "overlap_com": True},
                 "fp16": {"loss_scale": -1},
             }
         )
@@ -672,8 +671,9 @@ def test_not_implemented_keys_give_exactly_one_warning() -> None:
         "optimizer": {"type": "AdamW", "params": {"set_grad_none": True}},
         "zero_optimization": {
             "stage": 2,
-            "sub_group_size": 1e9,
-            "stage3_max_live_parameters": 1e9,
+            "sub_group_size": 1e8,
+            "stage3_max_live_parameters": 2e8,
+            "stage3_module_granularity_threshold": 100,
         },
     }
     with warnings.catch_warnings(record=True) as caught:
@@ -688,13 +688,15 @@ def test_not_implemented_keys_give_exactly_one_warning() -> None:
         "wandb",
         "fp16.fused_mode",
         "optimizer.params.set_grad_none",
-        "zero_optimization.sub_group_size",
-        "zero_optimization.stage3_max_live_parameters",
+        "zero_optimization.sub_group_size=100000000 (stage 3 only)",
+        "zero_optimization.stage3_max_live_parameters=200000000 (stage 3 only)",
+        "zero_optimization.stage3_module_granularity_threshold",
         "prescale_gradients=true",
         "gradient_predivide_factor=2.0",
     ):
         assert key in message, key
-    assert "zero_optimization.sub_group_size" in cfg.ignored_keys
+    assert "zero_optimization.stage3_module_granularity_threshold" in cfg.ignored_keys
+    assert "zero_optimization.sub_group_size" not in cfg.ignored_keys  # typed: stage 3 reads it
     assert "prescale_gradients" not in cfg.ignored_keys  # a typed key, warned for its value only
 
 

@@ -1,6 +1,7 @@
 """``zero-offload estimate``: model-state memory per device and on the host, for every stage with
-and without offload (the seeds' arithmetic: a 1.5B model's Adam state is 18 GB; ZeRO stage 1 on
-8 ranks holds 2.25 GB of it per device)."""
+and without optimizer offload, and at stage 3 with and without parameter offload (the seeds'
+arithmetic: a 1.5B model's Adam state is 18 GB; ZeRO stage 1 on 8 ranks holds 2.25 GB of it per
+device)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-length", type=int, default=1024)
     p.add_argument("--vocab-size", type=int, default=50257)
     p.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (default 1)")
-    p.add_argument("--stage", type=int, choices=[0, 1, 2], help="show only this stage")
+    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="show only this stage")
     p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default="fp16")
 
 
@@ -50,13 +51,21 @@ def run(args: argparse.Namespace) -> int:
         "GB = 1e9 bytes; activations and bucket buffers not included"
     )
     print(
-        f"{'stage':>5} {'offload':>7} {'per device GB':>14} {'host per rank GB':>17} {'optimizer state per rank GB':>28}"
+        f"{'stage':>5} {'offload':>7} {'per device GB':>14} {'host per rank GB':>17} "
+        f"{'optimizer state per rank GB':>28} {'offload_param':>13}"
     )
     for row in per_param_table(numel, args.gpus, dtype):
         if args.stage is not None and row["stage"] != args.stage:
             continue
+        # offload is offload_optimizer; offload_param exists at stage 3 only ("-" below it).
+        params = ("cpu" if row["offload_param"] else "none") if row["stage"] == 3 else "-"
         print(
-            f"{row['stage']:>5} {('cpu' if row['offload'] else 'none'):>7} {row['device'] / 1e9:>14.2f} "
-            f"{row['host'] / 1e9:>17.2f} {row['optimizer_state'] / 1e9:>28.2f}"
+            f"{row['stage']:>5} {('cpu' if row['offload'] else 'none'):>7} "
+            f"{row['device'] / 1e9:>14.2f} {row['host'] / 1e9:>17.2f} "
+            f"{row['optimizer_state'] / 1e9:>28.2f} {params:>13}"
         )
+    print(
+        "stage 3 also holds the gathered params of the modules running now "
+        "(at most stage3_max_live_parameters), not included above"
+    )
     return 0

@@ -1,5 +1,6 @@
 """Typed DeepSpeed-style configuration: ``load_config(source, world_size)`` -> ZeroOffloadConfig."""
 
+from .auto_sizes import resolve_auto_sizes
 from .batch import BatchSizes, resolve_batch_sizes
 from .errors import ConfigError, NotImplementedSettingWarning
 from .json_text import parse_json_text, read_json_file
@@ -41,5 +42,6 @@ __all__ = [
     "load_config",
     "parse_json_text",
     "read_json_file",
+    "resolve_auto_sizes",
     "resolve_batch_sizes",
 ]

@@ -85,6 +85,7 @@ def load_config(
 
     config._source = raw
     config._ignored_keys = tuple(prepared.ignored)
+    config._auto_keys = frozenset(prepared.auto)
     unimplemented = [*prepared.ignored, *config.non_default_unimplemented()]
     if unimplemented:
         warnings.warn(

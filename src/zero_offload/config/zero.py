@@ -1,39 +1,51 @@
-"""``zero_optimization`` section: DeepSpeed's ZeRO stage 0/1/2 keys and defaults, plus
-optimizer offload to the host CPU. Stage 3, NVMe and parameter offload are not built; their
-keys are errors (when they would change what runs) or warnings (when they would only tune it).
+"""``zero_optimization`` section: DeepSpeed's ZeRO stage 0/1/2/3 keys and defaults, optimizer
+offload and (stage 3) parameter offload to the host CPU. NVMe offload is not built: its device
+value is an error; keys that would only tune what is not built are warnings.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from .errors import json_repr
+from .errors import join_path, json_repr
 from .fields import DEFAULT_ONLY, Bool, Float, Int, Section, Str, rule_error
+from .keys import describe_errors
 
 # 5e8 elements: DeepSpeed's default for both bucket sizes.
 DEFAULT_BUCKET_SIZE = 500_000_000
 
-# Stage-3 (and ZeRO++ / MiCS / ZenFlow) keys: accepted so DeepSpeed configs load, then listed
-# in the not-implemented warning. DeepSpeed spells the stage-3 ones with and without prefix.
-_STAGE3_KEYS = (
-    "prefetch_bucket_size",
-    "param_persistence_threshold",
-    "model_persistence_threshold",
-    "max_live_parameters",
-    "max_reuse_distance",
-    "gather_16bit_weights_on_model_save",
+# The stage-3 keys this project reads, by their field (and canonical JSON) name, with every
+# other spelling DeepSpeed accepts for the same setting: DeepSpeed's own field names are the
+# unprefixed ones, with the ``stage3_`` spelling as alias, and it keeps the deprecated
+# ``stage3_gather_fp16_weights_on_model_save``. Two spellings of one setting are an error.
+STAGE3_SPELLINGS: dict[str, tuple[str, ...]] = {
+    "stage3_prefetch_bucket_size": ("prefetch_bucket_size",),
+    "stage3_param_persistence_threshold": ("param_persistence_threshold",),
+    "stage3_model_persistence_threshold": ("model_persistence_threshold",),
+    "stage3_max_live_parameters": ("max_live_parameters",),
+    "stage3_max_reuse_distance": ("max_reuse_distance",),
+    "stage3_gather_16bit_weights_on_model_save": (
+        "gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save",
+    ),
+    "sub_group_size": (),
+}
+_ALIAS_OF = {alias: name for name, aliases in STAGE3_SPELLINGS.items() for alias in aliases}
+
+# Stage-3 (and ZeRO++ / MiCS / ZenFlow) keys not built: accepted so DeepSpeed configs load,
+# then listed in the not-implemented warning, in both of DeepSpeed's spellings.
+_STAGE3_EXTRAS = (
     "module_granularity_threshold",
     "use_all_reduce_for_fetch_params",
     "allgather_sequential",
     "partition_stream_chunk_size",
 )
 ZERO_NOT_IMPLEMENTED = frozenset(
-    {*_STAGE3_KEYS, *(f"stage3_{k}" for k in _STAGE3_KEYS)}
+    {*_STAGE3_EXTRAS, *(f"stage3_{k}" for k in _STAGE3_EXTRAS)}
     | {
-        "stage3_gather_fp16_weights_on_model_save",
-        "sub_group_size",
         "zero_hpz_partition_size",
         "zero_quantized_weights",
         "zero_quantized_nontrainable_weights",
@@ -50,10 +62,17 @@ ZERO_NOT_IMPLEMENTED = frozenset(
         "leaf_module",
         "zenflow",
         "legacy_stage1",
-        "cpu_offload_param",
         "cpu_offload_use_pin_memory",
     }
 )
+
+
+def _not_nvme(value: Any) -> Any:
+    if value == "nvme":
+        raise ValueError('"nvme" offload is not built; use "cpu" or "none"')
+    if value not in ("none", "cpu"):
+        raise ValueError(f'allowed: "none", "cpu"; got {json_repr(value)}')
+    return value
 
 
 class OffloadOptimizerConfig(Section):
@@ -81,27 +100,31 @@ class OffloadOptimizerConfig(Section):
     @field_validator("device", mode="before")
     @classmethod
     def _device(cls, value: Any) -> Any:
-        if value == "nvme":
-            raise ValueError('"nvme" offload is not built; use "cpu" or "none"')
-        if value not in ("none", "cpu"):
-            raise ValueError(f'allowed: "none", "cpu"; got {json_repr(value)}')
-        return value
+        return _not_nvme(value)
 
 
 class OffloadParamConfig(Section):
-    """``offload_param``: DeepSpeed's parameter offload, which needs stage 3. Only
-    ``device: "none"`` is accepted; the rest of its keys are read for compatibility."""
+    """``offload_param`` (stage 3): with ``device: "cpu"`` each rank's 16-bit param shard lives in
+    host memory (pinned when ``pin_memory`` and CUDA) and is fetched to the device to run.
+    ``buffer_count``, ``buffer_size`` and ``max_in_cpu`` size DeepSpeed's NVMe buffers; they are
+    validated and kept for compatibility."""
 
-    device: Literal["none", "cpu", "nvme"] = "none"
+    device: Literal["none", "cpu"] = "none"
     nvme_path: Str | None = None
     buffer_count: Int = Field(5, ge=0)
     buffer_size: Int = Field(100_000_000, ge=0)
     max_in_cpu: Int = Field(1_000_000_000, ge=0)
     pin_memory: Bool = True
 
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device(cls, value: Any) -> Any:
+        return _not_nvme(value)
+
 
 class ZeroConfig(Section):
-    """ZeRO stage 0 (plain data parallel), 1 (optimizer state partitioned) or 2 (gradients too)."""
+    """ZeRO stage 0 (plain data parallel), 1 (optimizer state partitioned), 2 (gradients too) or
+    3 (16-bit params too)."""
 
     NOT_IMPLEMENTED: ClassVar[frozenset[str]] = ZERO_NOT_IMPLEMENTED
 
@@ -123,14 +146,47 @@ class ZeroConfig(Section):
     parameter_alignment: Bool = Field(False, json_schema_extra=DEFAULT_ONLY)
     # Deprecated in DeepSpeed: true means offload_optimizer {"device": "cpu"}.
     cpu_offload: Bool | None = None
+    # Deprecated in DeepSpeed: true means offload_param {"device": "cpu"}.
+    cpu_offload_param: Bool | None = None
     offload_optimizer: OffloadOptimizerConfig | None = None
     offload_param: OffloadParamConfig | None = None
+    # Stage 3 (elements unless named otherwise); no effect below stage 3. Defaults: DeepSpeed's.
+    stage3_prefetch_bucket_size: Int = Field(50_000_000, ge=0)
+    stage3_param_persistence_threshold: Int = Field(100_000, ge=0)
+    stage3_model_persistence_threshold: Int = Field(sys.maxsize, ge=0)
+    stage3_max_live_parameters: Int = Field(1_000_000_000, ge=0)
+    stage3_max_reuse_distance: Int = Field(1_000_000_000, ge=0)
+    stage3_gather_16bit_weights_on_model_save: Bool = False
+    sub_group_size: Int = Field(1_000_000_000, ge=0)
+
+    @classmethod
+    def known_keys(cls) -> set[str]:
+        return super().known_keys() | set(_ALIAS_OF)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _spellings(cls, data: Any) -> Any:
+        """Each stage-3 setting under its ``stage3_`` name. A value given under another spelling
+        is checked here, so that its error names the key the user wrote."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for name, aliases in STAGE3_SPELLINGS.items():
+            given = [key for key in (name, *aliases) if key in data]
+            if len(given) > 1:
+                others = ", ".join(f'"{key}"' for key in given[1:])
+                raise rule_error(
+                    given[0], f"{others} is the same setting (DeepSpeed alias); give one, not both"
+                )
+            if given and given[0] != name:
+                data[name] = _checked(cls, name, given[0], data.pop(given[0]))
+        return data
 
     @field_validator("stage", mode="before")
     @classmethod
     def _stage(cls, value: Any) -> Any:
         if isinstance(value, bool) or value not in (0, 1, 2, 3):
-            raise ValueError(f"allowed: 0, 1, 2; got {json_repr(value)}")
+            raise ValueError(f"allowed: 0, 1, 2, 3; got {json_repr(value)}")
         return value
 
     @model_validator(mode="after")
@@ -142,37 +198,80 @@ class ZeroConfig(Section):
                 )
             if self.cpu_offload:
                 self.offload_optimizer = OffloadOptimizerConfig(device="cpu")
+            # Applied: to_dict() then holds one spelling, so it loads again.
+            self.cpu_offload = None
+        param_key = "offload_param.device"
+        if self.cpu_offload_param is not None:
+            if "offload_param" in self.model_fields_set:
+                raise rule_error(
+                    "cpu_offload_param", "deprecated alias of offload_param; give one, not both"
+                )
+            param_key = "cpu_offload_param"
+            if self.cpu_offload_param:
+                self.offload_param = OffloadParamConfig(device="cpu")
+            self.cpu_offload_param = None
         if self.overlap_comm is None:
-            self.overlap_comm = False  # stage 3 is the only stage DeepSpeed overlaps by default
+            self.overlap_comm = self.stage == 3  # DeepSpeed overlaps by default at stage 3 only
         offload = self.offload_optimizer
         if offload is not None and offload.device == "cpu" and self.stage == 0:
             raise rule_error(
                 "offload_optimizer.device",
-                '"cpu" needs zero_optimization.stage 1 or 2 (stage is 0): the offloaded '
+                '"cpu" needs zero_optimization.stage 1, 2 or 3 (stage is 0): the offloaded '
                 "optimizer updates this rank's partition",
             )
         if offload is not None and offload.ratio < 1.0:
             raise rule_error(
                 "offload_optimizer.ratio",
-                "partial offload (ratio < 1.0) needs ZeRO stage 3, which is not built; use 1.0",
+                "partial offload (ratio < 1.0) is not built; use 1.0",
             )
         if offload is not None and offload.delayed_update and offload.device != "cpu":
             raise rule_error(
                 "offload_optimizer.delayed_update", 'needs offload_optimizer.device "cpu"'
             )
-        if self.offload_param is not None and self.offload_param.device == "nvme":
+        if self.offload_params and self.stage != 3:
             raise rule_error(
-                "offload_param.device",
-                f'"{self.offload_param.device}": parameter offload needs ZeRO stage 3, '
-                'which is not built; use "none" or remove offload_param',
+                param_key,
+                f'"cpu" parameter offload needs zero_optimization.stage 3 (stage is '
+                f"{self.stage}): only stage 3 partitions the 16-bit params",
             )
         return self
 
+    def non_default_unimplemented(self, prefix: str = "") -> list[str]:
+        """Also every stage-3 key set away from its default below stage 3, where it has no
+        effect."""
+        out = super().non_default_unimplemented(prefix)
+        if self.stage < 3:
+            for name in STAGE3_SPELLINGS:
+                value = getattr(self, name)
+                if value != type(self).model_fields[name].default:
+                    out.append(f"{join_path(prefix, name)}={json_repr(value)} (stage 3 only)")
+        return out
+
     @property
     def offload_device(self) -> str:
-        """The offload device: "cpu" when the optimizer runs on the host, else "none"."""
+        """The optimizer offload device: "cpu" when the optimizer runs on the host, else "none"."""
         return self.offload_optimizer.device if self.offload_optimizer is not None else "none"
 
     @property
     def offload(self) -> bool:
+        """Whether the master shard, optimizer state and update live on the host."""
         return self.offload_device == "cpu"
+
+    @property
+    def offload_param_device(self) -> str:
+        """Where the 16-bit param shard lives between uses (stage 3): "cpu" or "none"."""
+        return self.offload_param.device if self.offload_param is not None else "none"
+
+    @property
+    def offload_params(self) -> bool:
+        """Whether the 16-bit param shard lives in host memory (stage 3 parameter offload)."""
+        return self.offload_param_device == "cpu"
+
+
+def _checked(model: type[Section], name: str, key: str, value: Any) -> Any:
+    """``value`` validated as field ``name``; a failure is an error naming ``key``."""
+    field = model.model_fields[name]
+    try:
+        return TypeAdapter(field.rebuild_annotation()).validate_python(value)
+    except ValidationError as exc:
+        raise rule_error(key, describe_errors(model, exc, set())[0]) from None

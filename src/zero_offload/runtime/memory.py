@@ -1,18 +1,27 @@
 """Model-state memory arithmetic: what each rank should hold, per category.
 
 For ``numel`` params (padded to the layout), training dtype of ``b`` bytes, Adam (fp32 master,
-exp_avg, exp_avg_sq: 12 bytes), N ranks:
+exp_avg, exp_avg_sq: 12 bytes), N ranks; "offload" is ``offload_optimizer``:
 
-| stage          | device                                   | host                        |
-| 0              | params b + grads b + 12                  | 0                           |
-| 1              | params b + grads b + 12/N                | 0                           |
-| 2              | params b + grad shard b/N + 12/N         | 0                           |
-| 1/2 + offload  | params b (+ stage 1 grads b)             | 12/N + grad b/N + staging b/N |
+| stage             | device                                  | host                              |
+| 0                 | params b + grads b + 12                 | 0                                 |
+| 1                 | params b + grads b + 12/N               | 0                                 |
+| 2                 | params b + grad shard b/N + 12/N        | 0                                 |
+| 1/2 + offload     | params b (+ stage 1 grads b)            | 12/N + grad b/N + staging b/N     |
+| 3                 | param shard b/N + grad shard b/N + 12/N | 0                                 |
+| 3 + offload       | param shard b/N                         | 12/N + grad b/N + staging b/N     |
+| 3 + offload_param | grad shard b/N + 12/N                   | param shard b/N                   |
+| 3 + both offloads | 0                                       | param shard b/N + 12/N + grad b/N |
 
-Stage 2 also holds grad bucket buffers (``reduce_bucket_size`` each, at most two alternating with
+Stages 2 and 3 also hold grad bucket buffers (``reduce_bucket_size`` each, at most two alternating with
 overlap_comm), which are not part of the formula; with offload and gradient accumulation the grad
 shard is accumulated on the device (b/N) and only the final sum crosses the bus; the delayed update
 keeps two host grad shards. fp32 training needs no staging buffer (the master uploads itself).
+
+Stage 3 keeps no full-size params or grads: each rank holds its param shard (b/N), on the host
+with ``offload_param``, and the gathered (live) params of the modules running now, bounded by
+``stage3_max_live_parameters`` and, like grad buckets, not part of the formula. With both offloads
+the host update writes the 16-bit param shard in place, so there is no staging buffer.
 """
 
 from __future__ import annotations
@@ -32,11 +41,24 @@ def expected_bytes(
     offload: bool,
     gas: int = 1,
     delayed: bool = False,
+    *,
     offload_param: bool = False,
 ) -> dict[str, int]:
+    """Model-state bytes per rank by category (``device.*`` / ``host.*``). ``offload`` is
+    optimizer offload; ``offload_param`` (stage 3 only) puts the 16-bit param shard on the host."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
+    if offload_param and stage != 3:
+        raise ValueError(f"offload_param needs stage 3, got stage {stage}")
+    if offload and stage == 0:
+        raise ValueError("offload needs stage 1, 2 or 3, got stage 0")
     b = dtype_bytes(dtype)
     shard = numel if stage == 0 else numel // world_size
-    out = {"device.params": numel * b}
+    out: dict[str, int] = {}
+    if stage == 3:
+        out[f"{'host' if offload_param else 'device'}.param_shard"] = shard * b
+    else:
+        out["device.params"] = numel * b
     if stage <= 1:
         out["device.grads"] = numel * b
     elif not offload or gas > 1:
@@ -46,31 +68,44 @@ def expected_bytes(
     out[f"{where}.optimizer_state"] = shard * 8
     if offload:
         out["host.grad_shard"] = shard * b * (2 if delayed else 1)
-        if b < 4:
+        if b < 4 and not offload_param:
             out["host.param_staging"] = shard * b
     return out
 
 
+# (stage, offload, offload_param) rows of the estimate table.
+TABLE_CASES = (
+    (0, False, False),
+    (1, False, False),
+    (1, True, False),
+    (2, False, False),
+    (2, True, False),
+    (3, False, False),
+    (3, True, False),
+    (3, False, True),
+    (3, True, True),
+)
+
+
 def per_param_table(numel: int, world_size: int, dtype: torch.dtype = torch.float16) -> list[dict]:
-    """Every stage with and without offload, for ``zero-offload estimate``."""
+    """Every stage with and without offload (and, at stage 3, parameter offload), for
+    ``zero-offload estimate``."""
     rows = []
-    for stage in (0, 1, 2):
-        for offload in (False, True):
-            if offload and stage == 0:
-                continue
-            e = expected_bytes(numel, dtype, stage, world_size, offload)
-            dev = sum(v for k, v in e.items() if k.startswith("device."))
-            host = sum(v for k, v in e.items() if k.startswith("host."))
-            rows.append(
-                {
-                    "stage": stage,
-                    "offload": offload,
-                    "device": dev,
-                    "host": host,
-                    "optimizer_state": e.get("device.optimizer_state", 0)
-                    + e.get("device.master_shard", 0)
-                    + e.get("host.optimizer_state", 0)
-                    + e.get("host.master_shard", 0),
-                }
-            )
+    for stage, offload, offload_param in TABLE_CASES:
+        e = expected_bytes(numel, dtype, stage, world_size, offload, offload_param=offload_param)
+        dev = sum(v for k, v in e.items() if k.startswith("device."))
+        host = sum(v for k, v in e.items() if k.startswith("host."))
+        rows.append(
+            {
+                "stage": stage,
+                "offload": offload,
+                "offload_param": offload_param,
+                "device": dev,
+                "host": host,
+                "optimizer_state": e.get("device.optimizer_state", 0)
+                + e.get("device.master_shard", 0)
+                + e.get("host.optimizer_state", 0)
+                + e.get("host.master_shard", 0),
+            }
+        )
     return rows
