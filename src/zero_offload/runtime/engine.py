@@ -17,6 +17,7 @@ import weakref
 
 import torch
 
+from ..config.auto_sizes import resolve_auto_sizes
 from . import dist
 from .fetch_schedule import FetchSchedule
 from .flat_group import FlatGroup
@@ -55,6 +56,7 @@ class ZeroOffloadEngine(torch.nn.Module):
             dist.rank(),
             dist.local_rank(),
         )
+        resolve_auto_sizes(config, module)  # "auto" bucket sizes from the model's hidden size
         zc = config.zero_optimization
         self.stage = zc.stage
         self.offload = zc.offload_device == "cpu"
@@ -311,7 +313,6 @@ class ZeroOffloadEngine(torch.nn.Module):
     def expected_memory(self) -> dict[str, int]:
         """The formula's figure for this engine's padded sizes (buckets excluded)."""
         total = sum(g.layout.total for g in self.groups)
-        extra = {"offload_param": self.param_store.policy.offload_param} if self.stage == 3 else {}
         return expected_bytes(
             total,
             self.dtype,
@@ -320,7 +321,7 @@ class ZeroOffloadEngine(torch.nn.Module):
             self.offload,
             self._gas,
             self.delayed,
-            **extra,
+            offload_param=self.config.zero_optimization.offload_params,
         )
 
     def _log_memory(self) -> None:

@@ -56,20 +56,14 @@ class Stage3Policy:
     @classmethod
     def from_config(cls, zc) -> Stage3Policy:
         op = zc.offload_param
-        d = cls()
         return cls(
-            offload_param=bool(op is not None and op.device == "cpu"),
+            offload_param=bool(zc.offload_params),
             pin_memory=bool(op.pin_memory) if op is not None else True,
-            **{
-                f: int(getattr(zc, f"stage3_{f}", getattr(d, f)))
-                for f in (
-                    "prefetch_bucket_size",
-                    "param_persistence_threshold",
-                    "model_persistence_threshold",
-                    "max_live_parameters",
-                    "max_reuse_distance",
-                )
-            },
+            prefetch_bucket_size=int(zc.stage3_prefetch_bucket_size),
+            param_persistence_threshold=int(zc.stage3_param_persistence_threshold),
+            model_persistence_threshold=int(zc.stage3_model_persistence_threshold),
+            max_live_parameters=int(zc.stage3_max_live_parameters),
+            max_reuse_distance=int(zc.stage3_max_reuse_distance),
         )
 
 
