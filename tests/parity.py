@@ -134,7 +134,7 @@ def engine_config(
     return cfg
 
 
-def run_engine(cfg: dict, steps: int, micro: int, gas: int):
+def run_engine(cfg: dict, steps: int, micro: int, gas: int, init: bool = False):
     """Train with the engine on this rank's share of each global batch."""
     import zero_offload
     import zero_offload.zero
@@ -142,7 +142,8 @@ def run_engine(cfg: dict, steps: int, micro: int, gas: int):
     from zero_offload.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     world, rank = dist.world_size(), dist.rank()
-    model = make_model()
+    with zero_offload.zero.Init(enabled=init):  # init: partitioned as it is built
+        model = make_model()
     engine, _, _, _ = zero_offload.initialize(model=model, config=copy.deepcopy(cfg))
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     grads, losses = [], []
@@ -204,8 +205,9 @@ def run_cases(cases: list[dict]) -> list[dict]:
         if key not in refs:
             refs[key] = reference(steps, world, gas, micro, clip)
         init, ref_params, ref_grads, ref_losses = refs[key]
+        init_ctx = c.pop("init", False)
         params, device_params, grads, losses, mem, expected = run_engine(
-            engine_config(micro=micro, **c), steps, micro, gas
+            engine_config(micro=micro, **c), steps, micro, gas, init=init_ctx
         )
         out.append(
             {
