@@ -17,6 +17,9 @@ module's ``_parameters`` dict is replaced by one whose ``__getitem__`` notices a
 partitioned param while a forward runs, fetches it if needed and records it as needed by the
 module whose forward is running, so it is fetched with that module from then on.
 
+Reuse: a slot the recorded order demands again within ``stage3_max_reuse_distance`` elements is
+not released after its forward (while live stays under ``stage3_max_live_parameters``).
+
 Prefetch: the order in which slots were demanded in the previous pass of the same kind (train or
 eval, grad or not) is replayed; on each demand that matches the recorded order the next slots are
 gathered asynchronously, up to ``stage3_prefetch_bucket_size`` elements ahead and never beyond
@@ -176,8 +179,23 @@ class FetchSchedule:
         for a in self.stack:
             still |= self.need_sets[id(a)]
         for i in ids:
-            if i not in still:
+            if i not in still and not self._reused_soon(i):
                 self.store.release(i)
+
+    def _reused_soon(self, i: int) -> bool:
+        """``stage3_max_reuse_distance``: keep a slot that the recorded order demands again within
+        that many gathered elements, while the live bound allows."""
+        replay, budget = self.replay, self.policy.max_reuse_distance
+        if replay is None or budget <= 0 or self.store.live > self.policy.max_live_parameters:
+            return False
+        distance = 0
+        for j in replay[self.pos :]:
+            if j == i:
+                return True
+            distance += self.store.slots[j].numel
+            if distance > budget:
+                return False
+        return False
 
     # ---- backward ------------------------------------------------------------------------------
     def _pre_backward(self, ids: list[int]) -> None:
