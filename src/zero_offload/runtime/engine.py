@@ -160,6 +160,8 @@ class ZeroOffloadEngine(torch.nn.Module):
                 pin,
                 oc.threads if oc is not None else None,
                 self._executor,
+                # sub_group_size: the update's unit of work (host chunks pipelined with uploads)
+                chunk_numel=min(int(zc.sub_group_size), 1 << 22),
             )
             if partitioned:
                 self.param_store.masters[gi] = so.master
