@@ -84,3 +84,42 @@ def test_cuda_offload_device_bytes_per_param():
     assert "device.master_shard" not in rep and "device.optimizer_state" not in rep
     held = torch.cuda.memory_allocated() - base
     assert held <= rep["device.params"] + rep.get("device.grad_buckets", 0) + (64 << 20)
+
+
+@pytest.mark.parametrize("offload,offload_param", [(False, False), (True, False), (True, True)])
+def test_cuda_stage3_parity(offload, offload_param):
+    tiny = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 300}
+    cases = [
+        dict(
+            stage=3,
+            offload=offload,
+            offload_param=offload_param,
+            gas=g,
+            clip=0.05,
+            overlap=ov,
+            zero_extra=tiny,
+        )  # fmt: skip
+        for g in (1, 2)
+        for ov in (False, True)
+    ]
+    for r in run_cases(cases):
+        assert r["grad_err"] < 1e-4, r["case"]
+        assert r["param_err"] < 1e-3, r["case"]
+
+
+def test_cuda_stage3_params_on_pinned_host_and_released():
+    import zero_offload
+
+    cfg = engine_config(stage=3, offload=True, gas=1, micro=2, clip=1.0, overlap=True,
+                        dtype="bf16", offload_param=True)  # fmt: skip
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = zero_offload.initialize(model=make_model(), config=cfg)
+    assert all(s.is_pinned() for s in engine.param_store.shards)
+    x = torch.randint(0, 32, (2, 5), device=engine.device)
+    for _ in range(3):
+        loss = engine(x, x)
+        engine.backward(loss)
+        engine.step()
+    assert engine.param_store.live == 0
+    assert all(p.numel() == 0 for p in engine.module.parameters())
+    assert torch.isfinite(loss)
