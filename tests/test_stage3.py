@@ -258,3 +258,41 @@ def test_live_params_stay_within_max_live():
     free, _ = _train_gpt2(3, recompute=True, layers=4, stage3_param_persistence_threshold=0,
                           stage3_prefetch_bucket_size=10**9)  # fmt: skip
     assert free.param_store.peak_live > bounded  # the bound is what held it down
+
+
+class Adapted(torch.nn.Module):
+    """LoRA-like: frozen base layers, each with a small trainable adapter."""
+
+    def __init__(self, layers: int = 8, dim: int = 32) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, dim)
+        self.base = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(layers))
+        self.down = torch.nn.ModuleList(torch.nn.Linear(dim, 2, bias=False) for _ in range(layers))
+        self.up = torch.nn.ModuleList(torch.nn.Linear(2, dim, bias=False) for _ in range(layers))
+        self.emb.requires_grad_(False)
+        self.base.requires_grad_(False)
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        for base, down, up in zip(self.base, self.down, self.up):
+            h = h + torch.tanh(base(h) + up(down(h)))
+        return torch.nn.functional.cross_entropy(
+            (h @ self.emb.weight.t()).reshape(-1, 32), y.reshape(-1)
+        )
+
+
+def test_frozen_base_released_during_backward():
+    torch.manual_seed(0)
+    model = Adapted()
+    engine, _ = _engine(model=model, stage3_param_persistence_threshold=0,
+                        stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=1)  # fmt: skip
+    x = torch.randint(0, 32, (2, 5))
+    for _ in range(2):
+        loss = engine(x, x)
+        engine.backward(loss)
+        engine.step()
+    base = 32 * 32 + 32
+    frozen_total = 8 * base + 32 * 32
+    # without releasing the frozen slots in backward, all of them would be live at its end
+    assert engine.param_store.peak_live < frozen_total / 2, engine.param_store.peak_live
+    assert engine.param_store.live == 0

@@ -10,7 +10,9 @@ Module hooks, installed on every submodule of the model, so any forward gathers 
   nothing is released here: the backward about to run needs the params. When the output
   requires grad, a hook on it fetches the module's slots again before its backward runs;
 - after a param's gradient is final (post-accumulate-grad hook), its slot is released once every
-  trainable param in it is final; at the end of backward everything not persistent is released.
+  trainable param in it is final; a slot without trainable params (frozen weights, LoRA's base)
+  is released when backward reaches the module's inputs (an identity autograd function on them);
+  at the end of backward everything not persistent is released.
 
 Params read across modules (a head that uses ``embedding.weight`` in its parent's forward): each
 module's ``_parameters`` dict is replaced by one whose ``__getitem__`` notices a read of a
@@ -33,7 +35,7 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .param_store import ParamStore, Stage3Policy
 from .status import ZeroParamStatus
@@ -41,6 +43,34 @@ from .status import ZeroParamStatus
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a module's inputs whose backward runs ``fn`` once every op of the module that
+    consumed them has run its backward."""
+
+    @staticmethod
+    def forward(ctx, fn, *tensors):
+        ctx.fn = fn
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.fn()
+        return (None, *grads)
+
+
+def _after_backward(args_kwargs: tuple, fn):
+    """(args, kwargs) with the float tensors that require grad routed through _AfterBackward, or
+    None when no input requires grad (the end of backward releases then)."""
+    flat, spec = tree_flatten(args_kwargs)
+    idx = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not idx:
+        return None
+    outs = _AfterBackward.apply(fn, *[flat[k] for k in idx])
+    for k, t in zip(idx, outs):
+        flat[k] = t
+    return tree_unflatten(flat, spec)
 
 
 class _ParamDict(dict):
@@ -85,7 +115,7 @@ class FetchSchedule:
             self.need_sets[id(m)] = set(ids)
             self.modules.append(m)
             m.__dict__["_parameters"] = _ParamDict(m._parameters, self)
-            self.handles.append(m.register_forward_pre_hook(self._pre_forward))
+            self.handles.append(m.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
             self.handles.append(m.register_forward_hook(self._post_forward, always_call=True))
         self.grad_pending = [0] * len(store.slots)
         self.grad_count = [sum(p.requires_grad for p in s.params) for s in store.slots]
@@ -148,13 +178,26 @@ class FetchSchedule:
             self._demand([i])
 
     # ---- forward -------------------------------------------------------------------------------
-    def _pre_forward(self, m: torch.nn.Module, args) -> None:
-        if not self.stack and not _in_backward():
+    def _pre_forward(self, m: torch.nn.Module, args, kwargs):
+        backward = _in_backward()
+        if not self.stack and not backward:
             self._begin_pass()
         self.stack.append(m)
         ids = self.needs[id(m)]
-        if ids:
-            self._demand(ids)
+        if not ids:
+            return None
+        self._demand(ids)
+        frozen = [i for i in ids if not self.grad_count[i]]
+        if frozen and torch.is_grad_enabled() and not backward:
+            # Frozen params get no gradient to say they are done: release them when the backward
+            # reaches this module's inputs, i.e. after the module's own backward ran.
+            return _after_backward((args, kwargs), lambda: self._frozen_done(frozen))
+        return None
+
+    def _frozen_done(self, ids: list[int]) -> None:
+        if not self.stack:
+            for i in ids:
+                self.store.release(i)
 
     def _post_forward(self, m: torch.nn.Module, args, output) -> None:
         if self.stack and self.stack[-1] is m:
