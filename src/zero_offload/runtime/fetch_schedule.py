@@ -52,7 +52,7 @@ class _AfterBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, *tensors):
         ctx.fn = fn
-        return tuple(t.view_as(t) for t in tensors)
+        return tensors  # as-is (not views): the module may modify them in place
 
     @staticmethod
     def backward(ctx, *grads):
