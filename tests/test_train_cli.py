@@ -93,6 +93,17 @@ def test_train_writes_metrics_plot_and_config(tmp_path: Path, capsys) -> None:
     assert str(out) in printed and "held-out" in printed
 
 
+def test_train_stage3_config_with_both_offloads(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    config = REPO / "configs" / "gpt2_stage3_offload.json"
+    args = ["train", *SMALL, "--config", str(config), "--steps", "4", "--out", str(out)]
+    assert main([*args, "--save-every", "2", "--checkpoint-activations"]) == 0
+    losses = [float(r["loss"]) for r in read_metrics(out)]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert json.loads((out / "config.json").read_text())["zero_optimization"]["stage"] == 3
+    assert (out / "checkpoints" / "global_step4").is_dir()
+
+
 def test_train_rejects_bad_model_flags(tmp_path: Path, capsys) -> None:
     argv = ["train", *SMALL, "--hidden-size", "30", "--out", str(tmp_path / "r")]
     assert main(argv) == 2

@@ -32,6 +32,7 @@ same order, so they issue the same collectives.
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -89,8 +90,8 @@ class _ParamDict(dict):
                 sched.on_read(i)
         return p
 
-    def __deepcopy__(self, memo):
-        return {k: v for k, v in self.items()}
+    def __deepcopy__(self, memo):  # a copy of the module is not scheduled: a plain dict
+        return copy.deepcopy(dict(self.items()), memo)
 
     def __reduce__(self):
         return (dict, (dict(self.items()),))
