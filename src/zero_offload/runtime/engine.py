@@ -18,6 +18,7 @@ import weakref
 import torch
 
 from . import dist
+from .consistency import synchronize_start
 from .flat_group import FlatGroup
 from .grad_shard import GradShard
 from .loss_scaler import build_loss_scaler
@@ -65,6 +66,7 @@ class ZeroOffloadEngine(torch.nn.Module):
         self.training_dataloader = training_dataloader
 
         module.to(device=self.device, dtype=self.dtype)
+        synchronize_start(module, config)  # same config and rank 0's weights before any layout
         self.streams = Streams(self.device)
         pin = bool(oc is not None and oc.pin_memory and self.device.type == "cuda")
         names = {id(p): n for n, p in module.named_parameters()}
