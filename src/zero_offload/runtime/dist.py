@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -80,11 +81,27 @@ def init_distributed(
     atexit.register(shutdown)
 
 
+# Why the pause: gloo's worker threads ("pt_gloo_runloop") drop their reference to a finished
+# collective's tensors a moment *after* wait() has returned in the main thread. When that
+# reference is the last one to a tensor that Python created (a view such as flat[a:b]), the
+# worker must take the GIL to free its Python object. If the interpreter is already finalizing
+# by then, the worker is killed inside a destructor and the process aborts with "terminate
+# called without an active exception" (SIGABRT) after a successful run. torch's
+# destroy_process_group does not join those threads, so before finalization starts we release
+# the GIL long enough for them to finish (microseconds of work; the pause covers a descheduled
+# thread on an oversubscribed machine).
+_GLOO_DRAIN_SECONDS = 0.25
+
+
 def shutdown() -> None:
-    """Destroy the default process group if it is still up (idempotent)."""
-    if dist.is_available() and dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+    """Destroy the default process group if it is still up (idempotent); registered at exit by
+    :func:`init_distributed`. Call it yourself at the end of a script that made its own group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+        time.sleep(_GLOO_DRAIN_SECONDS)  # releases the GIL to gloo's worker threads
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
 
 
 _step: int | None = None
