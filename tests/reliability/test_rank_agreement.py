@@ -30,9 +30,21 @@ def _seeded_by_rank(stage: int, offload: bool) -> dict:
     return {"starts": starts, "after": gathered, "rank0_init": h.net(seed=100).state_dict()}
 
 
-@pytest.mark.parametrize("stage,offload", [(0, False), (2, False), (1, True)])
-def test_ranks_start_from_rank0_weights(stage, offload):
-    out = run_ranks(2, _seeded_by_rank, stage, offload)
+PLACEMENTS = [(0, False), (2, False), (1, True)]
+
+
+def _all_placements() -> list[dict]:
+    return [_seeded_by_rank(stage, offload) for stage, offload in PLACEMENTS]
+
+
+@pytest.fixture(scope="module")
+def seeded_runs() -> list[dict]:
+    return run_ranks(2, _all_placements)  # one spawn for every placement
+
+
+@pytest.mark.parametrize("case", range(len(PLACEMENTS)), ids=[f"{s}-{o}" for s, o in PLACEMENTS])
+def test_ranks_start_from_rank0_weights(seeded_runs, case):
+    out = seeded_runs[case]
     s0, s1 = out["starts"]
     for name, t in s0.items():
         torch.testing.assert_close(s1[name], t, rtol=0, atol=0, msg=name)
@@ -65,15 +77,26 @@ def _mismatched(kind: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize(
-    "kind,key",
-    [
-        ("bucket", "zero_optimization.reduce_bucket_size"),
-        ("stage", "zero_optimization.stage"),
-        ("shape", "param a.weight"),
-    ],
-)
-def test_mismatched_ranks_name_the_key(kind, key):
-    msg = run_ranks(2, _mismatched, kind)
+KINDS = {
+    "bucket": "zero_optimization.reduce_bucket_size",
+    "stage": "zero_optimization.stage",
+    "shape": "param a.weight",
+}
+
+
+def _all_mismatches() -> dict[str, str]:
+    # Every rank raises after the same gather, so the ranks stay in step for the next case.
+    return {kind: _mismatched(kind) for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def mismatch_messages() -> dict[str, str]:
+    return run_ranks(2, _all_mismatches)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_mismatched_ranks_name_the_key(mismatch_messages, kind):
+    key = KINDS[kind]
+    msg = mismatch_messages[kind]
     assert msg.startswith("RankMismatchError"), msg
     assert key in msg and "rank 1" in msg and "rank 0" in msg, msg
