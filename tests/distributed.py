@@ -41,7 +41,9 @@ def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
         del out
         gc.collect()  # engines (hooks, async work handles) go while the process group lives
         dist.barrier()
-        dist.destroy_process_group()
+        from zero_offload.runtime.dist import shutdown
+
+        shutdown()  # lets gloo's threads release their tensors before the interpreter exits
     except BaseException:
         queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
         raise

@@ -15,6 +15,7 @@ from parity import Tiny
 
 import zero_offload
 from zero_offload.checkpoint import CheckpointError, CheckpointNotFoundError
+from zero_offload.checkpoint.format import sealed_meta_bytes
 from zero_offload.checkpoint.reader import CheckpointReader
 from zero_offload.checkpoint.tensor_file import read_header
 
@@ -189,7 +190,7 @@ def test_param_groups_differ(ckpt, fresh):
     meta_path = ckpt / TAG / "meta.json"
     meta = json.loads(meta_path.read_text())
     meta["groups"][0]["names"][0] = "renamed.bias"
-    meta_path.write_text(json.dumps(meta))
+    meta_path.write_bytes(sealed_meta_bytes(meta))  # re-sealed: reach the layout check
     _refused(
         engine,
         model,

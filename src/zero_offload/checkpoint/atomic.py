@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from .format import LATEST_FILE, CheckpointError, CheckpointNotFoundError
+from .format import LATEST_FILE, CheckpointError, CheckpointNotFoundError, check_tag, read_text
 
 PAUSE_ENV = "ZERO_OFFLOAD_CHECKPOINT_PAUSE"
 PAUSE_POINTS = ("after_shards", "before_publish", "replaced", "before_latest")
@@ -114,12 +114,15 @@ def write_latest(root: Path, tag: str) -> None:
 def read_latest(root: Path) -> str | None:
     """The tag ``latest`` names, or None when there is no ``latest`` file."""
     path = root / LATEST_FILE
-    try:
-        tag = path.read_text(encoding="utf-8").strip()
-    except FileNotFoundError:
+    if not path.exists():
         return None
+    tag = read_text(path).strip()
     if not tag:
         raise CheckpointError(f"{path}: file is empty; expected the name of a checkpoint tag")
+    try:  # ``latest`` may only name an entry of this folder (no "..", "/", absolute paths)
+        check_tag(tag)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}; the file is damaged or was edited") from None
     return tag
 
 

@@ -8,12 +8,19 @@ RNG states). See docs/checkpoints.md for the full layout.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 FORMAT = "zero_offload.checkpoint"
-FORMAT_VERSION = 1
+# 2: meta.json carries META_DIGEST_KEY, the digest of its own content. Version 1 (no digest) is
+# still read, with a warning that its metadata is not covered.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+META_DIGEST_KEY = "meta_sha256"
 
 META_FILE = "meta.json"
 MODEL_FILE = "model.safetensors"
@@ -82,16 +89,67 @@ def json_value(value: Any, where: str) -> Any:
     )
 
 
-def read_json(path: Path) -> Any:
-    """Parse a JSON file of the checkpoint, naming the file when it is missing or damaged."""
+def read_text(path: Path) -> str:
+    """A text file of the checkpoint, naming the file when it is missing, unreadable or not
+    UTF-8."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: file is missing") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(
+            f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); the file is damaged"
+        ) from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
+
+
+def read_json(path: Path) -> Any:
+    """Parse a JSON file of the checkpoint, naming the file when it is missing or damaged."""
+    text = read_text(path)
     try:
         return json.loads(text)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e}); the file is damaged") from None
+
+
+def meta_digest(meta: dict) -> str:
+    """SHA-256 of ``meta`` without its own digest, in a canonical JSON form (sorted keys, no
+    spaces): parsing and re-serializing gives the same bytes, so the digest survives reading."""
+    body = {k: v for k, v in meta.items() if k != META_DIGEST_KEY}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def sealed_meta_bytes(meta: dict) -> bytes:
+    """meta.json's bytes with its digest added (the last key)."""
+    sealed = {k: v for k, v in meta.items() if k != META_DIGEST_KEY}
+    sealed[META_DIGEST_KEY] = meta_digest(sealed)
+    return json.dumps(sealed, indent=1).encode("utf-8")
+
+
+def check_meta_digest(meta: dict, where: str) -> None:
+    recorded = require(meta, META_DIGEST_KEY, where)
+    if recorded != meta_digest(meta):
+        raise CheckpointError(
+            f"{where}: checksum mismatch (the metadata was changed or damaged after it was "
+            "written: counters, hyperparameters or layout cannot be trusted)"
+        )
+
+
+@contextlib.contextmanager
+def writing(path: Path):
+    """Name ``path`` in any OS error while writing it (a full disk's ENOSPC carries no name)."""
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, CheckpointError):
+            raise
+        what = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        raise CheckpointError(
+            f"{path}: {what} while writing the checkpoint (errno {e.errno}); the previous "
+            "checkpoint and 'latest' are untouched"
+        ) from e
 
 
 def require(meta: dict, key: str, where: str) -> Any:

@@ -17,10 +17,12 @@ from ..runtime.layout import FlatLayout, layout_from_buckets
 from . import atomic
 from .format import (
     FORMAT,
-    FORMAT_VERSION,
     META_FILE,
+    READABLE_VERSIONS,
     CheckpointError,
     CheckpointNotFoundError,
+    check_meta_digest,
+    check_tag,
     read_json,
     require,
 )
@@ -65,10 +67,15 @@ class CheckpointReader:
                 f"{where}: not a zero_offload checkpoint (format {FORMAT!r} expected)"
             )
         version = require(self.meta, "format_version", where)
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise CheckpointError(
-                f"{where}: format_version {version} is not supported (this version reads {FORMAT_VERSION})"
+                f"{where}: format_version {version} is not supported (this version reads "
+                f"{', '.join(map(str, READABLE_VERSIONS))})"
             )
+        if version >= 2:
+            check_meta_digest(self.meta, where)
+        else:
+            log.warning("%s: format_version 1 has no checksum of its own metadata", where)
         for key in ("world_size", "files", "model", "groups", "counters", "ranks"):
             require(self.meta, key, where)
         self._headers: dict[str, Header] = {}
@@ -87,11 +94,21 @@ class CheckpointReader:
             if tag is None:
                 return None  # a first run: nothing saved yet, as with a missing ``latest``
             raise CheckpointNotFoundError(f"checkpoint directory {root} does not exist")
+        from_latest = tag is None
         if tag is None:
             tag = atomic.read_latest(root)
             if tag is None:
                 return None
-        path = atomic.resolve(root, str(tag))
+        check_tag(str(tag))
+        try:
+            path = atomic.resolve(root, str(tag))
+        except CheckpointNotFoundError as e:
+            if not from_latest:
+                raise
+            raise CheckpointNotFoundError(
+                f"{root / atomic.LATEST_FILE} names tag {tag!r}, which does not exist ({e}); "
+                "the file is damaged or the checkpoint was removed"
+            ) from None
         if path.name != str(tag):
             log.warning(
                 "checkpoint %s: using %s, left by an interrupted replacement of that tag", tag, path

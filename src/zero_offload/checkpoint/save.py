@@ -30,7 +30,9 @@ from .format import (
     json_value,
     rank_file,
     read_json,
+    sealed_meta_bytes,
     shard_tensor,
+    writing,
 )
 from .module_state import alias_map, frozen_param_names, module_state, param_names
 from .tensor_file import Entry, write_file
@@ -129,16 +131,17 @@ def _write_rank_file(engine, stage: Path) -> dict:
     rng_json, rng_tensors = rng.capture(engine.device)
     entries += [Entry.of(k, v) for k, v in rng_tensors.items()]
     info = {"rank": engine.global_rank, "world_size": engine.world_size, "rng": rng_json}
-    return write_file(
-        stage / rank_file(engine.global_rank), entries, {RANK_META_KEY: json.dumps(info)}
-    )
+    path = stage / rank_file(engine.global_rank)
+    with writing(path):
+        return write_file(path, entries, {RANK_META_KEY: json.dumps(info)})
 
 
 def _write_model_file(engine, stage: Path) -> tuple[dict, dict]:
     sd = module_state(engine.module)
     aliases = alias_map(sd, prefer={n for g in engine.groups for n in g.names})
     entries = [Entry.of(k, t) for k, t in sd.items() if k not in aliases]
-    digest = write_file(stage / MODEL_FILE, entries, {"format": "pt"})
+    with writing(stage / MODEL_FILE):
+        digest = write_file(stage / MODEL_FILE, entries, {"format": "pt"})
     names = set(param_names(engine.module))
     model = {
         "file": MODEL_FILE,
@@ -174,7 +177,8 @@ def save_checkpoint(
     try:
         common = _common_meta(engine, tag, client_state)
         if rank == 0:
-            atomic.prepare_staging(root, tag)
+            with writing(stage):
+                atomic.prepare_staging(root, tag)
     except Exception as e:
         err = e
     _agree(engine, err, "preparation", discard)
@@ -187,7 +191,10 @@ def save_checkpoint(
             model = None
             if rank == 0:
                 digests[MODEL_FILE], model = _write_model_file(engine, stage)
-        atomic.write_bytes_atomic(_digest_file(stage, rank), json.dumps(digests).encode("utf-8"))
+        with writing(_digest_file(stage, rank)):
+            atomic.write_bytes_atomic(
+                _digest_file(stage, rank), json.dumps(digests).encode("utf-8")
+            )
         atomic.pause("after_shards")
     except Exception as e:
         err = e
@@ -204,14 +211,17 @@ def save_checkpoint(
                 ranks={"files": [rank_file(r) for r in range(world)]},
                 files=files,
             )
-            atomic.write_bytes_atomic(stage / META_FILE, json.dumps(meta, indent=1).encode("utf-8"))
+            with writing(stage / META_FILE):
+                atomic.write_bytes_atomic(stage / META_FILE, sealed_meta_bytes(meta))
             for r in range(world):
                 os.remove(_digest_file(stage, r))
             atomic.pause("before_publish")
-            atomic.publish(root, tag)
+            with writing(root / tag):
+                atomic.publish(root, tag)
             atomic.pause("before_latest")
             if save_latest:
-                atomic.write_latest(root, tag)
+                with writing(root / "latest"):
+                    atomic.write_latest(root, tag)
         except Exception as e:
             err = e
     _agree(engine, err, "publishing", discard)

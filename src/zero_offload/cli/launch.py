@@ -38,6 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"TCP port on node 0 for the rendezvous (default {DEFAULT_MASTER_PORT})",
     )
     parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds a collective waits for the other ranks before failing with an error that "
+        "names it (default 1800); exported to the ranks as $ZERO_OFFLOAD_TIMEOUT",
+    )
+    parser.add_argument(
         "--module",
         action="store_true",
         help="treat the script as a module name and run it as 'python -m script'",
@@ -65,6 +72,13 @@ def torchrun_argv(args: argparse.Namespace, cuda_devices: int) -> list[str]:
         )
     if not 1 <= args.master_port <= 65535:
         raise ValueError(f"--master_port must be in [1, 65535], got {args.master_port}")
+    if getattr(args, "timeout", None) is not None:
+        from ..runtime.dist import as_timeout
+
+        try:
+            as_timeout(args.timeout)
+        except ValueError as err:
+            raise ValueError(f"--timeout: {err}") from None
     if args.num_nodes > 1 and not args.master_addr:
         raise ValueError("--master_addr is required with --num_nodes > 1 (node 0's address)")
     if not args.module and not os.path.isfile(args.script):
@@ -104,6 +118,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"zero-offload launch: error: {err}", file=sys.stderr)
         return 2
     ranks_per_node = args.num_gpus if args.num_gpus is not None else max(cuda_devices, 1)
+    from ..runtime.dist import TIMEOUT_ENV
+
+    user_timeout = os.environ.get(TIMEOUT_ENV)
+    if args.timeout is not None:  # read by init_distributed() in every rank
+        os.environ[TIMEOUT_ENV] = repr(float(args.timeout))
     user_threads = os.environ.get("OMP_NUM_THREADS")
     if user_threads is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -117,4 +136,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if user_threads is None:
             os.environ.pop("OMP_NUM_THREADS", None)
+        if user_timeout is None:
+            os.environ.pop(TIMEOUT_ENV, None)
+        else:
+            os.environ[TIMEOUT_ENV] = user_timeout
     return 0

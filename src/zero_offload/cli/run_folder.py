@@ -13,7 +13,10 @@ METRIC_COLUMNS = ("step", "loss", "lr", "tokens_per_s", "grad_norm", "loss_scale
 class RunFolder:
     """The run's files. Every rank holds one, but only rank 0's writes anything."""
 
-    def __init__(self, path: str | None, writer: bool) -> None:
+    def __init__(self, path: str | None, writer: bool, resume_at: int | None = None) -> None:
+        """``resume_at``: the first step of a resumed run. An existing metrics.csv is then
+        continued: its rows before that step are kept (later ones were trained again), the new
+        rows are appended, and the plot shows them all."""
         self.path = path
         self.writer = writer
         self._written: list[str] = []
@@ -22,14 +25,22 @@ class RunFolder:
         if writer:
             assert path is not None
             os.makedirs(path, exist_ok=True)
-            self._csv = open(os.path.join(path, "metrics.csv"), "w", newline="")
-            self._csv.write(",".join(METRIC_COLUMNS) + "\n")
+            csv_path = os.path.join(path, "metrics.csv")
+            if resume_at is not None and os.path.isfile(csv_path):
+                self._rows = [r for r in _read_rows(csv_path) if r["step"] < resume_at]
+            tmp = csv_path + ".tmp"
+            with open(tmp, "w", newline="") as handle:  # kept rows, replaced in one rename
+                handle.write(",".join(METRIC_COLUMNS) + "\n")
+                for row in self._rows:
+                    handle.write(",".join(_csv_value(row[c]) for c in METRIC_COLUMNS) + "\n")
+            os.replace(tmp, csv_path)
+            self._csv = open(csv_path, "a", newline="")
             self._written.append("metrics.csv")
 
     @classmethod
-    def create(cls, out: str | None, rank: int) -> RunFolder:
+    def create(cls, out: str | None, rank: int, resume_at: int | None = None) -> RunFolder:
         path = out or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-        return cls(path, writer=rank == 0)
+        return cls(path, writer=rank == 0, resume_at=resume_at)
 
     def add_metrics(self, row: dict[str, Any]) -> None:
         if self._csv is None:
@@ -91,6 +102,25 @@ class RunFolder:
         if self._csv is not None:
             self._csv.close()
             self._csv = None
+
+
+def _read_rows(csv_path: str) -> list[dict[str, Any]]:
+    """The rows of an earlier metrics.csv (numbers parsed; a malformed row ends the read)."""
+    import csv
+
+    rows = []
+    with open(csv_path, newline="") as handle:
+        for raw in csv.DictReader(handle):
+            try:
+                row: dict[str, Any] = {
+                    c: (float(raw[c]) if raw.get(c) not in (None, "") else None)
+                    for c in METRIC_COLUMNS
+                }
+                row["step"] = int(raw["step"])
+            except (KeyError, TypeError, ValueError):
+                break
+            rows.append(row)
+    return rows
 
 
 def _csv_value(value: Any) -> str:

@@ -16,6 +16,7 @@ import os
 import time
 from typing import Any
 
+from .periodic_save import PeriodicSaver
 from .run_folder import METRIC_COLUMNS, RunFolder
 
 __all__ = [
@@ -98,7 +99,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)"
     )
     parser.add_argument("--save-dir", help="checkpoint folder (default: <run folder>/checkpoints)")
-    parser.add_argument("--resume", metavar="DIR", help="resume from the latest checkpoint in DIR")
+    parser.add_argument(
+        "--keep-last",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --save-every: keep only the newest N checkpoints (0: keep all)",
+    )
+    parser.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="resume from the latest checkpoint in DIR (metrics.csv of the same --out is "
+        "continued, not rewritten)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds a collective waits for the other ranks before failing (default 1800)",
+    )
 
 
 def resolve_config(
@@ -226,8 +245,10 @@ def run(args: argparse.Namespace) -> int:
         cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
         ds_config, steps, notes = resolve_config(args.config, args.steps, cuda_bf16)
         mcfg = model_config(args)
-        if args.log_every < 0 or args.eval_batches < 0 or args.save_every < 0:
-            raise ValueError("--log-every, --eval-batches and --save-every must be >= 0")
+        if min(args.log_every, args.eval_batches, args.save_every, args.keep_last) < 0:
+            raise ValueError(
+                "--log-every, --eval-batches, --save-every and --keep-last must be >= 0"
+            )
         tokens = load_corpus(args.data, args.max_bytes)
         train_tokens, heldout_tokens = split_heldout(tokens)
         train_set = TokenBlockDataset(train_tokens, mcfg.seq_length)
@@ -236,19 +257,43 @@ def run(args: argparse.Namespace) -> int:
         print(f"zero-offload train: error: {err}")
         return 2
 
-    zero_offload.init_distributed()
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
-    model = GPT2Model(mcfg)
-    engine, _, _, _ = zero_offload.initialize(
-        model=model, model_parameters=param_groups(model), config=ds_config
-    )
+    from zero_offload.checkpoint import CheckpointError
+
+    try:
+        zero_offload.init_distributed(timeout=args.timeout)
+        torch.manual_seed(args.seed)  # the same initial weights on every rank
+        model = GPT2Model(mcfg)
+        engine, _, _, _ = zero_offload.initialize(
+            model=model, model_parameters=param_groups(model), config=ds_config
+        )
+    except ValueError as err:  # an invalid config (ConfigError) or --timeout
+        print(f"zero-offload train: error: {err}")
+        return 2
     micro = engine.train_micro_batch_size_per_gpu()
     try:
         batches = _batches(train_set, micro, engine.global_rank, engine.world_size, args.seed)
     except ValueError as err:
         print(f"zero-offload train: error: {err}")
         return 2
-    folder = RunFolder.create(args.out, engine.global_rank)
+    first = 1
+    if args.resume:
+        try:
+            path, client = engine.load_checkpoint(args.resume)
+        except (CheckpointError, FileNotFoundError) as err:  # damaged or for another model
+            print(f"zero-offload train: error: cannot resume from {args.resume}: {err}")
+            return 2
+        if path is None:
+            print(f"zero-offload train: error: no checkpoint to resume from in {args.resume}")
+            return 2
+        position = _resume_position(engine, client)
+        first = position["step"] + 1
+        for _ in range(position["micro_batches"]):  # the data position, exactly
+            next(batches)
+        if engine.global_rank == 0:
+            print(f"resumed from {path} at step {first}")
+    folder = RunFolder.create(
+        args.out, engine.global_rank, resume_at=first if args.resume else None
+    )
     if engine.global_rank == 0:
         for note in notes:
             print(f"note: {note}")
@@ -258,17 +303,16 @@ def run(args: argparse.Namespace) -> int:
             "config.json", resolved.to_dict() if hasattr(resolved, "to_dict") else ds_config
         )
     save_dir = args.save_dir or os.path.join(folder.path, "checkpoints")
-    first = 1
-    if args.resume:
-        path, client = engine.load_checkpoint(args.resume)
-        if path is None:
-            print(f"zero-offload train: error: no checkpoint to resume from in {args.resume}")
-            return 2
-        first = int(client["step"]) + 1
-        for _ in range(int(client["micro_batches"])):  # the data position, exactly
-            next(batches)
+    if first > steps:
         if engine.global_rank == 0:
-            print(f"resumed from {path} at step {first}")
+            print(
+                f"the checkpoint is at step {first - 1}, the run asks for {steps} steps: nothing "
+                "to train (give a larger --steps to continue)"
+            )
+        folder.close()
+        engine.destroy()
+        return 0
+    saver = PeriodicSaver(engine, save_dir, args.save_every, args.keep_last)
     losses, elapsed = _train(
         engine,
         batches,
@@ -277,8 +321,7 @@ def run(args: argparse.Namespace) -> int:
         folder,
         args.log_every,
         first=first,
-        save_every=args.save_every,
-        save_dir=save_dir,
+        saver=saver,
     )
     heldout = evaluate(engine, heldout_set, micro, args.eval_batches)
     if engine.global_rank == 0:
@@ -286,7 +329,26 @@ def run(args: argparse.Namespace) -> int:
     folder.close()
     if hasattr(engine, "destroy"):
         engine.destroy()
+    if saver.failures:
+        if engine.global_rank == 0:
+            print(
+                f"zero-offload train: error: {saver.failures} checkpoint save(s) failed; the "
+                f"newest good checkpoint is {saver.last_good or 'none'}"
+            )
+        return 1
     return 0
+
+
+def _resume_position(engine, client) -> dict[str, int]:
+    """Where a resumed run continues: the train command's own client state, or (a checkpoint
+    written by ``engine.save_checkpoint`` without it) the engine's restored counters."""
+    gas = engine.gradient_accumulation_steps()
+    client = client if isinstance(client, dict) else {}
+    step = client.get("step", engine.global_steps)
+    micro = client.get("micro_batches", step * gas)
+    if not (isinstance(step, int) and isinstance(micro, int) and step >= 0 and micro >= 0):
+        raise ValueError(f"checkpoint client state has an invalid data position: {client!r}")
+    return {"step": step, "micro_batches": micro}
 
 
 def _tokens_per_step(engine, seq_length: int) -> int:
@@ -320,11 +382,10 @@ def _train(
     folder: RunFolder,
     log_every: int,
     first: int = 1,
-    save_every: int = 0,
-    save_dir: str | None = None,
+    saver: PeriodicSaver | None = None,
 ) -> tuple[list[float], float]:
     """Steps ``first..steps``; returns the per-step loss (mean over ranks) and seconds. Every
-    ``save_every`` steps all ranks save a checkpoint whose client state records the data
+    ``--save-every`` steps all ranks save a checkpoint whose client state records the data
     position, so ``--resume`` continues exactly."""
     from tqdm import tqdm
 
@@ -347,10 +408,8 @@ def _train(
             loss_sum += loss.item()
         pooled_sum, pooled_count = _pooled(loss_sum, gas, device)
         losses.append(pooled_sum / pooled_count)
-        if save_every and step % save_every == 0:
-            engine.save_checkpoint(
-                save_dir, client_state={"step": step, "micro_batches": step * gas}
-            )
+        if saver is not None:
+            saver.maybe_save(step, gas)
         row = {
             "step": step,
             "loss": losses[-1],

@@ -22,14 +22,20 @@ from .errors import json_repr
 DEFAULT_ONLY = {"default_only": True}
 
 
+# Every integer of a config reaches torch or C code as a signed 64-bit value at most.
+INT64_MAX = 2**63 - 1
+
+
 def _to_int(value: Any) -> int:
     # bool is an int subclass in Python; a JSON true where a count belongs is a typo, not 1.
     if isinstance(value, bool):
         raise ValueError(f"expected an integer, got {json_repr(value)}")
-    if isinstance(value, int):
-        return value
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
+        value = int(value)
+    if isinstance(value, int):
+        if abs(value) > INT64_MAX:
+            raise ValueError(f"{json_repr(value)} is out of range (at most 2**63 - 1)")
+        return value
     raise ValueError(f"expected an integer, got {json_repr(value)}")
 
 

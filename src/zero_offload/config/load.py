@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .errors import ConfigError, NotImplementedSettingWarning
+from .finite import non_finite_numbers
 from .json_text import read_json_file
 from .keys import describe_errors, prepare
 from .models import ZeroOffloadConfig
@@ -68,7 +69,7 @@ def load_config(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
 
-    problems: list[str] = []
+    problems: list[str] = non_finite_numbers(raw)
     normalized = _legacy_forms(raw, problems)
     prepared = prepare(normalized, ZeroOffloadConfig)
     problems.extend(prepared.problems)
@@ -79,7 +80,12 @@ def load_config(
             context={"world_size": world_size, "micro_batch_size": micro_batch_size},
         )
     except ValidationError as exc:
-        problems.extend(describe_errors(ZeroOffloadConfig, exc, prepared.auto))
+        reported = {line.split(":", 1)[0] for line in problems}  # one line per key
+        problems.extend(
+            line
+            for line in describe_errors(ZeroOffloadConfig, exc, prepared.auto)
+            if line.split(":", 1)[0] not in reported
+        )
     if problems or config is None:
         raise ConfigError(problems, origin=origin)
 

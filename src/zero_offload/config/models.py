@@ -95,7 +95,10 @@ class ZeroOffloadConfig(Section):
     gradient_clipping: Float = Field(1.0, ge=0.0)  # DeepSpeed >= 0.16 default; 0 disables
     steps_per_print: Int | None = Field(None, ge=1)  # None (DeepSpeed default): no step log
     wall_clock_breakdown: Bool = False
-    seed: Int | None = Field(None, ge=0)
+    seed: Int | None = Field(None, ge=0, le=2**63 - 1)  # torch.manual_seed's range
+    # Extension: stop after this many consecutive skipped steps that loss scaling cannot fix
+    # (runtime/overflow.py); 0 never stops.
+    max_consecutive_overflows: Int = Field(10, ge=0)
     prescale_gradients: Bool = Field(False, json_schema_extra=DEFAULT_ONLY)
     gradient_predivide_factor: Float = Field(1.0, gt=0.0, json_schema_extra=DEFAULT_ONLY)
 

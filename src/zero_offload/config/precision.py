@@ -19,12 +19,13 @@ class FP16Config(Section):
 
     enabled: Bool = False
     auto_cast: Bool = False
-    loss_scale: Float = Field(0.0, ge=0)
-    initial_scale_power: Int = Field(16, ge=0)
+    # 2**64 bounds every scale: larger ones overflow even fp32 losses (and 2**1024 a float).
+    loss_scale: Float = Field(0.0, ge=0, le=2.0**64)
+    initial_scale_power: Int = Field(16, ge=0, le=64)
     loss_scale_window: Int = Field(1000, ge=1)
     hysteresis: Int = Field(2, ge=1)
     consecutive_hysteresis: Bool = False
-    min_loss_scale: Float = Field(1.0, gt=0)
+    min_loss_scale: Float = Field(1.0, gt=0, le=2.0**64)
 
     @property
     def dynamic_loss_scale(self) -> bool:

@@ -7,6 +7,7 @@ number or one per optimizer param group, as there.
 from __future__ import annotations
 
 import difflib
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
@@ -21,6 +22,8 @@ def _to_lr(value: Any) -> float | list[float]:
     def one(v: Any) -> float:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"expected a number or a list of numbers, got {json_repr(value)}")
+        if not math.isfinite(v):
+            raise ValueError(f"learning rates must be finite, got {v}")
         if v < 0:
             raise ValueError(f"learning rates must be >= 0, got {json_repr(value)}")
         return float(v)

@@ -95,7 +95,7 @@ class OffloadOptimizerConfig(Section):
     ratio: Float = Field(1.0, ge=0.0, le=1.0)
     delayed_update: Bool = False
     delayed_update_after: Int = Field(0, ge=0)
-    threads: Int | None = Field(None, ge=1)
+    threads: Int | None = Field(None, ge=1, le=1024)  # the host kernel's pool holds 1024
 
     @field_validator("device", mode="before")
     @classmethod

@@ -1,10 +1,18 @@
 """Process-group set-up and the few collectives the engine uses, with a world of one needing no
-process group at all."""
+process group at all.
+
+Every collective here is wrapped: when one fails (a timeout on a frozen or dead rank, a peer
+that closed its connection), the error names the collective, this rank and the engine step the
+engine last reported through :func:`set_step`, instead of a bare transport message.
+"""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -14,22 +22,130 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's (and DeepSpeed's) default
+TIMEOUT_ENV = "ZERO_OFFLOAD_TIMEOUT"  # seconds; set by `zero-offload launch --timeout`
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message names it, the rank and the engine step."""
+
+
+def as_timeout(value: datetime.timedelta | float | int | str | None) -> datetime.timedelta:
+    """A collective timeout from a timedelta or a number of seconds (> 0, finite)."""
+    if value is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(value, datetime.timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(
+            f"timeout must be a datetime.timedelta or a number of seconds, got {value!r}"
+        )
+    else:
+        try:
+            seconds = float(value)
+        except ValueError:
+            raise ValueError(f"timeout must be a number of seconds, got {value!r}") from None
+    if not (seconds > 0 and seconds < float("inf")):
+        raise ValueError(f"timeout must be a positive, finite number of seconds, got {value!r}")
+    return datetime.timedelta(seconds=seconds)
+
+
 def init_distributed(
     dist_backend: str | None = None,
-    timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+    timeout: datetime.timedelta | float | None = None,
     **_: object,
 ) -> None:
     """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, ...).
 
     nccl on CUDA, gloo on CPU. Without a launcher (no WORLD_SIZE) this does nothing: the engine
     then runs as a world of one. Calling it twice is harmless.
+
+    ``timeout`` (a timedelta or seconds; default ``$ZERO_OFFLOAD_TIMEOUT`` seconds, else 30
+    minutes) bounds how long a collective waits for the other ranks: a frozen or dead rank makes
+    the others fail after it with a :class:`CollectiveError` naming the collective and the step.
+
+    The process group made here is destroyed at interpreter exit (before the interpreter tears
+    down, while torch's objects are still alive): gloo's worker threads that outlive
+    interpreter finalization otherwise abort the process with "terminate called without an
+    active exception" after a successful run.
     """
     if dist.is_initialized() or "WORLD_SIZE" not in os.environ:
         return
+    if timeout is None:
+        timeout = os.environ.get(TIMEOUT_ENV) or None
+    td = as_timeout(timeout)
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(local_rank())
-    dist.init_process_group(backend=backend, timeout=timeout)
+    dist.init_process_group(backend=backend, timeout=td)
+    atexit.register(shutdown)
+
+
+# Why the pause: gloo's worker threads ("pt_gloo_runloop") drop their reference to a finished
+# collective's tensors a moment *after* wait() has returned in the main thread. When that
+# reference is the last one to a tensor that Python created (a view such as flat[a:b]), the
+# worker must take the GIL to free its Python object. If the interpreter is already finalizing
+# by then, the worker is killed inside a destructor and the process aborts with "terminate
+# called without an active exception" (SIGABRT) after a successful run. torch's
+# destroy_process_group does not join those threads, so before finalization starts we release
+# the GIL long enough for them to finish (microseconds of work; the pause covers a descheduled
+# thread on an oversubscribed machine).
+_GLOO_DRAIN_SECONDS = 0.25
+
+
+def shutdown() -> None:
+    """Destroy the default process group if it is still up (idempotent); registered at exit by
+    :func:`init_distributed`. Call it yourself at the end of a script that made its own group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend() == "gloo" and dist.get_world_size() > 1:
+        time.sleep(_GLOO_DRAIN_SECONDS)  # releases the GIL to gloo's worker threads
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+_step: int | None = None
+
+
+def set_step(step: int | None) -> None:
+    """The engine step to name when a collective fails (the engine reports it as it goes)."""
+    global _step
+    _step = step
+
+
+@contextlib.contextmanager
+def _named(name: str):
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:  # torch's DistBackendError and gloo's timeouts are RuntimeErrors
+        at = f"engine step {_step}" if _step is not None else "start-up (before the first step)"
+        raise CollectiveError(
+            f"collective {name} failed on rank {rank()} of {world_size()} at {at}: {e} "
+            "(a rank that died, froze or was started differently; the collective timeout is "
+            "init_distributed(timeout=...) or the launcher's --timeout)"
+        ) from e
+
+
+class _Work:
+    """An async collective's handle whose ``wait`` names the collective when it fails."""
+
+    def __init__(self, work, name: str) -> None:
+        self._work, self._name = work, name
+
+    def wait(self, *args, **kwargs):
+        with _named(self._name):
+            return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, attr):
+        return getattr(self._work, attr)
+
+
+def _run(name: str, fn, *args, async_op: bool = False, **kwargs):
+    with _named(name):
+        work = fn(*args, async_op=async_op, **kwargs)
+    return _Work(work, name) if work is not None else None
 
 
 def is_distributed() -> bool:
@@ -65,7 +181,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, async_op: bool = False)
     if world_size() == 1:
         out.copy_(inp)
         return None
-    return _reduce_scatter(out, inp, async_op=async_op)
+    return _run("reduce_scatter", _reduce_scatter, out, inp, async_op=async_op)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
@@ -74,15 +190,29 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
         if inp.data_ptr() != out.data_ptr():
             out.copy_(inp)
         return None
-    return _all_gather(out, inp, async_op=async_op)
+    return _run("all_gather", _all_gather, out, inp, async_op=async_op)
 
 
 def all_reduce(t: torch.Tensor, async_op: bool = False):
     if world_size() == 1:
         return None
-    return dist.all_reduce(t, async_op=async_op)
+    return _run("all_reduce", dist.all_reduce, t, async_op=async_op)
+
+
+def broadcast(t: torch.Tensor, src: int = 0) -> None:
+    if world_size() > 1:
+        _run("broadcast", dist.broadcast, t, src=src)
+
+
+def all_gather_object(out: list, obj: object) -> None:
+    """Every rank's ``obj`` into ``out`` (small picklable values only: fingerprints, flags)."""
+    if world_size() == 1:
+        out[0] = obj
+        return
+    with _named("all_gather_object"):
+        dist.all_gather_object(out, obj)
 
 
 def barrier() -> None:
     if world_size() > 1:
-        dist.barrier()
+        _run("barrier", dist.barrier)

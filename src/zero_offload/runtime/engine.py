@@ -18,13 +18,15 @@ import weakref
 import torch
 
 from ..config.auto_sizes import resolve_auto_sizes
-from . import dist
+from . import dist, guards
+from .consistency import synchronize_start
 from .fetch_schedule import FetchSchedule
 from .flat_group import FlatGroup
 from .grad_shard import GradShard
 from .init_partition import materialize
 from .loss_scaler import build_loss_scaler
 from .memory import expected_bytes
+from .overflow import OverflowMonitor
 from .param_home import FlatHome
 from .param_store import ParamStore, ShardHome, Stage3Policy
 from .partition_units import move_buffers, unit_ids, unit_layout
@@ -47,6 +49,7 @@ class ZeroOffloadEngine(torch.nn.Module):
         training_dataloader=None,
     ) -> None:
         super().__init__()
+        guards.check_not_wrapped(module.parameters())
         self.module = module
         self.config = config
         self.device = dist.default_device()
@@ -69,6 +72,7 @@ class ZeroOffloadEngine(torch.nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._grad_norm: float | None = None
+        self._backward_done = False  # a backward() ran in the current micro-step
         self.training_dataloader = training_dataloader
 
         partitioned = self.stage == 3
@@ -78,6 +82,7 @@ class ZeroOffloadEngine(torch.nn.Module):
             for p in module.parameters():
                 materialize(p)
             module.to(device=self.device, dtype=self.dtype)
+        synchronize_start(module, config)  # same config and rank 0's weights before any layout
         self.streams = Streams(self.device)
         pin = bool(oc is not None and oc.pin_memory and self.device.type == "cuda")
         names = {id(p): n for n, p in module.named_parameters()}
@@ -184,6 +189,12 @@ class ZeroOffloadEngine(torch.nn.Module):
             self.fetch_schedule = FetchSchedule(self.param_store, module, self.param_store.policy)
         self.optimizer = ZeroOptimizer(self.groups, self.shard_opts)
         self.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
+        self._overflows = OverflowMonitor(
+            self.loss_scaler.dynamic,
+            float(config.fp16.min_loss_scale),
+            int(config.max_consecutive_overflows),
+            self.global_rank,
+        )
         self.lr_scheduler = lr_scheduler
         self.clip = float(config.gradient_clipping)
         self._t_step = time.perf_counter()
@@ -233,16 +244,28 @@ class ZeroOffloadEngine(torch.nn.Module):
             gs.zero()
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Scale by the loss scale and 1/GAS, run backward; reduction happens in the hooks."""
+        """Scale by the loss scale and 1/GAS, run backward; reduction happens in the hooks.
+
+        Exactly one backward() per micro-step (a second one raises: sum the losses instead)."""
+        guards.check_loss(loss)
+        if self._backward_done:
+            raise guards.second_backward_error()
+        dist.set_step(self.global_steps)
         first = self.micro_steps % self._gas == 0
         self.reducer.prepare(first=first, last=self.is_gradient_accumulation_boundary())
         scale = self.loss_scaler.loss_scale / self._gas
         with self._timed("backward"):
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        self._backward_done = True
         return loss
 
     def step(self) -> None:
-        """Update at the accumulation boundary; always advances the micro-step counter."""
+        """Update at the accumulation boundary; always advances the micro-step counter.
+
+        Every micro-step needs its backward() first: a step() without one raises."""
+        if not self._backward_done:
+            raise guards.step_without_backward_error(self.global_steps)
+        self._backward_done = False
         if self.is_gradient_accumulation_boundary():
             with self._timed("step"):
                 self._take_step()
@@ -270,6 +293,7 @@ class ZeroOffloadEngine(torch.nn.Module):
                 if coef > 1:
                     combined = scale * coef
             factor = 1.0 / combined
+            guards.check_hyperparameters(self.optimizer.param_groups, self.global_steps)
             delayed = self.delayed and self.global_steps >= self.delayed_after
             for so in self.shard_opts:
                 so.launch(factor) if delayed else so.step(factor)
@@ -279,6 +303,7 @@ class ZeroOffloadEngine(torch.nn.Module):
         self.loss_scaler.update_scale(overflow)
         self.zero_grad()
         self.global_steps += 1
+        self._overflows.after_step(overflow, scale, self.loss_scaler.loss_scale, self.global_steps)
         every = self.config.steps_per_print
         if self.global_rank == 0 and every and self.global_steps % every == 0:
             self._log_step(overflow, every)
@@ -423,7 +448,14 @@ class ZeroOffloadEngine(torch.nn.Module):
         return self.param_store.params_on_host(write_back)
 
     def destroy(self) -> None:
+        """Release the model: pending update applied, hooks removed, worker thread joined."""
         self.flush_delayed_update()
         self.reducer.remove()
         if self.fetch_schedule is not None:
             self.fetch_schedule.remove()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        for g in self.groups:
+            for p in g.params:
+                if hasattr(p, "_zero_offload"):
+                    del p._zero_offload

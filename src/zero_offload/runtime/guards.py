@@ -1,0 +1,89 @@
+"""Checks on how the engine is driven, each a clear error instead of silent damage later.
+
+Invariants the engine relies on, enforced here:
+
+- one engine per model: a param already wired to a live engine (its ``_zero_offload`` tag) is
+  not wired again, since both engines' hooks would then fire on every gradient;
+- ``backward(loss)`` gets the scalar tensor the forward returned, once per micro-step;
+- ``step()`` follows a ``backward()`` in the same micro-step (a window with no backward would
+  apply the previous gradient again, or none, while reporting a norm);
+- no non-finite hyperparameter (set by an LR scheduler or the caller) reaches an update.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+
+class EngineUsageError(RuntimeError):
+    """The engine's API was called in an order or with a value it cannot act on."""
+
+
+class NonFiniteHyperparameterError(ValueError):
+    """A learning rate, beta, eps or weight decay became NaN or infinite before an update."""
+
+
+def check_not_wrapped(params: Iterable[torch.nn.Parameter]) -> None:
+    for p in params:
+        tag = getattr(p, "_zero_offload", None)
+        if tag is not None and tag[0]() is not None:
+            raise EngineUsageError(
+                "initialize(): this model is already wrapped by an engine (its parameters are "
+                "views of that engine's buffers and carry its gradient hooks). Keep using the "
+                "first engine, call engine.destroy() on it before initializing again, or build "
+                "a fresh model."
+            )
+
+
+def check_loss(loss: object) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"engine.backward(loss): loss must be the scalar torch.Tensor your model's forward "
+            f"returned (it carries the graph to differentiate), got {type(loss).__name__} "
+            f"{loss!r}"
+        )
+    if loss.numel() != 1:
+        raise ValueError(
+            f"engine.backward(loss): loss must be a scalar (one element), got shape "
+            f"{tuple(loss.shape)}; reduce it first, e.g. loss.mean()"
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "engine.backward(loss): loss does not require grad (computed under torch.no_grad(), "
+            "detached, or from a model without trainable parameters)"
+        )
+    return loss
+
+
+def second_backward_error() -> EngineUsageError:
+    return EngineUsageError(
+        "engine.backward() was called twice in one micro-step. Call engine.step() after every "
+        "backward() (it advances the micro-step; gradient accumulation happens across "
+        "micro-steps), or add the losses and call backward once: engine.backward(l1 + l2)."
+    )
+
+
+def step_without_backward_error(global_steps: int) -> EngineUsageError:
+    return EngineUsageError(
+        f"engine.step() with no engine.backward() since the last step() (at global step "
+        f"{global_steps}): there is no gradient for this micro-step. Call "
+        "engine.backward(loss) once before every engine.step()."
+    )
+
+
+def check_hyperparameters(param_groups: list[dict], global_steps: int) -> None:
+    """Raise before an update that would write NaN/inf into the weights."""
+    for i, g in enumerate(param_groups):
+        for key in ("lr", "eps", "weight_decay", "betas"):
+            value = g.get(key)
+            values = value if isinstance(value, list | tuple) else [value]
+            for v in values:
+                if v is not None and not math.isfinite(float(v)):
+                    raise NonFiniteHyperparameterError(
+                        f"param_groups[{i}][{key!r}] is {value} at global step {global_steps} "
+                        "(set by the LR scheduler or by the caller); refusing to update, since "
+                        "a non-finite hyperparameter turns every weight into NaN"
+                    )

@@ -1,0 +1,106 @@
+"""Items: stale or lost gradients (step/backward pairing), and API misuse with clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import reliability_helpers as h
+import torch
+
+from zero_offload.runtime.guards import EngineUsageError, NonFiniteHyperparameterError
+
+PLACEMENTS = [(0, False), (1, False), (2, False), (1, True), (2, True)]
+
+
+@pytest.mark.parametrize("stage,offload", PLACEMENTS)
+@pytest.mark.parametrize("gas", [1, 2])
+def test_step_without_backward_raises(stage, offload, gas):
+    eng = h.engine(stage, offload, gradient_accumulation_steps=gas)
+    for _ in range(gas):
+        eng.backward(eng(h.batch()))
+        eng.step()
+    before = [p.detach().clone() for p in eng.module.parameters()]
+    with pytest.raises(EngineUsageError, match=r"step\(\) with no engine.backward\(\)"):
+        eng.step()
+    for p, b in zip(eng.module.parameters(), before):  # nothing re-applied
+        assert torch.equal(p.detach(), b)
+    eng.backward(eng(h.batch()))  # still usable afterwards
+    eng.step()
+
+
+@pytest.mark.parametrize("stage,offload", PLACEMENTS)
+def test_second_backward_in_a_micro_step_raises(stage, offload):
+    eng = h.engine(stage, offload)
+    eng.backward(eng(h.batch(1)))
+    with pytest.raises(EngineUsageError, match=r"twice in one micro-step.*l1 \+ l2"):
+        eng.backward(eng(h.batch(2)))
+    eng.step()
+    norm_one = eng.get_global_grad_norm()
+    assert norm_one is not None and norm_one > 0
+
+
+@pytest.mark.parametrize("stage,offload", PLACEMENTS)
+def test_summed_losses_give_torch_gradients(stage, offload):
+    """The documented way to combine two losses: one backward of their sum (as torch)."""
+    ref = h.net()
+    (ref(h.batch(1)) + ref(h.batch(2))).backward()
+    want = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in ref.parameters())).item()
+    eng = h.engine(stage, offload)
+    eng.backward(eng(h.batch(1)) + eng(h.batch(2)))
+    eng.step()
+    assert eng.get_global_grad_norm() == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("bad", [1.0, 3, None, "loss"])
+def test_backward_of_a_non_tensor_says_what_to_pass(bad):
+    eng = h.engine()
+    with pytest.raises(TypeError, match="loss must be the scalar torch.Tensor"):
+        eng.backward(bad)
+
+
+def test_backward_of_a_detached_or_vector_loss():
+    eng = h.engine()
+    with pytest.raises(ValueError, match="does not require grad"):
+        eng.backward(eng(h.batch()).detach())
+    with pytest.raises(ValueError, match="must be a scalar"):
+        eng.backward(torch.ones(3, requires_grad=True))
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_initialize_twice_on_one_model(stage):
+    import zero_offload
+
+    model = h.net()
+    eng, _, _, _ = zero_offload.initialize(model=model, config=h.config(stage))
+    with pytest.raises(EngineUsageError, match="already wrapped by an engine.*destroy"):
+        zero_offload.initialize(model=model, config=h.config(stage))
+    eng.backward(eng(h.batch()))  # the first engine is untouched
+    eng.step()
+    eng.destroy()
+    eng2, _, _, _ = zero_offload.initialize(model=model, config=h.config(stage))
+    eng2.backward(eng2(h.batch()))
+    eng2.step()
+
+
+class _InfLR(torch.optim.lr_scheduler.LRScheduler):
+    def get_lr(self):
+        return [
+            float("inf") if self.last_epoch >= 1 else g["lr"] for g in self.optimizer.param_groups
+        ]
+
+
+@pytest.mark.parametrize("stage,offload", [(0, False), (2, True)])
+def test_scheduler_producing_inf_stops_before_the_update(stage, offload):
+    import zero_offload
+
+    model = h.net()
+    eng, _, _, _ = zero_offload.initialize(
+        model=model, config=h.config(stage, offload), lr_scheduler=lambda opt: _InfLR(opt)
+    )
+    eng.backward(eng(h.batch()))
+    eng.step()  # the scheduler now sets lr = inf
+    before = [p.detach().clone() for p in model.parameters()]
+    eng.backward(eng(h.batch()))
+    with pytest.raises(NonFiniteHyperparameterError, match=r"param_groups\[0\]\['lr'\] is inf"):
+        eng.step()
+    for p, b in zip(model.parameters(), before):
+        assert torch.isfinite(p).all() and torch.equal(p.detach(), b)
