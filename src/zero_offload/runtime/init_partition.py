@@ -44,8 +44,7 @@ def partition_at_init(
     data = p.data.to(comm)
     if dtype is not None and data.is_floating_point():
         data = data.to(dtype)
-    if dist.world_size() > 1:
-        torch.distributed.broadcast(data, src=0)
+    dist.broadcast(data, src=0)
     spec = InitShard(data.numel(), tuple(data.shape), dist.world_size(), dist.rank())
     own = data.reshape(-1)[spec.lo : spec.hi].to(shard_device, copy=True)
     if pin and shard_device.type == "cpu" and torch.cuda.is_available():

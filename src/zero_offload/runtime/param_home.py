@@ -73,9 +73,7 @@ class FlatHome:
             n = b.slice_numel
             if not self.allgather_partitions:  # DeepSpeed's alternative: one broadcast per rank
                 for r in range(world):
-                    torch.distributed.broadcast(
-                        flat[b.start + r * n : b.start + (r + 1) * n], src=r
-                    )
+                    dist.broadcast(flat[b.start + r * n : b.start + (r + 1) * n], src=r)
                 continue
             piece = max(1, self.allgather_bucket_size // world)
             if piece >= n:

@@ -272,8 +272,7 @@ class ParamStore:
             for i in ids:
                 slot = self.slots[i]
                 self.wait(i)
-                if self.world > 1:
-                    torch.distributed.broadcast(slot.buf, src=src_rank)
+                dist.broadcast(slot.buf, src=src_rank)
                 b, n = slot.bucket, slot.bucket.slice_numel
                 own = slot.buf[self.rank * n : (self.rank + 1) * n]
                 self.shards[slot.group.index][b.shard_start : b.shard_start + n].copy_(own)

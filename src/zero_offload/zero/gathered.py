@@ -70,8 +70,7 @@ class GatheredParameters:
                     store.release(i)
             for p in self.init_params:
                 if self.modifier_rank is not None:
-                    if dist.world_size() > 1:
-                        torch.distributed.broadcast(p.data, src=self.modifier_rank)
+                    dist.broadcast(p.data, src=self.modifier_rank)
                     write_back(p, p.data)
                 p.data = torch.empty(0, dtype=p.data.dtype, device=p.data.device)
 
