@@ -126,7 +126,8 @@ class FSDP2Trainer:
             "reshard_after_forward": True,
         }
         if run.offload_param:
-            kwargs["offload_policy"] = CPUOffloadPolicy()
+            # Pinned host memory needs an accelerator: without one, pin_memory() raises.
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
         for block in model.layers:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
