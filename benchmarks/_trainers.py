@@ -10,7 +10,7 @@ step. Only the machinery differs:
 - ``deepspeed``: ``deepspeed.initialize`` with the same dict (see ``_ds_compat``).
 - ``fsdp2``: PyTorch FSDP2, ``fully_shard`` on every transformer block and then on the root
   (embeddings, final norm, tied head), ``MixedPrecisionPolicy`` in the run's dtype (fp32 master
-  params), ``CPUOffloadPolicy()`` for the offload run, ``AdamW`` and ``clip_grad_norm_`` on the
+  params), ``CPUOffloadPolicy`` for the offload run (unpinned without a GPU), ``AdamW`` and ``clip_grad_norm_`` on the
   sharded (DTensor) params; stage 3 only.
 """
 
