@@ -8,7 +8,10 @@ JIT-compiled C++ the first time they are used (``fused_adam`` for stages 0-2 wit
 CPU accelerator's build of the same AVX Adam as ``cpu_adam``, which backs DeepSpeedCPUAdam under
 offload), each tens of seconds, cached under the torch extensions directory; :func:`prebuild`
 does it once, outside any timed run. A build killed half-way leaves a ``lock`` file in that
-directory and every later build waits on it forever: delete the lock.
+directory and every later build waits on it forever: delete the lock. The cache is keyed by the
+sources' paths and flags, so two environments (virtual environments, checkouts) sharing one
+extensions directory rebuild each other's ops on every load: give each its own
+``TORCH_EXTENSIONS_DIR``.
 
 DeepSpeed is never imported by the package; only these benchmark processes import it.
 """
@@ -53,13 +56,21 @@ def optimizer_name(engine) -> str:
 
 
 def prebuild() -> list[str]:
-    """JIT-build the Adam ops the runs use, so no timed run (or run timeout) pays for it."""
+    """JIT-build the ops the runs use (Adam, shared-memory comm), so no timed run pays for it."""
     select_accelerator()
+    import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
     built = []
-    for name in ("FusedAdamBuilder", "CPUAdamBuilder"):
+    # ShareMemCommBuilder: the shared-memory collectives that DeepSpeed's torch backend loads in
+    # init_distributed on the CPU accelerator (when the op is compatible; gloo otherwise).
+    for name in ("FusedAdamBuilder", "CPUAdamBuilder", "ShareMemCommBuilder"):
         builder = get_accelerator().create_op_builder(name)
+        if builder is None or (
+            name == "ShareMemCommBuilder"
+            and not deepspeed.ops.__compatible_ops__.get(builder.NAME, False)
+        ):
+            continue
         builder.load(verbose=False)
         built.append(f"{type(builder).__module__}.{type(builder).__name__}")
     return built

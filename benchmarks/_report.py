@@ -86,29 +86,33 @@ def summarize(shape: Shape, run: Run, result: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def _same_mode(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Same stage, world, dtype, optimizer offload and param offload (delayed update ignored)."""
+    ra, rb = a["run"], b["run"]
+    return (
+        (a["world"], a["dtype"], a["stage"]) == (b["world"], b["dtype"], b["stage"])
+        and ra.offload == rb.offload
+        and ra.offload_param == rb.offload_param
+    )
+
+
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Time ratios (> 1: slower than the anchor) vs plain PyTorch and vs DeepSpeed's same mode
-    (same stage, offload on/off, world and dtype; the delayed update is compared with DeepSpeed's
-    ordinary offload, which has no delayed update)."""
+    """Time ratios (> 1: slower than the anchor) vs plain PyTorch, vs DeepSpeed's same mode
+    (same stage, optimizer and param offload on/off, world and dtype; the delayed update is
+    compared with DeepSpeed's ordinary offload, which has no delayed update) and, at stage 3, vs
+    FSDP2's same mode (no offload, or CPUOffloadPolicy for optimizer + param offload; FSDP2 has
+    no optimizer-only offload)."""
     ok = [r for r in rows if "error" not in r]
     for r in ok:
         key = (r["world"], r["dtype"])
         torch_row = next(
             (t for t in ok if t["impl"] == "torch" and (t["world"], t["dtype"]) == key), None
         )
-        ds_row = next(
-            (
-                d
-                for d in ok
-                if d["impl"] == "deepspeed"
-                and (d["world"], d["dtype"]) == key
-                and d["stage"] == r["stage"]
-                and d["run"].offload == r["run"].offload
-            ),
-            None,
-        )
+        ds_row = next((d for d in ok if d["impl"] == "deepspeed" and _same_mode(d, r)), None)
+        fsdp_row = next((f for f in ok if f["impl"] == "fsdp2" and _same_mode(f, r)), None)
         r["vs_torch"] = r["median_s"] / torch_row["median_s"] if torch_row else None
         r["vs_deepspeed"] = r["median_s"] / ds_row["median_s"] if ds_row else None
+        r["vs_fsdp2"] = r["median_s"] / fsdp_row["median_s"] if fsdp_row else None
 
 
 def _f(x: float | None, fmt: str) -> str:
@@ -135,6 +139,7 @@ HEADER = (
     "tokens/s",
     "x torch",
     "x DS",
+    "x FSDP2",
     "peak RSS MiB",
     "live MiB",
     "acct dev/host MiB",
@@ -158,6 +163,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 f"{r['tokens_per_s']:.0f}",
                 _f(r.get("vs_torch"), ".2f"),
                 _f(r.get("vs_deepspeed"), ".2f"),
+                _f(r.get("vs_fsdp2"), ".2f"),
                 f"{r['peak_rss_mib']:.0f}",
                 _mib(r["live_mib"]),
                 _pair(r["accounted_mib"]),

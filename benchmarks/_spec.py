@@ -1,7 +1,7 @@
 """What one benchmark run is, and the one config dict every implementation is built from.
 
-A run is (implementation, stage, offload, delayed update, world size, dtype) on a shared model
-shape and step recipe. Specs travel to the rank processes as JSON, so they hold plain values only.
+A run is (implementation, stage, optimizer offload, delayed update, world size, dtype, param
+offload) on a shared model shape and step recipe. Specs travel to the rank processes as JSON, so they hold plain values only.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-IMPLS = ("torch", "engine", "deepspeed")
+IMPLS = ("torch", "engine", "deepspeed", "fsdp2")
 DTYPES = ("fp32", "bf16")
 
 # Keys of offload_optimizer that only this project reads; DeepSpeed rejects unknown keys.
@@ -29,6 +29,10 @@ class Shape:
     steps: int
     warmup: int
     bucket: int  # reduce_bucket_size and allgather_bucket_size, elements
+    # Stage 3 only, the same numbers for the engine and DeepSpeed (elements / elements / params).
+    prefetch_bucket: int = 50_000_000  # stage3_prefetch_bucket_size
+    persistence_threshold: int = 100_000  # stage3_param_persistence_threshold
+    max_live: int = 1_000_000_000  # stage3_max_live_parameters
     lr: float = 1e-4
     weight_decay: float = 0.01
     clip: float = 1.0
@@ -43,27 +47,40 @@ class Run:
     delayed: bool
     world: int
     dtype: str  # one of DTYPES
+    offload_param: bool = False  # stage 3: offload_param {device: cpu} (FSDP2: CPUOffloadPolicy)
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
             raise ValueError(f"Run.impl must be one of {IMPLS}, got {self.impl!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"Run.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.stage not in (0, 1, 2):
-            raise ValueError(f"Run.stage must be 0, 1 or 2, got {self.stage!r}")
+        if self.stage not in (0, 1, 2, 3):
+            raise ValueError(f"Run.stage must be 0, 1, 2 or 3, got {self.stage!r}")
         if self.offload and self.stage == 0:
-            raise ValueError("Run.offload needs stage 1 or 2")
+            raise ValueError("Run.offload needs stage 1, 2 or 3")
         if self.delayed and not self.offload:
             raise ValueError("Run.delayed needs offload")
+        if self.offload_param and self.stage != 3:
+            raise ValueError("Run.offload_param needs stage 3")
         if self.impl == "torch" and (self.stage or self.offload):
             raise ValueError("the plain PyTorch run is stage 0 without offload")
+        if self.impl == "fsdp2":
+            if self.stage != 3:
+                raise ValueError("the FSDP2 run is stage 3")
+            if self.delayed or self.offload != self.offload_param:
+                raise ValueError(
+                    "FSDP2's CPUOffloadPolicy moves params and optimizer state together: "
+                    "offload and offload_param both or neither, no delayed update"
+                )
 
     @property
     def mode(self) -> str:
-        """Offload column: '-', 'cpu' or 'cpu+delayed'."""
-        if not self.offload:
-            return "-"
-        return "cpu+delayed" if self.delayed else "cpu"
+        """Offload column: '-', 'cpu' (optimizer), 'cpu+delayed' or 'cpu+param' (optimizer and
+        params)."""
+        opt = ("cpu+delayed" if self.delayed else "cpu") if self.offload else ""
+        if self.offload_param:
+            return f"{opt}+param" if opt else "param"
+        return opt or "-"
 
     @property
     def label(self) -> str:
@@ -93,6 +110,12 @@ def ds_config(shape: Shape, run: Run) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if run.delayed:
             zero["offload_optimizer"]["delayed_update"] = True
+    if run.stage == 3:
+        zero["stage3_prefetch_bucket_size"] = shape.prefetch_bucket
+        zero["stage3_param_persistence_threshold"] = shape.persistence_threshold
+        zero["stage3_max_live_parameters"] = shape.max_live
+        if run.offload_param:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {
         "train_micro_batch_size_per_gpu": shape.micro,
         "gradient_accumulation_steps": 1,

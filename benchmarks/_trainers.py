@@ -1,4 +1,4 @@
-"""The three implementations behind one interface: ``step(x, y) -> loss``, ``finish()``.
+"""The four implementations behind one interface: ``step(x, y) -> loss``, ``finish()``.
 
 Every trainer gets the same fp32-initialised GPT-2 and the same recipe: AdamW (lr, betas, eps,
 weight decay on 2-D weights only, via ``param_groups``), global-norm clipping, one micro-step per
@@ -8,6 +8,10 @@ step. Only the machinery differs:
   master copy: plain bf16 training), ``clip_grad_norm_``; DDP on the process group when world > 1.
 - ``engine``: ``zero_offload.initialize`` with the run's config dict.
 - ``deepspeed``: ``deepspeed.initialize`` with the same dict (see ``_ds_compat``).
+- ``fsdp2``: PyTorch FSDP2, ``fully_shard`` on every transformer block and then on the root
+  (embeddings, final norm, tied head), ``MixedPrecisionPolicy`` in the run's dtype (fp32 master
+  params), ``CPUOffloadPolicy`` for the offload run (unpinned without a GPU), ``AdamW`` and ``clip_grad_norm_`` on the
+  sharded (DTensor) params; stage 3 only.
 """
 
 from __future__ import annotations
@@ -106,6 +110,56 @@ class DeepSpeedTrainer:
         return None
 
 
+class FSDP2Trainer:
+    def __init__(self, model: torch.nn.Module, shape: Shape, run: Run, device: torch.device):
+        import torch.distributed as dist
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        if not dist.is_initialized():  # FSDP2 needs a process group even at world 1
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        model.to(device)
+        dtype = TORCH_DTYPES[run.dtype]
+        kwargs: dict[str, Any] = {
+            # Compute and reduce in the run's dtype, fp32 params as the master copy: the same
+            # split as the engine's and DeepSpeed's bf16 mode (fp32 runs: no casts at all).
+            "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype),
+            "reshard_after_forward": True,
+        }
+        if run.offload_param:
+            # Pinned host memory needs an accelerator: without one, pin_memory() raises.
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        for block in model.layers:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        groups = param_groups(model)  # after fully_shard: the DTensor params
+        self.params = [p for g in groups for p in g["params"]]
+        self.optimizer = torch.optim.AdamW(
+            groups, lr=shape.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=shape.weight_decay
+        )
+        self.model, self.clip = model, shape.clip
+        self.info = "fully_shard + AdamW" + (" + CPUOffloadPolicy" if run.offload_param else "")
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.model(x, y)
+        loss.backward()
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def finish(self) -> None:
+        pass
+
+    def accounting(self) -> tuple[dict[str, int], dict[str, int]] | None:
+        return None
+
+
 def build_trainer(model: torch.nn.Module, shape: Shape, run: Run, device: torch.device) -> Any:
-    cls = {"torch": TorchTrainer, "engine": EngineTrainer, "deepspeed": DeepSpeedTrainer}[run.impl]
+    cls = {
+        "torch": TorchTrainer,
+        "engine": EngineTrainer,
+        "deepspeed": DeepSpeedTrainer,
+        "fsdp2": FSDP2Trainer,
+    }[run.impl]
     return cls(model, shape, run, device)

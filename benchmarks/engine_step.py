@@ -3,20 +3,28 @@
 For each world size and dtype, every run in its own processes (one per rank, fresh memory):
 
 - ``torch``: plain PyTorch, ``AdamW(fused=True)``, the same clipping (DDP on gloo at world > 1);
-- ``engine``: stage 0, 1, 2, stage 1 and 2 with ``offload_optimizer: {device: cpu}``, and stage 2
-  offload with ``delayed_update``;
-- ``deepspeed``: stage 0, 1, 2, stage 1 and 2 with offload (DeepSpeedCPUAdam), from the same
-  config dict (a failure shows its error in the table).
+- ``engine``: stage 0, 1, 2, stage 1 and 2 with ``offload_optimizer: {device: cpu}``, stage 2
+  offload with ``delayed_update``, and stage 3 without offload, with ``offload_optimizer``, and
+  with ``offload_optimizer`` + ``offload_param``;
+- ``deepspeed``: the same modes but the delayed update (DeepSpeedCPUAdam under offload), from the
+  same config dict (a failure shows its error in the table);
+- ``fsdp2``: PyTorch FSDP2 (``fully_shard`` per transformer block and the root), as the stage-3
+  anchor: without offload, and with ``CPUOffloadPolicy`` (params and optimizer state on the host).
+
+``--stages`` picks the ZeRO stages; stage 3's ``stage3_prefetch_bucket_size``,
+``stage3_param_persistence_threshold`` and ``stage3_max_live_parameters`` are the same numbers for
+the engine and DeepSpeed (``--prefetch-bucket``, ``--persistence-threshold``, ``--max-live``).
 
 Prints one Markdown table: median seconds per step over the timed steps (a step ends when its
 slowest rank does) with the interquartile range, tokens/s (all ranks), time ratios against plain
-PyTorch and DeepSpeed's same mode (> 1: slower), peak RSS of the largest rank, bytes of live
+PyTorch, DeepSpeed's same mode and, at stage 3, FSDP2's same mode (> 1: slower), peak RSS of the largest rank, bytes of live
 tensors after the last step (rank 0), the engine's ``memory_report()`` and its formula
 ``expected_memory()`` as device/host MiB, and rank 0's last loss (the same model, data and
 recipe: fp32 runs agree to rounding).
 
     python benchmarks/engine_step.py --quick --world 1 --no-deepspeed   # smoke test, < 60 s
     python benchmarks/engine_step.py --world 1 2 --json results.json    # the full table
+    python benchmarks/engine_step.py --stages 3 --world 1 2             # the stage-3 rows only
 """
 
 from __future__ import annotations
@@ -42,29 +50,45 @@ QUICK = dict(layers=2, hidden=64, heads=4, seq=64, micro=2, steps=3, warmup=1)
 FULL = dict(layers=8, hidden=512, heads=8, seq=256, micro=2, steps=10, warmup=2)
 
 
-# (stage, offload, delayed update) of the ZeRO runs; the delayed update is the engine's only.
+# (stage, offload_optimizer, delayed update, offload_param) of the ZeRO runs; the delayed update
+# is the engine's only; FSDP2 runs stage 3 only, and offloads params and optimizer state together.
 ZERO_MODES = (
-    (0, False, False),
-    (1, False, False),
-    (2, False, False),
-    (1, True, False),
-    (2, True, False),
+    (0, False, False, False),
+    (1, False, False, False),
+    (2, False, False, False),
+    (1, True, False, False),
+    (2, True, False, False),
+    (3, False, False, False),
+    (3, True, False, False),
+    (3, True, False, True),
 )
-ENGINE_ONLY_MODES = ((2, True, True),)
+ENGINE_ONLY_MODES = ((2, True, True, False),)
+FSDP2_MODES = ((3, False, False, False), (3, True, False, True))
+STAGES = (0, 1, 2, 3)
 
 
-def matrix(worlds: list[int], dtypes: list[str], impls: list[str]) -> list[Run]:
-    """Every run, grouped by world size then dtype, the plain PyTorch anchor first."""
+def matrix(
+    worlds: list[int], dtypes: list[str], impls: list[str], stages: tuple[int, ...] = STAGES
+) -> list[Run]:
+    """Every run of the given ZeRO stages, grouped by world size then dtype, the plain PyTorch
+    anchor first (always, as every row's ``x torch`` needs it)."""
+    modes = {
+        "engine": ZERO_MODES + ENGINE_ONLY_MODES,
+        "deepspeed": ZERO_MODES,
+        "fsdp2": FSDP2_MODES,
+    }
     runs = []
     for world in worlds:
         for dtype in dtypes:
             if "torch" in impls:
                 runs.append(Run("torch", 0, False, False, world, dtype))
-            if "engine" in impls:
-                for s, o, d in ZERO_MODES + ENGINE_ONLY_MODES:
-                    runs.append(Run("engine", s, o, d, world, dtype))
-            if "deepspeed" in impls:
-                runs += [Run("deepspeed", s, o, d, world, dtype) for s, o, d in ZERO_MODES]
+            for impl in ("engine", "deepspeed", "fsdp2"):
+                if impl in impls:
+                    runs += [
+                        Run(impl, s, o, d, world, dtype, offload_param=op)
+                        for s, o, d, op in sorted(modes[impl], key=lambda m: m[0] == 3)
+                        if s in stages
+                    ]
     return runs
 
 
@@ -83,6 +107,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=float,
         default=1e7,
         help="reduce_bucket_size and allgather_bucket_size in elements (default 1e7)",
+    )
+    p.add_argument(
+        "--stages",
+        type=int,
+        nargs="+",
+        choices=STAGES,
+        default=list(STAGES),
+        help="ZeRO stages to run (default 0 1 2 3; the plain PyTorch anchor always runs)",
+    )
+    p.add_argument(
+        "--prefetch-bucket",
+        type=float,
+        default=None,
+        help="stage 3: stage3_prefetch_bucket_size in elements, for the engine and DeepSpeed "
+        "(default int(0.9 * hidden^2), DeepSpeed's 'auto')",
+    )
+    p.add_argument(
+        "--persistence-threshold",
+        type=float,
+        default=None,
+        help="stage 3: stage3_param_persistence_threshold in elements (default 10 * hidden, "
+        "DeepSpeed's 'auto': biases and norms stay whole, every weight matrix is partitioned)",
+    )
+    p.add_argument(
+        "--max-live",
+        type=float,
+        default=1e9,
+        help="stage 3: stage3_max_live_parameters (default 1e9, DeepSpeed's default)",
     )
     p.add_argument("--world", type=int, nargs="+", default=[1, 2], help="world sizes (default 1 2)")
     p.add_argument(
@@ -132,6 +184,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--world sizes must be >= 1, got {args.world}")
     if args.bucket < 1:
         p.error(f"--bucket must be >= 1 element, got {args.bucket}")
+    if args.prefetch_bucket is None:
+        args.prefetch_bucket = int(0.9 * args.hidden * args.hidden)
+    if args.persistence_threshold is None:
+        args.persistence_threshold = 10 * args.hidden
+    for name in ("prefetch_bucket", "persistence_threshold", "max_live"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.no_deepspeed:
         args.impls = [i for i in args.impls if i != "deepspeed"]
     return args
@@ -168,7 +227,14 @@ def _header(shape: Shape, meta: dict[str, Any], rows: list[dict[str, Any]]) -> s
     return (
         f"\nGPT-2 {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads, vocab 256, "
         f"seq {shape.seq}, micro batch {shape.micro}: {params / 1e6:.1f}M params\n"
-        f"{shape.steps} timed steps after {shape.warmup} warm-up, x {meta['rounds']} round(s); "
+        + (
+            f"stage 3: stage3_prefetch_bucket_size {shape.prefetch_bucket}, "
+            f"stage3_param_persistence_threshold {shape.persistence_threshold}, "
+            f"stage3_max_live_parameters {shape.max_live}\n"
+            if any(r["stage"] == 3 for r in rows)
+            else ""
+        )
+        + f"{shape.steps} timed steps after {shape.warmup} warm-up, x {meta['rounds']} round(s); "
         f"{meta['cores']} cores, {meta['threads']} thread(s) per rank; torch {meta['torch']}, "
         f"deepspeed {meta.get('deepspeed', '-')}; host Adam {adam['kernel']}/{adam['isa']}; "
         f"load average {meta['loadavg_start'][0]:.1f} -> {meta['loadavg_end'][0]:.1f}\n"
@@ -186,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         steps=args.steps,
         warmup=args.warmup,
         bucket=int(args.bucket),
+        prefetch_bucket=int(args.prefetch_bucket),
+        persistence_threshold=int(args.persistence_threshold),
+        max_live=int(args.max_live),
     )
     meta = _meta(args, shape)
     meta.update(rounds=args.rounds, threads=args.threads or "cores/world")
@@ -196,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("building DeepSpeed's ops (once) ...", file=sys.stderr, flush=True)
             ds_error = prebuild_deepspeed(args.timeout)
-    runs = matrix(args.world, args.dtype, args.impls)
+    runs = matrix(args.world, args.dtype, args.impls, tuple(args.stages))
     results: list[list[dict[str, Any]]] = [[] for _ in runs]
     t_start = time.perf_counter()
     for rnd in range(args.rounds):

@@ -9,11 +9,31 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "engine_step.py"
 
 
-def test_quick_table(tmp_path: Path) -> None:
+# (extra flags, implementations in the table, rows): stages 0-2 with the engine's six modes, and
+# stage 3 with the engine's three modes and FSDP2's two, each with the plain PyTorch anchor.
+CASES = {
+    "stages012": (
+        ["--stages", "0", "1", "2", "--impls", "torch", "engine"],
+        ("torch", "engine"),
+        7,
+    ),
+    "stage3": (
+        ["--stages", "3", "--impls", "torch", "engine", "fsdp2"],
+        ("torch", "engine", "fsdp2"),
+        6,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_quick_table(tmp_path: Path, case: str) -> None:
+    flags, impls, n_rows = CASES[case]
     out = tmp_path / "results.json"
     done = subprocess.run(
         [
@@ -25,6 +45,7 @@ def test_quick_table(tmp_path: Path) -> None:
             "--no-deepspeed",
             "--json",
             str(out),
+            *flags,
         ],
         capture_output=True,
         text=True,
@@ -34,10 +55,18 @@ def test_quick_table(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     header = next(ln for ln in lines if ln.startswith("| impl |"))
-    for col in ("s/step", "tokens/s", "x torch", "x DS", "peak RSS MiB", "acct dev/host MiB"):
+    for col in (
+        "s/step",
+        "tokens/s",
+        "x torch",
+        "x DS",
+        "x FSDP2",
+        "peak RSS MiB",
+        "acct dev/host MiB",
+    ):
         assert col in header
-    rows = [ln for ln in lines if ln.startswith(("| torch |", "| engine |"))]
-    assert len(rows) == 7, "\n".join(lines)  # plain PyTorch + six engine modes
+    rows = [ln for ln in lines if ln.startswith(tuple(f"| {i} |" for i in impls))]
+    assert len(rows) == n_rows, "\n".join(lines)
     assert not any("error" in ln for ln in rows), "\n".join(rows)
 
     data = json.loads(out.read_text())
