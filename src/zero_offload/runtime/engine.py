@@ -18,10 +18,12 @@ import weakref
 import torch
 
 from . import dist
+from .engine_api import DeepSpeedEngineAPI
 from .flat_group import FlatGroup
 from .grad_shard import GradShard
 from .loss_scaler import build_loss_scaler
 from .memory import expected_bytes
+from .module_cast import cast_params_
 from .reducer import Reducer
 from .shard_optimizer import ShardOptimizer
 from .streams import Streams
@@ -30,7 +32,7 @@ from .zero_optimizer import ZeroOptimizer
 log = logging.getLogger("zero_offload")
 
 
-class ZeroOffloadEngine(torch.nn.Module):
+class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
     def __init__(
         self,
         module: torch.nn.Module,
@@ -64,7 +66,7 @@ class ZeroOffloadEngine(torch.nn.Module):
         self._grad_norm: float | None = None
         self.training_dataloader = training_dataloader
 
-        module.to(device=self.device, dtype=self.dtype)
+        cast_params_(module, self.device, self.dtype)
         self.streams = Streams(self.device)
         pin = bool(oc is not None and oc.pin_memory and self.device.type == "cuda")
         names = {id(p): n for n, p in module.named_parameters()}
@@ -162,34 +164,33 @@ class ZeroOffloadEngine(torch.nn.Module):
     def gradient_accumulation_steps(self) -> int:
         return self._gas
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self._gas == 0
-
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
         return self._grad_norm
 
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale
-
     def zero_grad(self) -> None:
         for gs in self.grad_shards:
             gs.zero()
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Scale by the loss scale and 1/GAS, run backward; reduction happens in the hooks."""
-        first = self.micro_steps % self._gas == 0
-        self.reducer.prepare(first=first, last=self.is_gradient_accumulation_boundary())
-        scale = self.loss_scaler.loss_scale / self._gas
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
+        """Scale by the loss scale and (with ``scale_wrt_gas``) 1/GAS, run backward; reduction
+        happens in the hooks. Returns the loss divided by GAS when ``scale_wrt_gas``, as
+        DeepSpeed does."""
+        first = self._first_micro_step()
+        self.reducer.prepare(first=first, last=self._reduces_now())
+        gas = self._gas if scale_wrt_gas else 1
+        scale = self.loss_scaler.loss_scale / gas
         with self._timed("backward"):
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-        return loss
+        return loss / gas if gas != 1 else loss
 
     def step(self) -> None:
         """Update at the accumulation boundary; always advances the micro-step counter."""
+        self._before_step()
         if self.is_gradient_accumulation_boundary():
             with self._timed("step"):
                 self._take_step()
