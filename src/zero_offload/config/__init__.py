@@ -1,5 +1,6 @@
 """Typed DeepSpeed-style configuration: ``load_config(source, world_size)`` -> ZeroOffloadConfig."""
 
+from .auto import AutoValueWarning
 from .batch import BatchSizes, resolve_batch_sizes
 from .errors import ConfigError, NotImplementedSettingWarning
 from .json_text import parse_json_text, read_json_file
@@ -20,6 +21,7 @@ from .zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 __all__ = [
     "AdamParams",
+    "AutoValueWarning",
     "BF16Config",
     "BatchSizes",
     "ConfigError",

@@ -101,6 +101,7 @@ class ZeroOffloadConfig(Section):
 
     _world_size: int = PrivateAttr(1)
     _ignored_keys: tuple[str, ...] = PrivateAttr(())
+    _auto_keys: tuple[str, ...] = PrivateAttr(())
     _source: dict[str, Any] | None = PrivateAttr(None)
 
     @field_validator("scheduler", mode="before")
@@ -161,6 +162,12 @@ class ZeroOffloadConfig(Section):
     def ignored_keys(self) -> tuple[str, ...]:
         """Full paths of the accepted-but-ignored DeepSpeed keys this config set."""
         return self._ignored_keys
+
+    @property
+    def auto_keys(self) -> tuple[str, ...]:
+        """Full paths of every key given as ``"auto"`` (filled, defaulted or ignored), for
+        whoever can fill one later (the engine resolves the stage-3 sizes from the model)."""
+        return self._auto_keys
 
     def to_dict(self) -> dict[str, Any]:
         """Every setting, resolved, as plain JSON values (for logs and checkpoint metadata).
