@@ -96,7 +96,7 @@ def test_train_writes_metrics_plot_and_config(tmp_path: Path, capsys) -> None:
 def test_train_rejects_bad_model_flags(tmp_path: Path, capsys) -> None:
     argv = ["train", *SMALL, "--hidden-size", "30", "--out", str(tmp_path / "r")]
     assert main(argv) == 2
-    assert "num_attention_heads" in capsys.readouterr().out
+    assert "num_attention_heads" in capsys.readouterr().err  # errors go to stderr
     assert not (tmp_path / "r").exists()
 
 
