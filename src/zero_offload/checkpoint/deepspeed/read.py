@@ -121,9 +121,16 @@ def read_deepspeed(src: Path, tag: str | None = None) -> DSCheckpoint:
     ms = load_deepspeed_file(ms_path)
     shapes = _shapes(ms, ms_path)
     module = {k: v for k, v in (ms.get("module") or {}).items() if isinstance(v, torch.Tensor)}
-    frozen = list((ms.get("frozen_param_shapes") or {}).keys())
-    for name, t in (ms.get("frozen_param_fragments") or {}).items():
-        module.setdefault(name, t)
+    frozen_shapes = {n: tuple(s) for n, s in (ms.get("frozen_param_shapes") or {}).items()}
+    frozen = list(frozen_shapes)
+    if stage3:  # every rank's model states hold its fragment of each frozen param
+        per_rank = [ms] + [load_deepspeed_file(f) for f in model_files[1:]]
+        for name, shape in frozen_shapes.items():
+            pieces = [r["frozen_param_fragments"][name].reshape(-1) for r in per_rank]
+            module[name] = torch.cat(pieces)[: math.prod(shape)].reshape(shape)
+    else:
+        for name, t in (ms.get("frozen_param_fragments") or {}).items():
+            module.setdefault(name, t)
     counters = {
         "global_steps": _int(ms.get("global_steps", 0)),
         "global_samples": _int(ms.get("global_samples", 0)),
@@ -171,6 +178,11 @@ def read_deepspeed(src: Path, tag: str | None = None) -> DSCheckpoint:
     else:
         groups = _stage0_groups(ms, shapes, module, ms_path)
         loss_scale = None
+    if stage3:  # the module state holds placeholders: the weights are the masters, cast
+        dtype = _train_dtype(config)
+        for g in groups:
+            for name in g.names:
+                module[name] = g.master[name].to(dtype)
     return DSCheckpoint(
         path=path,
         stage=stage,
@@ -184,6 +196,15 @@ def read_deepspeed(src: Path, tag: str | None = None) -> DSCheckpoint:
         loss_scale=loss_scale,
         client_state=client,
     )
+
+
+def _train_dtype(config: Any) -> torch.dtype:
+    if isinstance(config, dict):
+        if (config.get("fp16") or {}).get("enabled") is True:
+            return torch.float16
+        if (config.get("bf16") or config.get("bfloat16") or {}).get("enabled") is True:
+            return torch.bfloat16
+    return torch.float32
 
 
 def _loss_scale(osd: dict) -> dict | None:
