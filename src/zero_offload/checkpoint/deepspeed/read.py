@@ -258,7 +258,9 @@ def _stage3_groups(osds: list[dict], shapes, where: Path) -> list[DSGroup]:
             ]
         first = next(iter(inner[0]["state"].values()))
         step = _int(first["step"])
-        hyper = _hyper(inner[0]["param_groups"][0])
+        # One sub-group per param group (DeepSpeed's default sub_group_size holds a whole group).
+        inner_groups = inner[0]["param_groups"]
+        hypers = [_hyper(inner_groups[min(gi, len(inner_groups) - 1)]) for gi in range(len(shapes))]
     except (KeyError, IndexError, TypeError, StopIteration) as exc:
         raise CheckpointError(
             f"{where}: stage-3 optimizer state incomplete: missing {exc}"
@@ -276,7 +278,7 @@ def _stage3_groups(osds: list[dict], shapes, where: Path) -> list[DSGroup]:
             for kind, per_rank in flats.items():
                 kinds[kind][name] = [per_rank[r][offset : offset + part] for r in range(world)]
             offset += part
-        groups.append(_assemble(params, kinds, step, hyper, where, gi))
+        groups.append(_assemble(params, kinds, step, hypers[gi], where, gi))
     return groups
 
 
@@ -295,7 +297,9 @@ def _stage0_groups(ms: dict, shapes, module: dict, where: Path) -> list[DSGroup]
             "exp_avg": {},
             "exp_avg_sq": {},
         }
-        step = 0
+        # DeepSpeed's FusedAdam counts steps per group (param_groups[g]["step"]); torch's Adam
+        # per param. The group's Adam step is the largest count found.
+        step = _int(pg.get("step", 0))
         for (name, _), pid in zip(params, pg["params"]):
             state = opt["state"].get(pid, {})
             kinds["master"][name] = [module[name].float().reshape(-1)]
@@ -307,7 +311,7 @@ def _stage0_groups(ms: dict, shapes, module: dict, where: Path) -> list[DSGroup]
                     else t.float().reshape(-1)
                 ]
             if "step" in state:
-                step = _int(state["step"])
+                step = max(step, _int(state["step"]))
         groups.append(_assemble(params, kinds, step, _hyper(pg), where, gi))
     return groups
 
