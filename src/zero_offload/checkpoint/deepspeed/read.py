@@ -103,8 +103,49 @@ def _hyper(group: dict) -> dict[str, Any]:
     return out
 
 
+def _stage0_names(model_states: dict, where: Path) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Stage 0 saves no param names: match each optimizer param (shape from its exp_avg) to the
+    next module key of that shape, in registration order within each group (how param groups
+    are normally built). Ambiguity or a miss is an error rather than a guess."""
+    opt, module = model_states.get("optimizer"), model_states.get("module") or {}
+    if not isinstance(opt, dict) or "param_groups" not in opt:
+        raise CheckpointError(f"{where}: no 'param_shapes' and no optimizer state to name params")
+    frozen = set(model_states.get("frozen_param_shapes") or {})
+    keys = [
+        k
+        for k, v in module.items()
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and k not in frozen
+    ]
+    taken: set[str] = set()
+    groups = []
+    for gi, pg in enumerate(opt["param_groups"]):
+        names, cursor = [], 0
+        for pid in pg["params"]:
+            state = opt["state"].get(pid) or {}
+            if "exp_avg" not in state:
+                raise CheckpointError(
+                    f"{where}: group {gi} param {pid} has no Adam state to size it"
+                )
+            shape = tuple(state["exp_avg"].shape)
+            while cursor < len(keys) and (
+                keys[cursor] in taken or tuple(module[keys[cursor]].shape) != shape
+            ):
+                cursor += 1
+            if cursor == len(keys):
+                raise CheckpointError(
+                    f"{where}: stage 0 keeps no param names and group {gi} param {pid} (shape "
+                    f"{list(shape)}) matches no module key in registration order"
+                )
+            taken.add(keys[cursor])
+            names.append((keys[cursor], shape))
+        groups.append(names)
+    return groups
+
+
 def _shapes(model_states: dict, where: Path) -> list[list[tuple[str, tuple[int, ...]]]]:
     shapes = model_states.get("param_shapes")
+    if shapes is None and model_states.get("optimizer") is not None:
+        return _stage0_names(model_states, where)
     if not isinstance(shapes, list):
         raise CheckpointError(f"{where}: no 'param_shapes' (not a DeepSpeed checkpoint of 0.4+?)")
     return [[(n, tuple(s)) for n, s in g.items()] for g in shapes]
