@@ -22,6 +22,8 @@ ENGINE_RESOLVED = frozenset(
         "zero_optimization.reduce_bucket_size",
         "zero_optimization.stage3_prefetch_bucket_size",
         "zero_optimization.stage3_param_persistence_threshold",
+        "zero_optimization.prefetch_bucket_size",
+        "zero_optimization.param_persistence_threshold",
     }
 )
 _BATCH = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")

@@ -88,7 +88,7 @@ def load_config(
 
     config._source = raw
     config._ignored_keys = tuple(prepared.ignored)
-    config._auto_keys = tuple(sorted(prepared.auto))
+    config._auto_keys = frozenset(prepared.auto)
     defaulted = auto_report(prepared.auto, prepared.ignored, config.to_dict())
     if defaulted:
         warnings.warn(

@@ -101,7 +101,7 @@ class ZeroOffloadConfig(Section):
 
     _world_size: int = PrivateAttr(1)
     _ignored_keys: tuple[str, ...] = PrivateAttr(())
-    _auto_keys: tuple[str, ...] = PrivateAttr(())
+    _auto_keys: frozenset[str] = PrivateAttr(frozenset())
     _source: dict[str, Any] | None = PrivateAttr(None)
 
     @field_validator("scheduler", mode="before")
@@ -164,9 +164,9 @@ class ZeroOffloadConfig(Section):
         return self._ignored_keys
 
     @property
-    def auto_keys(self) -> tuple[str, ...]:
-        """Full paths of every key given as ``"auto"`` (filled, defaulted or ignored), for
-        whoever can fill one later (the engine resolves the stage-3 sizes from the model)."""
+    def auto_keys(self) -> frozenset[str]:
+        """Full paths of the keys the source config set to ``"auto"`` (loaded as the default;
+        :func:`zero_offload.config.auto_sizes.resolve_auto_sizes` fills the size ones)."""
         return self._auto_keys
 
     def to_dict(self) -> dict[str, Any]:
