@@ -107,7 +107,7 @@ def test_train_stage3_config_with_both_offloads(tmp_path: Path) -> None:
 def test_train_rejects_bad_model_flags(tmp_path: Path, capsys) -> None:
     argv = ["train", *SMALL, "--hidden-size", "30", "--out", str(tmp_path / "r")]
     assert main(argv) == 2
-    assert "num_attention_heads" in capsys.readouterr().out
+    assert "num_attention_heads" in capsys.readouterr().err  # errors go to stderr
     assert not (tmp_path / "r").exists()
 
 

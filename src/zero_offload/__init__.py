@@ -1,6 +1,7 @@
 """zero_offload: ZeRO stage 1/2 data parallelism with optimizer offload to a SIMD CPU Adam,
 configured with DeepSpeed's JSON keys (``import zero_offload as deepspeed`` mostly just works)."""
 
+from . import comm, ops, utils
 from .api import add_config_arguments, initialize
 from .checkpoint import get_fp32_state_dict_from_zero_checkpoint
 from .runtime.dist import init_distributed
@@ -13,6 +14,9 @@ __all__ = [
     "DeepSpeedEngine",
     "ZeroOffloadEngine",
     "__version__",
+    "comm",
+    "ops",
+    "utils",
     "add_config_arguments",
     "get_fp32_state_dict_from_zero_checkpoint",
     "init_distributed",

@@ -108,6 +108,17 @@ def _restore_loss_scaler(engine, meta: dict) -> None:
         )
 
 
+def _refuse_deepspeed_folder(load_dir, tag) -> None:
+    from .deepspeed import is_deepspeed_checkpoint
+
+    if is_deepspeed_checkpoint(load_dir, tag):
+        raise CheckpointError(
+            f"{load_dir} is a DeepSpeed checkpoint, not this project's format; convert it once "
+            f"with: zero-offload convert-deepspeed {load_dir} CONVERTED_DIR, then load "
+            "CONVERTED_DIR (weights, fp32 master, Adam state and scheduler carry over)"
+        )
+
+
 def load_checkpoint(
     engine,
     load_dir,
@@ -120,6 +131,7 @@ def load_checkpoint(
     ``(checkpoint directory, client_state)``, or ``(None, None)`` when ``tag`` is None and there
     is no ``latest`` file (DeepSpeed's behaviour). A collective: every rank calls it."""
     engine.flush_delayed_update()  # a pending host update must not land on top of the load
+    _refuse_deepspeed_folder(load_dir, tag)
     err: BaseException | None = None
     ckpt = plan = None
     use_opt = load_optimizer_states and not load_module_only

@@ -15,6 +15,10 @@ COMMANDS = {
     "env": ("zero_offload.cli.env", "report torch, devices and the active host update kernel"),
     "bench": ("zero_offload.cli.bench", "benchmark the host update path against the anchors"),
     "export": ("zero_offload.cli.export", "export a checkpoint as one safetensors state dict"),
+    "convert-deepspeed": (
+        "zero_offload.cli.convert_deepspeed",
+        "convert a DeepSpeed checkpoint into this project's format",
+    ),
 }
 
 

@@ -16,14 +16,18 @@ import os
 import time
 from typing import Any
 
+from .errors import report
 from .periodic_save import PeriodicSaver
 from .run_folder import METRIC_COLUMNS, RunFolder
+from .train_hf import add_hf_arguments, check_hf_arguments
+from .train_job import Job, gpt2_job, model_config
 
 __all__ = [
     "DEFAULT_CONFIG",
     "METRIC_COLUMNS",
     "RunFolder",
     "add_arguments",
+    "model_config",
     "resolve_config",
     "run",
 ]
@@ -118,10 +122,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="seconds a collective waits for the other ranks before failing (default 1800)",
     )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help="micro batch per rank (train_micro_batch_size_per_gpu; must agree with the config)",
+    )
+    add_hf_arguments(parser)
 
 
 def resolve_config(
-    config_path: str | None, steps: int | None, cuda_bf16: bool = False
+    config_path: str | None,
+    steps: int | None,
+    cuda_bf16: bool = False,
+    batch_size: int | None = None,
 ) -> tuple[dict[str, Any], int, list[str]]:
     """The DeepSpeed config dict to train with, the number of steps, and notes on what was
     filled in.
@@ -129,20 +142,37 @@ def resolve_config(
     A user config is used as given, except for what the tutorials' configs leave to the
     training script: with no batch key the built-in micro batch is used, with no ``optimizer``
     the built-in AdamW and its schedule, and a decaying schedule without ``total_num_steps``
-    decays over the run.
+    decays over the run. ``batch_size`` (``--batch-size``) is the micro batch; a config that
+    sets a different ``train_micro_batch_size_per_gpu`` is an error saying which to change.
+    ``"auto"`` values the run knows are filled: ``total_num_steps`` (the steps) and
+    ``warmup_max_lr`` (the optimizer's lr).
     """
-    from zero_offload.config import read_json_file
+    from zero_offload.config import ConfigError, read_json_file
 
     if steps is not None and steps <= 0:
         raise ValueError(f"--steps must be a positive integer, got {steps}")
+    if batch_size is not None and batch_size <= 0:
+        raise ValueError(f"--batch-size must be a positive integer, got {batch_size}")
     steps = steps or DEFAULT_STEPS
     notes: list[str] = []
     if config_path is None:
         config = copy.deepcopy(DEFAULT_CONFIG)
         config["bf16"]["enabled"] = cuda_bf16
         config["scheduler"] = _builtin_scheduler(steps)
+        if batch_size is not None:
+            config["train_micro_batch_size_per_gpu"] = batch_size
         return config, steps, notes
     config = read_json_file(config_path)
+    if batch_size is not None:
+        micro = config.get("train_micro_batch_size_per_gpu", "auto")
+        if micro != "auto" and micro != batch_size:
+            raise ConfigError(
+                f"train_micro_batch_size_per_gpu: {micro} in the config, but --batch-size "
+                f"{batch_size}; change --batch-size to {micro}, or the config's "
+                f"train_micro_batch_size_per_gpu to {batch_size} (or remove it)",
+                origin=os.fspath(config_path),
+            )
+        config["train_micro_batch_size_per_gpu"] = batch_size
     if all(config.get(key, "auto") == "auto" for key in _BATCH_KEYS):
         micro = DEFAULT_CONFIG["train_micro_batch_size_per_gpu"]
         config["train_micro_batch_size_per_gpu"] = micro
@@ -154,8 +184,16 @@ def resolve_config(
             # Only with the built-in optimizer: its warmup_max_lr is that optimizer's lr.
             config["scheduler"] = _builtin_scheduler(steps)
     scheduler = config.get("scheduler")
-    if isinstance(scheduler, dict) and scheduler.get("type") in _DECAYING_SCHEDULERS:
-        scheduler.setdefault("params", {}).setdefault("total_num_steps", steps)
+    if isinstance(scheduler, dict) and isinstance(scheduler.get("params", {}), dict):
+        params = scheduler.setdefault("params", {})
+        if (
+            scheduler.get("type") in _DECAYING_SCHEDULERS
+            and params.get("total_num_steps", "auto") == "auto"
+        ):
+            params["total_num_steps"] = steps
+        lr = config.get("optimizer", {}).get("params", {}).get("lr")
+        if params.get("warmup_max_lr") == "auto" and isinstance(lr, (int, float)):
+            params["warmup_max_lr"] = lr  # Hugging Face's rule: the optimizer's lr
     return config, steps, notes
 
 
@@ -166,19 +204,6 @@ def _builtin_scheduler(steps: int) -> dict[str, Any]:
     params["total_num_steps"] = steps
     params["warmup_num_steps"] = max(1, min(params["warmup_num_steps"], steps // 10))
     return scheduler
-
-
-def model_config(args: argparse.Namespace):
-    from zero_offload.models import GPT2Config
-
-    overrides = {
-        name: getattr(args, name)
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
-        if getattr(args, name) is not None
-    }
-    if args.checkpoint_activations:
-        overrides["checkpoint_activations"] = True
-    return GPT2Config.preset(args.preset, **overrides)
 
 
 def memory_mib(device) -> float:
@@ -238,53 +263,50 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import zero_offload
-    from zero_offload.data import TokenBlockDataset, load_corpus, split_heldout
-    from zero_offload.models import GPT2Model, param_groups
+    from zero_offload.config import ConfigError
 
     try:
         cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        ds_config, steps, notes = resolve_config(args.config, args.steps, cuda_bf16)
-        mcfg = model_config(args)
+        ds_config, steps, notes = resolve_config(
+            args.config, args.steps, cuda_bf16, args.batch_size
+        )
         if min(args.log_every, args.eval_batches, args.save_every, args.keep_last) < 0:
             raise ValueError(
                 "--log-every, --eval-batches, --save-every and --keep-last must be >= 0"
             )
-        tokens = load_corpus(args.data, args.max_bytes)
-        train_tokens, heldout_tokens = split_heldout(tokens)
-        train_set = TokenBlockDataset(train_tokens, mcfg.seq_length)
-        heldout_set = TokenBlockDataset(heldout_tokens, mcfg.seq_length)
-    except (ValueError, FileNotFoundError) as err:  # ConfigError is a ValueError
-        print(f"zero-offload train: error: {err}")
-        return 2
-
-    from zero_offload.checkpoint import CheckpointError
-
-    try:
+        check_hf_arguments(args)
         zero_offload.init_distributed(timeout=args.timeout)
-        torch.manual_seed(args.seed)  # the same initial weights on every rank
-        model = GPT2Model(mcfg)
+        if args.model is not None:
+            from .train_hf import hf_job
+
+            job = hf_job(args)
+        else:
+            job = gpt2_job(args)
         engine, _, _, _ = zero_offload.initialize(
-            model=model, model_parameters=param_groups(model), config=ds_config
+            model=job.model, model_parameters=job.param_groups, config=ds_config
         )
-    except ValueError as err:  # an invalid config (ConfigError) or --timeout
-        print(f"zero-offload train: error: {err}")
-        return 2
+    except (ValueError, FileNotFoundError, ImportError) as err:  # ConfigError is a ValueError
+        if isinstance(err, ConfigError) and args.batch_size is not None:
+            err.problems = [
+                f"{p} (--batch-size {args.batch_size} sets train_micro_batch_size_per_gpu)"
+                for p in err.problems
+            ]
+        return report("train", err, args.config)
     micro = engine.train_micro_batch_size_per_gpu()
     try:
-        batches = _batches(train_set, micro, engine.global_rank, engine.world_size, args.seed)
+        batches = _batches(job.train_set, micro, engine.global_rank, engine.world_size, args.seed)
     except ValueError as err:
-        print(f"zero-offload train: error: {err}")
-        return 2
+        return report("train", err)
+    from zero_offload.checkpoint import CheckpointError
+
     first = 1
     if args.resume:
         try:
             path, client = engine.load_checkpoint(args.resume)
         except (CheckpointError, FileNotFoundError) as err:  # damaged or for another model
-            print(f"zero-offload train: error: cannot resume from {args.resume}: {err}")
-            return 2
+            return report("train", ValueError(f"cannot resume from {args.resume}: {err}"))
         if path is None:
-            print(f"zero-offload train: error: no checkpoint to resume from in {args.resume}")
-            return 2
+            return report("train", ValueError(f"no checkpoint to resume from in {args.resume}"))
         position = _resume_position(engine, client)
         first = position["step"] + 1
         for _ in range(position["micro_batches"]):  # the data position, exactly
@@ -295,9 +317,9 @@ def run(args: argparse.Namespace) -> int:
         args.out, engine.global_rank, resume_at=first if args.resume else None
     )
     if engine.global_rank == 0:
-        for note in notes:
+        for note in notes + job.notes:
             print(f"note: {note}")
-        _describe(engine, mcfg, ds_config, len(tokens), steps)
+        _describe(engine, job, ds_config, steps)
         resolved = getattr(engine, "config", None)
         folder.write_json(
             "config.json", resolved.to_dict() if hasattr(resolved, "to_dict") else ds_config
@@ -317,15 +339,16 @@ def run(args: argparse.Namespace) -> int:
         engine,
         batches,
         steps,
-        mcfg.seq_length,
+        job.seq_length,
         folder,
         args.log_every,
         first=first,
         saver=saver,
     )
-    heldout = evaluate(engine, heldout_set, micro, args.eval_batches)
+    heldout = evaluate(engine, job.heldout_set, micro, args.eval_batches)
+    exported = job.finish(engine, folder) if job.finish is not None else []
     if engine.global_rank == 0:
-        _summarize(engine, mcfg, folder, losses, elapsed, heldout)
+        _summarize(engine, job, folder, losses, elapsed, heldout, exported)
     folder.close()
     if hasattr(engine, "destroy"):
         engine.destroy()
@@ -360,18 +383,15 @@ def _tokens_per_step(engine, seq_length: int) -> int:
     )
 
 
-def _describe(engine, mcfg, ds_config: dict[str, Any], corpus_bytes: int, steps: int) -> None:
-    from zero_offload.models import num_parameters
-
+def _describe(engine, job: Job, ds_config: dict[str, Any], steps: int) -> None:
     print(
-        f"GPT-2 {mcfg.num_layers}x{mcfg.hidden_size} ({num_parameters(mcfg) / 1e6:.2f}M params), "
-        f"{corpus_bytes / 2**20:.1f} MiB corpus, {engine.world_size} rank(s) on "
-        f"{engine.device.type}, {next(engine.module.parameters()).dtype}, "
+        f"{job.title}, {job.corpus_tokens / 2**20:.1f}M corpus tokens, {engine.world_size} "
+        f"rank(s) on {engine.device.type}, {next(engine.module.parameters()).dtype}, "
         f"ZeRO stage {ds_config.get('zero_optimization', {}).get('stage', 0)}, "
-        f"{_tokens_per_step(engine, mcfg.seq_length)} tokens/step, {steps} steps"
+        f"{_tokens_per_step(engine, job.seq_length)} tokens/step, {steps} steps"
     )
-    report = engine.memory_report()
-    print("model states: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in report.items()))
+    report_ = engine.memory_report()
+    print("model states: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in report_.items()))
 
 
 def _train(
@@ -441,16 +461,21 @@ def _train(
 
 
 def _summarize(
-    engine, mcfg, folder: RunFolder, losses: list[float], elapsed: float, heldout: float
+    engine,
+    job: Job,
+    folder: RunFolder,
+    losses: list[float],
+    elapsed: float,
+    heldout: float,
+    exported: list[str],
 ) -> None:
-    from zero_offload.models import flops_per_token, num_parameters
-
-    tokens_per_step = _tokens_per_step(engine, mcfg.seq_length)
+    tokens_per_step = _tokens_per_step(engine, job.seq_length)
     tokens_per_s = tokens_per_step * len(losses) / elapsed
     tail = losses[-10:]
+    tflops = job.flops_per_token * tokens_per_s / 1e12 if job.flops_per_token else None
     results = {
-        "model": mcfg.to_dict(),
-        "num_parameters": num_parameters(mcfg),
+        "model": job.info,
+        "num_parameters": job.num_parameters,
         "world_size": engine.world_size,
         "steps": len(losses),
         "tokens_per_step": tokens_per_step,
@@ -459,16 +484,18 @@ def _summarize(
         "heldout_loss": heldout if math.isfinite(heldout) else None,  # JSON has no NaN
         "seconds": elapsed,
         "tokens_per_s": tokens_per_s,
-        "model_tflops": flops_per_token(mcfg) * tokens_per_s / 1e12,
+        "model_tflops": tflops,
+        "exported": [os.path.relpath(p, folder.path) for p in exported],
     }
     folder.write_json("run.json", results)
     folder.plot_loss(heldout)
+    flops_text = f", {tflops:.4f} model TFLOPS" if tflops is not None else ""
     print(
         f"loss {results['first_loss']:.3f} -> {results['final_loss']:.3f} "
-        f"(held-out {heldout:.3f}) in {elapsed:.0f} s, {tokens_per_s:.0f} tokens/s, "
-        f"{results['model_tflops']:.4f} model TFLOPS"
+        f"(held-out {heldout:.3f}) in {elapsed:.0f} s, {tokens_per_s:.0f} tokens/s{flops_text}"
     )
-    print(f"wrote {', '.join(folder.files())} in {folder.path}")
+    written = folder.files() + results["exported"]
+    print(f"wrote {', '.join(written)} in {folder.path}")
 
 
 def evaluate(engine, dataset, micro_batch: int, max_batches: int) -> float:

@@ -1,5 +1,6 @@
 """Typed DeepSpeed-style configuration: ``load_config(source, world_size)`` -> ZeroOffloadConfig."""
 
+from .auto import AutoValueWarning
 from .auto_sizes import resolve_auto_sizes
 from .batch import BatchSizes, resolve_batch_sizes
 from .errors import ConfigError, NotImplementedSettingWarning
@@ -21,6 +22,7 @@ from .zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 __all__ = [
     "AdamParams",
+    "AutoValueWarning",
     "BF16Config",
     "BatchSizes",
     "ConfigError",

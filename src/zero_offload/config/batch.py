@@ -47,7 +47,8 @@ def resolve_batch_sizes(
         if micro is not None and micro != micro_batch_size:
             raise ConfigError(
                 f"{MICRO} {micro} in the config != micro_batch_size {micro_batch_size} "
-                "given with it; give one or make them equal"
+                f"given with it (a script's --batch-size); change --batch-size to {micro}, or "
+                f"the config's {MICRO} to {micro_batch_size} (or remove it)"
             )
         micro = micro_batch_size
 

@@ -1,7 +1,8 @@
 """Walking the raw config against the section models before validation.
 
 Each key is either known (kept), a DeepSpeed key this project ignores (dropped and listed for
-the warning), ``"auto"`` (dropped: Hugging Face's "fill this in", here "use the default"), or
+the warning), ``"auto"`` (dropped: Hugging Face's "fill this in"; what fills it, or the default
+chosen instead, is decided in :mod:`.auto`), or
 unknown (an error naming the full path and the closest valid key). Pydantic's own errors are
 turned into the same one-line-per-problem form by :func:`describe_errors`.
 """
@@ -43,6 +44,8 @@ def _walk(model: type[Section], raw: dict[str, Any], path: str, out: Prepared) -
         full = join_path(path, key)
         if key in model.NOT_IMPLEMENTED:
             out.ignored.append(full)
+            if isinstance(value, str) and value == AUTO:
+                out.auto.add(full)  # still ignored here; recorded for whoever can fill it
         elif key not in known:
             hint = model.KEY_HINTS.get(key)
             out.problems.append(

@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from .auto import AutoValueWarning, auto_report
 from .errors import ConfigError, NotImplementedSettingWarning
 from .finite import non_finite_numbers
 from .json_text import read_json_file
@@ -48,7 +49,9 @@ def load_config(
     the config's value when both are given.
 
     Raises ConfigError listing every problem, one per line, each naming its key path. Warns
-    once (NotImplementedSettingWarning) listing the DeepSpeed settings accepted but ignored.
+    once (NotImplementedSettingWarning) listing the DeepSpeed settings accepted but ignored,
+    and once (AutoValueWarning) listing each ``"auto"`` key nothing could fill, with the
+    default chosen. ``config.auto_keys`` lists every ``"auto"`` key path given.
     """
     if isinstance(source, ZeroOffloadConfig):
         if source.world_size == world_size and micro_batch_size is None:
@@ -92,6 +95,14 @@ def load_config(
     config._source = raw
     config._ignored_keys = tuple(prepared.ignored)
     config._auto_keys = frozenset(prepared.auto)
+    defaulted = auto_report(prepared.auto, prepared.ignored, config.to_dict())
+    if defaulted:
+        warnings.warn(
+            f'{origin}: "auto" has nothing to fill it here, so the default is used: '
+            f"{', '.join(defaulted)} (give values to silence this)",
+            AutoValueWarning,
+            stacklevel=2,
+        )
     unimplemented = [*prepared.ignored, *config.non_default_unimplemented()]
     if unimplemented:
         warnings.warn(

@@ -20,12 +20,14 @@ import torch
 from ..config.auto_sizes import resolve_auto_sizes
 from . import dist, guards
 from .consistency import synchronize_start
+from .engine_api import DeepSpeedEngineAPI
 from .fetch_schedule import FetchSchedule
 from .flat_group import FlatGroup
 from .grad_shard import GradShard
 from .init_partition import materialize
 from .loss_scaler import build_loss_scaler
 from .memory import expected_bytes
+from .module_cast import cast_params_
 from .overflow import OverflowMonitor
 from .param_home import FlatHome
 from .param_store import ParamStore, ShardHome, Stage3Policy
@@ -38,7 +40,7 @@ from .zero_optimizer import ZeroOptimizer
 log = logging.getLogger("zero_offload")
 
 
-class ZeroOffloadEngine(torch.nn.Module):
+class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
     def __init__(
         self,
         module: torch.nn.Module,
@@ -72,7 +74,8 @@ class ZeroOffloadEngine(torch.nn.Module):
         self.micro_steps = 0
         self.skipped_steps = 0
         self._grad_norm: float | None = None
-        self._backward_done = False  # a backward() ran in the current micro-step
+        self._backward_done = False  # a window-ending (reducing) backward ran in this micro-step
+        self._backward_since_step = False
         self.training_dataloader = training_dataloader
 
         partitioned = self.stage == 3
@@ -81,7 +84,7 @@ class ZeroOffloadEngine(torch.nn.Module):
         else:
             for p in module.parameters():
                 materialize(p)
-            module.to(device=self.device, dtype=self.dtype)
+            cast_params_(module, self.device, self.dtype)  # buffers keep their own dtype
         synchronize_start(module, config)  # same config and rank 0's weights before any layout
         self.streams = Streams(self.device)
         pin = bool(oc is not None and oc.pin_memory and self.device.type == "cuda")
@@ -226,46 +229,50 @@ class ZeroOffloadEngine(torch.nn.Module):
     def gradient_accumulation_steps(self) -> int:
         return self._gas
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self._gas == 0
-
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
         return self._grad_norm
 
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale
-
     def zero_grad(self) -> None:
         for gs in self.grad_shards:
             gs.zero()
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Scale by the loss scale and 1/GAS, run backward; reduction happens in the hooks.
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
+        """Scale by the loss scale and (with ``scale_wrt_gas``) 1/GAS, run backward; reduction
+        happens in the hooks. Returns the loss divided by GAS when ``scale_wrt_gas``, as
+        DeepSpeed does.
 
-        Exactly one backward() per micro-step (a second one raises: sum the losses instead)."""
+        Non-boundary backwards (inside ``no_sync``, after ``set_gradient_accumulation_boundary
+        (False)``, or before the last micro-step of a window) accumulate like torch's. After a
+        backward that ended the window (it reduced), another one before ``step()`` raises: its
+        gradient would be reduced twice or lost; sum the losses instead."""
         guards.check_loss(loss)
         if self._backward_done:
             raise guards.second_backward_error()
         dist.set_step(self.global_steps)
-        first = self.micro_steps % self._gas == 0
-        self.reducer.prepare(first=first, last=self.is_gradient_accumulation_boundary())
-        scale = self.loss_scaler.loss_scale / self._gas
+        first = self._first_micro_step()
+        last = self._reduces_now()
+        self.reducer.prepare(first=first, last=last)
+        gas = self._gas if scale_wrt_gas else 1
+        scale = self.loss_scaler.loss_scale / gas
         with self._timed("backward"):
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-        self._backward_done = True
-        return loss
+        self._backward_done = last
+        self._backward_since_step = True
+        return loss / gas if gas != 1 else loss
 
     def step(self) -> None:
         """Update at the accumulation boundary; always advances the micro-step counter.
 
-        Every micro-step needs its backward() first: a step() without one raises."""
-        if not self._backward_done:
+        Every micro-step needs a backward() first: a step() without one raises."""
+        if not self._backward_since_step:
             raise guards.step_without_backward_error(self.global_steps)
-        self._backward_done = False
+        self._before_step()
+        self._backward_done = self._backward_since_step = False
         if self.is_gradient_accumulation_boundary():
             with self._timed("step"):
                 self._take_step()

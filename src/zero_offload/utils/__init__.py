@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .checkpoint.export import get_fp32_state_dict_from_zero_checkpoint  # noqa: F401 (DeepSpeed's name)
-from .runtime import dist
+from ..checkpoint.export import get_fp32_state_dict_from_zero_checkpoint  # noqa: F401 (DeepSpeed's name)
+from ..runtime import dist
 
 
 def _owner(param: torch.Tensor):

@@ -1,0 +1,1 @@
+"""DeepSpeed's ``deepspeed.ops`` names: ``zero_offload.ops.adam.DeepSpeedCPUAdam`` and ``FusedAdam``."""
