@@ -50,6 +50,22 @@ def test_summed_losses_give_torch_gradients(stage, offload):
     assert eng.get_global_grad_norm() == pytest.approx(want, rel=1e-5)
 
 
+@pytest.mark.parametrize("stage,offload", PLACEMENTS + [(3, False), (3, True)])
+def test_non_boundary_backwards_accumulate_like_torch(stage, offload):
+    """Before the last micro-step of a window, backward() may run more than once: the
+    gradients add up, on every stage and placement, as one backward of the summed losses."""
+    ref = h.net()
+    (ref(h.batch(1)) + ref(h.batch(2)) + ref(h.batch(3))).div(2).backward()
+    want = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in ref.parameters())).item()
+    eng = h.engine(stage, offload, gradient_accumulation_steps=2)
+    eng.backward(eng(h.batch(1)))
+    eng.backward(eng(h.batch(2)))  # same, non-boundary micro-step: accumulates
+    eng.step()
+    eng.backward(eng(h.batch(3)))
+    eng.step()
+    assert eng.get_global_grad_norm() == pytest.approx(want, rel=1e-5)
+
+
 @pytest.mark.parametrize("bad", [1.0, 3, None, "loss"])
 def test_backward_of_a_non_tensor_says_what_to_pass(bad):
     eng = h.engine()

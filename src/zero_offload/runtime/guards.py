@@ -4,7 +4,8 @@ Invariants the engine relies on, enforced here:
 
 - one engine per model: a param already wired to a live engine (its ``_zero_offload`` tag) is
   not wired again, since both engines' hooks would then fire on every gradient;
-- ``backward(loss)`` gets the scalar tensor the forward returned, once per micro-step;
+- ``backward(loss)`` gets the scalar tensor the forward returned, and runs no more after the
+  backward that ended the accumulation window (it already reduced) until ``step()``;
 - ``step()`` follows a ``backward()`` in the same micro-step (a window with no backward would
   apply the previous gradient again, or none, while reporting a norm);
 - no non-finite hyperparameter (set by an LR scheduler or the caller) reaches an update.
@@ -60,9 +61,9 @@ def check_loss(loss: object) -> torch.Tensor:
 
 def second_backward_error() -> EngineUsageError:
     return EngineUsageError(
-        "engine.backward() was called twice in one micro-step. Call engine.step() after every "
-        "backward() (it advances the micro-step; gradient accumulation happens across "
-        "micro-steps), or add the losses and call backward once: engine.backward(l1 + l2)."
+        "engine.backward() was called twice in one micro-step, and the first one ended the "
+        "accumulation window (its gradients are already reduced). Call engine.step() after "
+        "it, or add the losses and call backward once: engine.backward(l1 + l2)."
     )
 
 
