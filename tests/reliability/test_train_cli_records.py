@@ -61,15 +61,17 @@ def test_resume_from_an_engine_checkpoint_without_client_state(three_steps, tmp_
 def test_mismatched_checkpoint_is_an_error_not_a_traceback(three_steps, tmp_path, capsys):
     argv = [*SMALL, "--num-layers", "3", "--steps", "4", "--out", str(tmp_path / "r")]
     assert main([*argv, "--resume", str(three_steps / "checkpoints")]) == 2
-    out = capsys.readouterr().out
-    assert "error: cannot resume from" in out and "Traceback" not in out
+    captured = capsys.readouterr()  # errors go to stderr, one line, no traceback
+    assert "error: cannot resume from" in captured.err
+    assert "Traceback" not in captured.err + captured.out
 
 
 def test_invalid_config_is_an_error_naming_the_key(tmp_path, capsys):
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 2, "reduce_bucket_size": -5}}))
     assert main([*SMALL, "--config", str(cfg), "--out", str(tmp_path / "r")]) == 2
-    assert "zero_optimization.reduce_bucket_size" in capsys.readouterr().out
+    err = capsys.readouterr().err
+    assert "zero_optimization.reduce_bucket_size" in err and str(cfg) in err
 
 
 def test_full_disk_during_periodic_saves(tmp_path, monkeypatch, capsys):

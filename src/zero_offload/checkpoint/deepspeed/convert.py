@@ -32,6 +32,7 @@ from ..format import (
     check_tag,
     json_value,
     rank_file,
+    sealed_meta_bytes,
     shard_tensor,
 )
 from ..module_state import alias_map
@@ -169,7 +170,7 @@ def convert_deepspeed_checkpoint(
             "ranks": {"files": [rank_file(0)]},
             "files": files,
         }
-        atomic.write_bytes_atomic(stage_dir / META_FILE, json.dumps(meta, indent=1).encode("utf-8"))
+        atomic.write_bytes_atomic(stage_dir / META_FILE, sealed_meta_bytes(meta))
         atomic.publish(root, out_tag)
         atomic.write_latest(root, out_tag)
     except BaseException:
