@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 # (stage, offload) pairs every Hugging Face model test runs under.
-STAGE_CASES = [(1, False), (1, True), (2, False), (2, True)]
+STAGE_CASES = [(1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]
 VOCAB = 256  # byte-level tokens fit without a tokenizer
 
 
@@ -63,6 +63,8 @@ def ds_config(stage: int, offload: bool, micro: int = 2, gas: int = 2, dtype: st
     zero = {"stage": stage, "reduce_bucket_size": 4096, "allgather_bucket_size": 4096}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
+        if stage == 3:  # both offloads: params in host memory too
+            zero["offload_param"] = {"device": "cpu"}
     cfg = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,

@@ -45,7 +45,10 @@ def _run_parity(kind: str, stage: int, offload: bool, freeze_embeddings: bool, l
     masters = {n: safe_get_full_fp32_param(p) for n, p in _named_trainable(model).items()}
     ref_params = {n: p.detach() for n, p in _named_trainable(ref).items()}
     err = displacement_err(masters, ref_params, init)
-    frozen_after = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
+    with deepspeed.zero.GatheredParameters(model.parameters()):  # stage 3: the full params
+        frozen_after = {
+            n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad
+        }
     return err, losses, ref_losses, frozen, frozen_after, engine
 
 
@@ -61,7 +64,7 @@ def test_hf_model_matches_plain_pytorch(kind, stage, offload):
     assert frozen and all(torch.equal(frozen[n], frozen_after[n]) for n in frozen)
 
 
-@pytest.mark.parametrize("stage,offload", [(2, True)])
+@pytest.mark.parametrize("stage,offload", [(2, True), (3, True)])
 def test_lora_via_peft_trains_only_the_adapters(stage, offload):
     pytest.importorskip("peft")
     from zero_offload.hf import LoraSpec

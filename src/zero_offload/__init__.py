@@ -1,7 +1,8 @@
-"""zero_offload: ZeRO stage 1/2 data parallelism with optimizer offload to a SIMD CPU Adam,
-configured with DeepSpeed's JSON keys (``import zero_offload as deepspeed`` mostly just works)."""
+"""zero_offload: ZeRO stages 1-3 data parallelism with optimizer (and, at stage 3, parameter)
+offload to the host, a SIMD CPU Adam, configured with DeepSpeed's JSON keys
+(``import zero_offload as deepspeed`` mostly just works)."""
 
-from . import comm, ops, utils
+from . import comm, ops, utils, zero
 from .api import add_config_arguments, initialize
 from .checkpoint import get_fp32_state_dict_from_zero_checkpoint
 from .runtime.dist import init_distributed
@@ -17,6 +18,7 @@ __all__ = [
     "comm",
     "ops",
     "utils",
+    "zero",
     "add_config_arguments",
     "get_fp32_state_dict_from_zero_checkpoint",
     "init_distributed",
