@@ -47,8 +47,8 @@ def is_deepspeed_checkpoint(path: str | os.PathLike[str], tag: str | None = None
     """Whether ``path`` (a save_dir or a tag folder) holds a DeepSpeed checkpoint."""
     try:
         tag_dir(Path(path), tag)
-    except CheckpointError:
-        return False
+    except (CheckpointError, OSError, UnicodeDecodeError, ValueError):
+        return False  # not DeepSpeed's (or unreadable): this project's loader reports it
     return True
 
 
