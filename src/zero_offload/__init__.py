@@ -2,7 +2,6 @@
 offload to the host, a SIMD CPU Adam, configured with DeepSpeed's JSON keys
 (``import zero_offload as deepspeed`` mostly just works)."""
 
-from . import comm, ops, utils, zero
 from .api import add_config_arguments, initialize
 from .checkpoint import get_fp32_state_dict_from_zero_checkpoint
 from .runtime.dist import init_distributed
@@ -24,3 +23,13 @@ __all__ = [
     "init_distributed",
     "initialize",
 ]
+
+
+def __getattr__(name: str):
+    # DeepSpeed's subpackage names (deepspeed.comm, .ops, .utils, .zero), imported on first use
+    # so ``import zero_offload`` loads no more than the engine needs.
+    if name in ("comm", "ops", "utils", "zero"):
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

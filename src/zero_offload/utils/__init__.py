@@ -76,3 +76,6 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> 
     return _param_slice(
         engine, gi, i, _gather_full(engine, gi, _shard_pieces(engine, gi, states[optim_state_key]))
     )
+
+
+from . import zero_to_fp32  # noqa: E402,F401 (DeepSpeed: deepspeed.utils.zero_to_fp32)
