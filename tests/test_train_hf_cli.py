@@ -53,7 +53,17 @@ def corpus(tmp_path: Path) -> Path:
     return path
 
 
-def test_full_finetune_exports_a_loadable_model(tmp_path, corpus, capsys):
+STAGE3_OFFLOAD = {
+    "stage": 3,
+    "offload_optimizer": {"device": "cpu"},
+    "offload_param": {"device": "cpu"},
+}
+
+
+@pytest.mark.parametrize(
+    "zero", [{"stage": 1, "offload_optimizer": {"device": "cpu"}}, STAGE3_OFFLOAD], ids=["s1", "s3"]
+)
+def test_full_finetune_exports_a_loadable_model(tmp_path, corpus, capsys, zero):
     initial = save_tiny("llama", tmp_path / "llama")
     config = tmp_path / "ds.json"
     config.write_text(
@@ -61,7 +71,7 @@ def test_full_finetune_exports_a_loadable_model(tmp_path, corpus, capsys):
             {
                 "train_micro_batch_size_per_gpu": 2,
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-                "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}},
+                "zero_optimization": zero,
             }
         )
     )
@@ -75,11 +85,19 @@ def test_full_finetune_exports_a_loadable_model(tmp_path, corpus, capsys):
     assert json.loads((out / "run.json").read_text())["exported"] == ["hf_model"]
 
 
-def test_lora_trains_adapters_and_exports_merged_and_adapter(tmp_path, corpus):
+@pytest.mark.parametrize("stage3", [False, True], ids=["default", "s3"])
+def test_lora_trains_adapters_and_exports_merged_and_adapter(tmp_path, corpus, stage3):
     pytest.importorskip("peft")
     initial = save_tiny("gpt2", tmp_path / "gpt2")
     out = tmp_path / "run"
-    assert main(_args(tmp_path / "gpt2", corpus, out, "--lora", "--lora-r", "4")) == 0
+    extra = ["--lora", "--lora-r", "4"]
+    if stage3:
+        config = tmp_path / "ds.json"
+        config.write_text(
+            json.dumps({"train_micro_batch_size_per_gpu": 2, "zero_optimization": STAGE3_OFFLOAD})
+        )
+        extra += ["--config", str(config)]
+    assert main(_args(tmp_path / "gpt2", corpus, out, *extra)) == 0
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(out / "hf_model"))
     assert (out / "hf_model_adapter" / "adapter_config.json").is_file()
     base, new = dict(initial.named_parameters()), dict(merged.named_parameters())
