@@ -110,7 +110,9 @@ class DeepSpeedTrainer:
         return None
 
 
-class FSDP2Trainer:
+class FSDP2Trainer(TorchTrainer):
+    """Plain PyTorch's step (backward, clip, AdamW) over FSDP2-sharded params."""
+
     def __init__(self, model: torch.nn.Module, shape: Shape, run: Run, device: torch.device):
         import torch.distributed as dist
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -138,21 +140,6 @@ class FSDP2Trainer:
         )
         self.model, self.clip = model, shape.clip
         self.info = "fully_shard + AdamW" + (" + CPUOffloadPolicy" if run.offload_param else "")
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = self.model(x, y)
-        loss.backward()
-        if self.clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    def finish(self) -> None:
-        pass
-
-    def accounting(self) -> tuple[dict[str, int], dict[str, int]] | None:
-        return None
 
 
 def build_trainer(model: torch.nn.Module, shape: Shape, run: Run, device: torch.device) -> Any:
