@@ -32,11 +32,9 @@ class FlatGroup:
         layout: FlatLayout | None = None,
         materialize: bool = True,
     ) -> None:
-        # Flat order = reverse registration order: the order backward produces gradients.
-        order = list(reversed(range(len(params))))
         self.index = index
-        self.params = [params[i] for i in order]
-        self.names = [names[i] for i in order]
+        self.params = self.flat_order(params)
+        self.names = self.flat_order(names)
         self.hyper = hyper  # lr, betas, eps, weight_decay, ... (shared with the optimizer group)
         self.dtype = dtype
         self.device = device
@@ -50,9 +48,9 @@ class FlatGroup:
             self._bind()
 
     @staticmethod
-    def flat_order(params: list) -> list:
-        """The order a group of ``params`` (registration order) takes in its flat index space."""
-        return list(reversed(params))
+    def flat_order(items: list) -> list:
+        """Flat order = reverse registration order: the order backward produces gradients."""
+        return list(reversed(items))
 
     def _bind(self) -> None:
         with torch.no_grad():

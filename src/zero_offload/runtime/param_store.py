@@ -117,6 +117,7 @@ class ParamStore:
         self.slots: list[Slot] = []
         self.group_slots: list[list[int]] = []
         self.masters: dict[int, torch.Tensor] = {}  # group index -> fp32 master shard (trainable)
+        self._empties: dict[torch.dtype, torch.Tensor] = {}
         persistent_left = policy.model_persistence_threshold
         for gi, g in enumerate(groups):
             assert g.index == gi, "store groups are indexed by position"
@@ -175,7 +176,7 @@ class ParamStore:
                     p.ds_id = next_ds_id()
                 p.ds_status = ZeroParamStatus.NOT_AVAILABLE
                 p._z3_store = weakref.ref(self)
-                p.data = torch.empty(0, dtype=g.dtype, device=self.device)
+                p.data = self._empty(g.dtype)
 
     # ---- gather / release ----------------------------------------------------------------------
     def start(self, i: int) -> None:
@@ -183,13 +184,13 @@ class ParamStore:
         slot = self.slots[i]
         if slot.status is not ZeroParamStatus.NOT_AVAILABLE:
             return
-        b, n = slot.bucket, slot.bucket.slice_numel
-        src = self.shards[slot.group.index][b.shard_start : b.shard_start + n]
+        b = slot.bucket
+        src = self._shard_slice(slot)
         st = self.streams
         st.wait(st.fetch, None)  # the own slice may be rewritten only after compute is done
         with st.use(st.fetch):
             buf = torch.empty(b.numel, dtype=slot.group.dtype, device=self.device)
-            own = buf[self.rank * n : (self.rank + 1) * n]
+            own = self._own_slice(slot, buf)
             own.copy_(src, non_blocking=st.cuda)
             slot.work = dist.all_gather(buf, own, async_op=self.world > 1 and not st.cuda)
             slot.event = st.record(st.fetch)
@@ -233,7 +234,7 @@ class ParamStore:
         if slot.status is ZeroParamStatus.INFLIGHT:
             self.wait(i)
         for p in slot.params:
-            p.data = torch.empty(0, dtype=slot.group.dtype, device=self.device)
+            p.data = self._empty(slot.group.dtype)
         self.streams.keep_alive(
             slot.buf, torch.cuda.current_stream() if self.streams.cuda else None
         )
@@ -259,6 +260,24 @@ class ParamStore:
         for i in self.group_slots[gi]:
             self.release(i, force=True)
 
+    def _shard_slice(self, slot: Slot) -> torch.Tensor:
+        """This rank's piece of the slot in its param shard."""
+        b = slot.bucket
+        return self.shards[slot.group.index][b.shard_start : b.shard_start + b.slice_numel]
+
+    def _own_slice(self, slot: Slot, buf: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a full bucket buffer (where its shard goes in the all-gather)."""
+        n = slot.bucket.slice_numel
+        return buf[self.rank * n : (self.rank + 1) * n]
+
+    def _empty(self, dtype: torch.dtype) -> torch.Tensor:
+        """The one zero-element tensor per dtype that released params point at: no allocation
+        per param per release (zero elements, so sharing it ties nothing together)."""
+        t = self._empties.get(dtype)
+        if t is None:
+            t = self._empties[dtype] = torch.empty(0, dtype=dtype, device=self.device)
+        return t
+
     @staticmethod
     def _set_status(slot: Slot, status: ZeroParamStatus) -> None:
         for p in slot.params:
@@ -273,12 +292,12 @@ class ParamStore:
                 slot = self.slots[i]
                 self.wait(i)
                 dist.broadcast(slot.buf, src=src_rank)
-                b, n = slot.bucket, slot.bucket.slice_numel
-                own = slot.buf[self.rank * n : (self.rank + 1) * n]
-                self.shards[slot.group.index][b.shard_start : b.shard_start + n].copy_(own)
+                own = self._own_slice(slot, slot.buf)
+                self._shard_slice(slot).copy_(own)
                 master = self.masters.get(slot.group.index)
                 if master is not None:
-                    master[b.shard_start : b.shard_start + n].copy_(own)
+                    b = slot.bucket
+                    master[b.shard_start : b.shard_start + b.slice_numel].copy_(own)
 
     # ---- whole-model access (checkpoints) -------------------------------------------------------
     @contextlib.contextmanager
@@ -301,9 +320,7 @@ class ParamStore:
             yield
             if write_back:
                 for slot, host in zip(self.slots, copies):
-                    b, n = slot.bucket, slot.bucket.slice_numel
-                    own = host[self.rank * n : (self.rank + 1) * n]
-                    self.shards[slot.group.index][b.shard_start : b.shard_start + n].copy_(own)
+                    self._shard_slice(slot).copy_(self._own_slice(slot, host))
                     if slot.status is ZeroParamStatus.AVAILABLE:
                         slot.buf.copy_(host)
         finally:
@@ -312,7 +329,7 @@ class ParamStore:
                     self._bind(slot, slot.buf)
                 else:
                     for p in slot.params:
-                        p.data = torch.empty(0, dtype=slot.group.dtype, device=self.device)
+                        p.data = self._empty(slot.group.dtype)
 
     @staticmethod
     def _bind(slot: Slot, buf: torch.Tensor) -> None:
