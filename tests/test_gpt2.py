@@ -149,3 +149,30 @@ def test_flops_per_token_is_six_n_plus_attention() -> None:
     # 12 * layers * seq * hidden = 12 * 2 * 64 * 64.
     assert flops_per_token(GPT2Config.preset("tiny")) == 6 * (120_576 - 4096) + 98_304
     assert flops_per_token(GPT2Config.preset("gpt2-1.5b")) > 6 * 1.5e9
+
+
+def test_built_under_zero_init_has_the_same_weights() -> None:
+    """The block init re-draws its submodules' weights after they are partitioned: under
+    zero.Init each module is gathered, set and re-partitioned, so the weights equal a plain build
+    (without the gathering the token embedding kept nn.Embedding's N(0, 1) and the loss was ~40)."""
+    import zero_offload
+    from zero_offload.zero import GatheredParameters
+
+    config = GPT2Config(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8)
+    torch.manual_seed(0)
+    plain = GPT2Model(config)
+    torch.manual_seed(0)
+    with zero_offload.zero.Init():
+        parted = GPT2Model(config)
+    assert all(p.numel() == 0 for p in parted.parameters())
+    with GatheredParameters(list(parted.parameters())):
+        for (name, a), b in zip(plain.named_parameters(), parted.parameters()):
+            assert torch.equal(a, b), name
+
+
+def test_init_refuses_params_partitioned_elsewhere() -> None:
+    config = GPT2Config(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=4)
+    model = GPT2Model(config)
+    model.final_layernorm.weight.ds_tensor = torch.empty(0)  # as another library's Init leaves it
+    with pytest.raises(RuntimeError, match="another library's zero.Init"):
+        model.reset_parameters()

@@ -8,6 +8,7 @@ Megatron; :class:`zero_offload.data.TokenBlockDataset` produces such pairs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -165,20 +166,28 @@ class GPT2Model(nn.Module):
     def reset_parameters(self) -> None:
         """Megatron init: N(0, std) weights, zero biases, unit norms; the two projections that
         write into the residual stream use std / sqrt(2 * num_layers) so its variance stays
-        independent of depth."""
+        independent of depth.
+
+        Under ``zero.Init`` the submodules' params are already partitioned (empty) when this
+        runs from ``__init__``: each module's own params are then gathered, set on rank 0 and
+        re-partitioned, one module at a time, so building never holds more than one module's
+        full params."""
         std = self.config.init_std
         output_std = std / math.sqrt(2.0 * self.config.num_layers)
+        residual_out = {id(m) for layer in self.layers for m in _residual_outputs(layer)}
         for module in self.modules():
-            if isinstance(module, nn.Linear | nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
-            if isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
-        for layer in self.layers:
-            nn.init.normal_(layer.attention.dense.weight, mean=0.0, std=output_std)
-            nn.init.normal_(layer.mlp.dense_4h_to_h.weight, mean=0.0, std=output_std)
+            own = list(module.parameters(recurse=False))
+            if not own:
+                continue
+            with _writable(own), torch.no_grad():
+                if isinstance(module, nn.Linear | nn.Embedding):
+                    w_std = output_std if id(module) in residual_out else std
+                    nn.init.normal_(module.weight, mean=0.0, std=w_std)
+                if isinstance(module, nn.Linear) and module.bias is not None:
+                    nn.init.zeros_(module.bias)
+                if isinstance(module, nn.LayerNorm):
+                    nn.init.ones_(module.weight)
+                    nn.init.zeros_(module.bias)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids.dim() != 2:
@@ -201,6 +210,31 @@ class GPT2Model(nn.Module):
         # fp32 softmax: a bf16/fp16 log-sum-exp over the vocabulary loses the small differences
         # that carry the gradient late in training.
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _residual_outputs(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """The projections of a block that write into the residual stream."""
+    return (layer.attention.dense, layer.mlp.dense_4h_to_h)
+
+
+def _writable(params: list[nn.Parameter]) -> contextlib.AbstractContextManager:
+    """A context in which ``params`` hold their full values and writes to them stick: nothing
+    for ordinary params; for params partitioned by ``zero_offload.zero.Init`` (or a stage-3
+    engine), ``GatheredParameters`` with rank 0 as the modifier."""
+    ours = [p for p in params if hasattr(p, "_z3_init") or hasattr(p, "_z3_slot")]
+    foreign = [p for p in params if hasattr(p, "ds_tensor") and not hasattr(p, "_z3_init")]
+    foreign = [p for p in foreign if not hasattr(p, "_z3_slot")]
+    if foreign:
+        raise RuntimeError(
+            "GPT2Model.reset_parameters: params partitioned by another library's zero.Init "
+            "cannot be initialized here; build the model under zero_offload.zero.Init, or "
+            "without one"
+        )
+    if not ours:
+        return contextlib.nullcontext()
+    from ..zero.gathered import GatheredParameters
+
+    return GatheredParameters(ours, modifier_rank=0)
 
 
 def num_parameters(config: GPT2Config) -> int:
