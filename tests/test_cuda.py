@@ -123,3 +123,24 @@ def test_cuda_stage3_params_on_pinned_host_and_released():
     assert engine.param_store.live == 0
     assert all(p.numel() == 0 for p in engine.module.parameters())
     assert torch.isfinite(loss)
+
+
+def test_cuda_large_pinned_buffer_is_registered_without_rounding():
+    """A large pinned host buffer is page-locked in place: pinned (async copies work), and the
+    process grows by its size, not by the next power of two (the caching host allocator's)."""
+    from zero_offload.runtime.streams import REGISTER_MIN_BYTES, alloc_host
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmRSS:"))
+
+    numel = 3 * REGISTER_MIN_BYTES // 4 // 2 * 3  # 1.5x the threshold, in fp32: not a power of 2
+    before = rss()
+    buf = alloc_host(numel, torch.float32, pin=True)
+    grown = rss() - before
+    assert buf.is_pinned() and buf.numel() == numel
+    assert grown < 1.1 * numel * 4, grown
+    src = torch.randn(numel, device="cuda")
+    buf.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(buf, src.cpu())

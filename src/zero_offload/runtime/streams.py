@@ -10,6 +10,7 @@ order, so every wait is a no-op.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -47,15 +48,46 @@ class Streams:
             t.record_stream(stream)
 
 
+# Pinned buffers at least this large are registered in place (cudaHostRegister) instead of
+# taken from PyTorch's caching host allocator, which rounds every request up to a power of two:
+# a 12 GB host gradient shard would pin 16 GB. Smaller ones keep the allocator (and its reuse).
+REGISTER_MIN_BYTES = 64 << 20
+_PAGE = 4096
+
+
 def alloc_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """Host buffer; pinned when asked and possible. Pinning can fail (containers, WSL): the
     caller falls back to pageable memory, warned once by ``pin_failed``."""
     if pin:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes >= REGISTER_MIN_BYTES and torch.cuda.is_available():
+            t = _registered(numel, dtype, nbytes)
+            if t is not None:
+                return t
         try:
             return torch.empty(numel, dtype=dtype, pin_memory=True)
         except RuntimeError as e:  # no CUDA, or the pinned allocation was refused
             pin_failed(str(e))
     return torch.empty(numel, dtype=dtype)
+
+
+def _registered(numel: int, dtype: torch.dtype, nbytes: int) -> torch.Tensor | None:
+    """A page-aligned pageable buffer of exactly ``nbytes`` (plus < one page), page-locked with
+    cudaHostRegister; None if registering fails (the caller then uses the caching allocator).
+
+    Invariant: the pages are unregistered when the returned tensor object is collected, never
+    after its memory is freed (the storage outlives the tensor object, views included), so the
+    worst case is a buffer that stops being pinned while a view of it is still in use."""
+    raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % _PAGE
+    t = raw[start : start + nbytes].view(dtype)
+    assert t.numel() == numel
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
+    if int(err) != 0:
+        return None
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return t
 
 
 _warned = False
