@@ -55,16 +55,23 @@ def optimizer_name(engine) -> str:
     return f"{type(opt).__name__}({type(inner).__name__})"
 
 
-def prebuild() -> list[str]:
-    """JIT-build the ops the runs use (Adam, shared-memory comm), so no timed run pays for it."""
+BUILDERS = {"fused_adam": "FusedAdamBuilder", "cpu_adam": "CPUAdamBuilder"}
+
+
+def prebuild(ops: list[str] | None = None) -> list[str]:
+    """JIT-build the Adam ops the runs use (default both; names from :data:`BUILDERS`) and, on
+    the CPU accelerator, its shared-memory comm op, so no timed run pays for a build."""
     select_accelerator()
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
+    names = [BUILDERS[o] for o in (ops or list(BUILDERS))]
+    if not torch.cuda.is_available():
+        # ShareMemCommBuilder: the shared-memory collectives that DeepSpeed's torch backend loads
+        # in init_distributed on the CPU accelerator (when the op is compatible; gloo otherwise).
+        names.append("ShareMemCommBuilder")
     built = []
-    # ShareMemCommBuilder: the shared-memory collectives that DeepSpeed's torch backend loads in
-    # init_distributed on the CPU accelerator (when the op is compatible; gloo otherwise).
-    for name in ("FusedAdamBuilder", "CPUAdamBuilder", "ShareMemCommBuilder"):
+    for name in names:
         builder = get_accelerator().create_op_builder(name)
         if builder is None or (
             name == "ShareMemCommBuilder"

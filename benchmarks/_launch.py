@@ -66,9 +66,46 @@ def default_threads(world: int) -> int:
     return max(1, cores() // world)
 
 
-def launch(shape: Shape, run: Run, timeout: float, threads: int | None = None) -> dict[str, Any]:
+def mem_available() -> int | None:
+    """``MemAvailable`` of /proc/meminfo in bytes (None where there is no /proc)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float, host_reserve: int) -> str | None:
+    """Wait for every rank; the reason if they had to be stopped: the deadline, or the host's
+    available memory falling under ``host_reserve`` bytes (stopped before the kernel's OOM
+    killer picks a victim, which could be any process of the machine)."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            return f"timed out after {timeout:.0f} s"
+        avail = mem_available() if host_reserve else None
+        if avail is not None and avail < host_reserve:
+            return (
+                f"host memory: stopped when available memory fell to {avail / 2**30:.1f} GiB "
+                f"(reserve {host_reserve / 2**30:.1f} GiB)"
+            )
+        time.sleep(0.2)
+    return None
+
+
+def launch(
+    shape: Shape,
+    run: Run,
+    timeout: float,
+    threads: int | None = None,
+    host_reserve: int = 0,
+) -> dict[str, Any]:
     """Run all ranks, each with ``threads`` intra-op threads (default: the cores split evenly);
-    return the rank results ``{"ranks": [...]}`` or ``{"error": "..."}``."""
+    return the rank results ``{"ranks": [...]}`` or ``{"error": "..."}``. With ``host_reserve``
+    (bytes), the ranks are stopped when the host's available memory falls below it."""
     threads = threads or default_threads(run.world)
     spec = json.dumps(to_json(shape, run))
     port = _free_port()
@@ -84,13 +121,7 @@ def launch(shape: Shape, run: Run, timeout: float, threads: int | None = None) -
             )
             for r in range(run.world)
         ]
-        deadline = time.monotonic() + timeout
-        timed_out = False
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
+        stopped = _wait(procs, timeout, host_reserve)
         for p in procs:  # a rank whose peer died waits in a collective: end it
             if p.poll() is None:
                 p.kill()
@@ -100,8 +131,8 @@ def launch(shape: Shape, run: Run, timeout: float, threads: int | None = None) -
             f.seek(0)
             texts.append(f.read())
             f.close()
-        if timed_out:
-            return {"error": f"timed out after {timeout:.0f} s"}
+        if stopped:
+            return {"error": stopped}
         failed = [r for r, p in enumerate(procs) if p.returncode != 0 or not outs[r].exists()]
         if failed:
             r = failed[0]
@@ -109,11 +140,12 @@ def launch(shape: Shape, run: Run, timeout: float, threads: int | None = None) -
         return {"ranks": [json.loads(o.read_text()) for o in outs]}
 
 
-def prebuild_deepspeed(timeout: float) -> str | None:
-    """Build DeepSpeed's ops once; the error line if it fails (then every DeepSpeed row says so)."""
+def prebuild_deepspeed(timeout: float, ops: list[str]) -> str | None:
+    """Build DeepSpeed's ``ops`` (``cpu_adam``, ``fused_adam``) once; the error line if it fails
+    (then every DeepSpeed row says so)."""
     try:
         done = subprocess.run(
-            [sys.executable, str(WORKER), "--prebuild-deepspeed"],
+            [sys.executable, str(WORKER), "--prebuild-deepspeed", *ops],
             capture_output=True,
             text=True,
             timeout=timeout,

@@ -8,6 +8,7 @@ from typing import Any
 from _spec import Run, Shape
 
 MIB = 2**20
+GIB = 2**30
 
 
 def _quantiles(xs: list[float]) -> tuple[float, float, float]:
@@ -72,7 +73,7 @@ def summarize(shape: Shape, run: Run, result: dict[str, Any]) -> dict[str, Any]:
         min_s=min(wall),
         max_s=max(wall),
         cpu_s=statistics.median(r0["cpu"]),
-        tokens_per_s=shape.micro * shape.seq * run.world / med,
+        tokens_per_s=shape.micro * shape.gas * shape.seq * run.world / med,
         peak_rss_mib=max(r["peak_rss"] for r in ranks) / MIB,
         rss_after_imports_mib=r0["rss_after_imports"] / MIB,
         live_mib=sum(r0["live"].values()) / MIB,
@@ -80,6 +81,19 @@ def summarize(shape: Shape, run: Run, result: dict[str, Any]) -> dict[str, Any]:
         accounted=r0["accounted"],
         expected=r0["expected"],
     )
+    # Model TFLOPS per rank: 6N + attention FLOPs per token; "hw" adds the recomputed forward.
+    per_rank = r0.get("flops_per_token", 0.0) * row["tokens_per_s"] / run.world / 1e12
+    row["tflops"] = per_rank
+    row["tflops_hw"] = per_rank * (4 / 3 if r0.get("recompute") else 1)
+    row["init_s"] = r0.get("init_s")
+    row["rss_steady_mib"] = max(r.get("rss_steady", 0) for r in ranks) / MIB
+    if r0.get("cuda"):
+        c = [r["cuda"] for r in ranks]
+        row["gpu"] = r0["cuda"]["name"]
+        row["gpu_total_gib"] = r0["cuda"]["total"] / GIB
+        row["gpu_peak_init_gib"] = max(x["peak_init"]["reserved"] for x in c) / GIB
+        row["gpu_peak_steps_gib"] = max(x["peak_steps"]["reserved"] for x in c) / GIB
+        row["gpu_alloc_steps_gib"] = max(x["peak_steps"]["allocated"] for x in c) / GIB
     acct, want = _split(r0["accounted"]), _split(r0["expected"])
     row["accounted_mib"] = None if acct is None else (acct[0] / MIB, acct[1] / MIB)
     row["expected_mib"] = None if want is None else (want[0] / MIB, want[1] / MIB)
@@ -148,13 +162,20 @@ HEADER = (
 )
 
 
+GPU_HEADER = ("TFLOPS/GPU", "+recompute", "GPU peak GiB init/steps")
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    """The results as a Markdown table; a failed run shows its error in place of numbers."""
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "|".join("---" for _ in HEADER) + "|"]
+    """The results as a Markdown table; a failed run shows its error in place of numbers. With a
+    GPU, three more columns: model TFLOPS per GPU, the same with the recomputed forward, and the
+    GPU's peak reserved memory while building and over the steps."""
+    gpu = any("gpu" in r for r in rows)
+    header = HEADER + GPU_HEADER if gpu else HEADER
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r in rows:
         head = [r["impl"], str(r["stage"]), r["offload"], str(r["world"]), r["dtype"]]
         if "error" in r:
-            cells = head + [f"**error**: {r['error']}"] + [""] * (len(HEADER) - len(head) - 1)
+            cells = head + [f"**error**: {r['error']}"] + [""] * (len(header) - len(head) - 1)
         else:
             cells = head + [
                 f"{r['median_s']:.3f}",
@@ -170,5 +191,13 @@ def table(rows: list[dict[str, Any]]) -> str:
                 _pair(r["expected_mib"]),
                 f"{r['losses'][-1]:.4f}",
             ]
+            if gpu:
+                cells += [
+                    f"{r['tflops']:.1f}",
+                    f"{r['tflops_hw']:.1f}",
+                    f"{r['gpu_peak_init_gib']:.1f}/{r['gpu_peak_steps_gib']:.1f}"
+                    if "gpu" in r
+                    else "-",
+                ]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)

@@ -33,6 +33,12 @@ class Shape:
     prefetch_bucket: int = 50_000_000  # stage3_prefetch_bucket_size
     persistence_threshold: int = 100_000  # stage3_param_persistence_threshold
     max_live: int = 1_000_000_000  # stage3_max_live_parameters
+    vocab: int = 256  # GPT-2's BPE is 50257; the byte vocabulary keeps CPU runs small
+    gas: int = 1  # micro-steps per step (gradient_accumulation_steps)
+    checkpoint: bool = False  # activation checkpointing (recompute each block in backward)
+    # Stage 3, the engine: build the model under zero_offload.zero.Init, partitioned as each
+    # module is made (remote_device "cpu" with offload_param).
+    zero_init: bool = False
     lr: float = 1e-4
     weight_decay: float = 0.01
     clip: float = 1.0
@@ -118,7 +124,7 @@ def ds_config(shape: Shape, run: Run) -> dict[str, Any]:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {
         "train_micro_batch_size_per_gpu": shape.micro,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": shape.gas,
         "gradient_clipping": shape.clip,
         "steps_per_print": 1_000_000,
         "optimizer": {

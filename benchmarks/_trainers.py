@@ -1,8 +1,8 @@
 """The four implementations behind one interface: ``step(x, y) -> loss``, ``finish()``.
 
-Every trainer gets the same fp32-initialised GPT-2 and the same recipe: AdamW (lr, betas, eps,
-weight decay on 2-D weights only, via ``param_groups``), global-norm clipping, one micro-step per
-step. Only the machinery differs:
+Every trainer gets the same fp32-initialised GPT-2 (:func:`build_model`) and the same recipe:
+AdamW (lr, betas, eps, weight decay on 2-D weights only, via ``param_groups``), global-norm
+clipping, ``shape.gas`` micro-steps per step. Only the machinery differs:
 
 - ``torch``: the model in the run's dtype, ``torch.optim.AdamW(fused=True)`` on it (no fp32
   master copy: plain bf16 training), ``clip_grad_norm_``; DDP on the process group when world > 1.
@@ -16,14 +16,49 @@ step. Only the machinery differs:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 from _spec import Run, Shape, ds_config, for_deepspeed
 
-from zero_offload.models.gpt2 import param_groups
+from zero_offload.models.gpt2 import GPT2Config, GPT2Model, param_groups
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _engine_step(engine: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """DeepSpeed's loop, the same for both engines: forward, backward, step per micro-step (the
+    engine updates at the accumulation boundary); returns the mean loss."""
+    total = torch.zeros((), device=batches[0][0].device)
+    for x, y in batches:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach().float()
+    return total / len(batches)
+
+
+def build_model(config: GPT2Config, shape: Shape, run: Run, device: torch.device) -> GPT2Model:
+    """The run's GPT-2, the same values for every implementation (same seed, same construction
+    order): on the GPU when there is one (no host copy, fast init), and for the engine's stage-3
+    runs with ``shape.zero_init`` under ``zero_offload.zero.Init`` (partitioned as built; the
+    values are the same). DeepSpeed's runs build the whole model: GPT2Model's init re-initializes
+    its submodules' params, which under ``deepspeed.zero.Init`` needs DeepSpeed's own gathering;
+    how a model is built changes the build's peak memory, not the step."""
+    torch.manual_seed(shape.seed)
+    where = torch.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    if shape.zero_init and run.stage == 3 and run.impl == "engine":
+        import zero_offload
+
+        remote = "cpu" if run.offload_param else None
+        init = zero_offload.zero.Init(
+            remote_device=remote, config_dict_or_path=ds_config(shape, run)
+        )
+        with where, init:
+            return GPT2Model(config)
+    with where:
+        return GPT2Model(config)
 
 
 class TorchTrainer:
@@ -39,20 +74,28 @@ class TorchTrainer:
             weight_decay=shape.weight_decay,
             fused=True,
         )
-        if run.world > 1:
+        self.ddp = run.world > 1
+        if self.ddp:
             ids = [device.index] if device.type == "cuda" else None
             model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
         self.model, self.clip = model, shape.clip
         self.info = "AdamW(fused)" + (" + DDP" if run.world > 1 else "")
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = self.model(x, y)
-        loss.backward()
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One optimizer step over ``batches`` (its micro-steps); returns their mean loss."""
+        total = torch.zeros((), device=batches[0][0].device)
+        for i, (x, y) in enumerate(batches):
+            last = i == len(batches) - 1
+            sync = self.model.no_sync() if (self.ddp and not last) else contextlib.nullcontext()
+            with sync:
+                loss = self.model(x, y)
+                (loss / len(batches)).backward()
+            total += loss.detach()
         if self.clip > 0:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return total / len(batches)
 
     def finish(self) -> None:
         pass
@@ -75,11 +118,8 @@ class EngineTrainer:
         )
         self.info = "zero_offload"
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = self.engine(x, y)
-        self.engine.backward(loss)
-        self.engine.step()
-        return loss.detach()
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        return _engine_step(self.engine, batches)
 
     def finish(self) -> None:
         self.engine.flush_delayed_update()
@@ -97,11 +137,8 @@ class DeepSpeedTrainer:
         self.engine = _ds_compat.initialize(model, param_groups(model), config)
         self.info = _ds_compat.optimizer_name(self.engine)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = self.engine(x, y)
-        self.engine.backward(loss)
-        self.engine.step()
-        return loss.detach()
+    def step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        return _engine_step(self.engine, batches)
 
     def finish(self) -> None:
         pass
@@ -138,7 +175,7 @@ class FSDP2Trainer(TorchTrainer):
         self.optimizer = torch.optim.AdamW(
             groups, lr=shape.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=shape.weight_decay
         )
-        self.model, self.clip = model, shape.clip
+        self.model, self.clip, self.ddp = model, shape.clip, False
         self.info = "fully_shard + AdamW" + (" + CPUOffloadPolicy" if run.offload_param else "")
 
 

@@ -136,6 +136,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1e9,
         help="stage 3: stage3_max_live_parameters (default 1e9, DeepSpeed's default)",
     )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=None,
+        help="only these ZeRO modes, as STAGE:OFFLOAD with OFFLOAD one of - cpu cpu+delayed "
+        "cpu+param (e.g. 0:- 2:cpu 2:cpu+delayed 3:cpu+param; default all of --stages)",
+    )
+    p.add_argument("--vocab", type=int, default=256, help="vocabulary size (default 256, bytes)")
+    p.add_argument(
+        "--gas", type=int, default=1, help="micro-steps per step (gradient_accumulation_steps)"
+    )
+    p.add_argument(
+        "--checkpoint", action="store_true", help="activation checkpointing on every block"
+    )
+    p.add_argument(
+        "--zero-init",
+        action="store_true",
+        help="stage 3: the engine builds the model under zero_offload.zero.Init (DeepSpeed "
+        "and FSDP2 build it whole)",
+    )
     p.add_argument("--world", type=int, nargs="+", default=[1, 2], help="world sizes (default 1 2)")
     p.add_argument(
         "--dtype",
@@ -191,6 +211,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("prefetch_bucket", "persistence_threshold", "max_live"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.vocab < 1 or args.gas < 1:
+        p.error(f"--vocab and --gas must be >= 1, got {args.vocab} and {args.gas}")
+    if args.modes is not None:
+        known = {f"{st}:{Run('engine', st, o, d, 1, 'fp32', op).mode}" for st, o, d, op in
+                 ZERO_MODES + ENGINE_ONLY_MODES}  # fmt: skip
+        args.modes = [m if ":" in m else f"{m}:-" for m in args.modes]
+        bad = [m for m in args.modes if m not in known]
+        if bad:
+            p.error(f"--modes: unknown {bad}; known: {sorted(known)}")
     if args.no_deepspeed:
         args.impls = [i for i in args.impls if i != "deepspeed"]
     return args
@@ -255,17 +284,26 @@ def main(argv: list[str] | None = None) -> int:
         prefetch_bucket=int(args.prefetch_bucket),
         persistence_threshold=int(args.persistence_threshold),
         max_live=int(args.max_live),
+        vocab=args.vocab,
+        gas=args.gas,
+        checkpoint=args.checkpoint,
+        zero_init=args.zero_init,
     )
     meta = _meta(args, shape)
     meta.update(rounds=args.rounds, threads=args.threads or "cores/world")
+    runs = matrix(args.world, args.dtype, args.impls, tuple(args.stages))
+    if args.modes is not None:
+        runs = [r for r in runs if r.impl == "torch" or f"{r.stage}:{r.mode}" in args.modes]
+    ds_runs = [r for r in runs if r.impl == "deepspeed"]
     ds_error = None
-    if "deepspeed" in args.impls:
+    if ds_runs:
         if meta["deepspeed"] is None:
             ds_error = "deepspeed is not installed"
         else:
-            print("building DeepSpeed's ops (once) ...", file=sys.stderr, flush=True)
-            ds_error = prebuild_deepspeed(args.timeout)
-    runs = matrix(args.world, args.dtype, args.impls, tuple(args.stages))
+            # Only the Adam builds the runs use (FusedAdam is a CUDA build on a GPU machine).
+            ops = {"cpu_adam" if r.offload else "fused_adam" for r in ds_runs}
+            print(f"building DeepSpeed's ops {sorted(ops)} (once) ...", file=sys.stderr, flush=True)
+            ds_error = prebuild_deepspeed(args.timeout, sorted(ops))
     results: list[list[dict[str, Any]]] = [[] for _ in runs]
     t_start = time.perf_counter()
     for rnd in range(args.rounds):

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Everything the GPU machine runs, in as few calls as its time allows. It starts bare, with
+# PyTorch, pytest and transformers but without pydantic or DeepSpeed: first, on a machine with
+# PyPI, `bash scripts/gpu_wheels.sh` puts their wheels in .whl/ (git-ignored, carried along).
+#
+#   bash scripts/gpu_run.sh OUTDIR STEP...
+#
+# Steps, run in the order given:
+#   cuda-tests   tests/test_cuda.py (nothing may skip)
+#   tests        the whole default suite with CUDA present (8 workers)
+#   env pcie overlap sizes throughput throughput_large
+#                parts of benchmarks/gpu_suite.py (consecutive ones run in one call of it)
+# Logs, JSON and the suite's Markdown land in OUTDIR.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:?usage: gpu_run.sh OUTDIR STEP...}"
+shift
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD/src" TORCH_EXTENSIONS_DIR=/tmp/torch_ext
+
+# pydantic (this package) into /tmp/site; DeepSpeed into /tmp/site_ds, on the path of the suite's
+# parts only, so that the test steps run as CI does (DeepSpeed's optional parity tests skip).
+install() {  # target, wheels...
+  local target=$1; shift
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$target" "$@" || exit 2
+}
+ls .whl/*.whl >/dev/null 2>&1 || { echo "no wheels in .whl/: run scripts/gpu_wheels.sh"; exit 2; }
+python3 -c "import pydantic" 2>/dev/null \
+  || install /tmp/site $(ls .whl/*.whl | grep -v -e deepspeed -e hjson)
+PYTHONPATH=/tmp/site_ds:$PYTHONPATH python3 -c "import deepspeed" 2>/dev/null \
+  || install /tmp/site_ds .whl/deepspeed-*.whl .whl/hjson-*.whl
+if ! ls src/zero_offload/_host_adam*.so >/dev/null 2>&1; then
+  python3 setup.py -q build_ext --inplace -j 16 >"$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 2; }
+fi
+python3 - <<'EOF' || exit 2
+import torch, zero_offload
+from zero_offload.kernels.host_adam import kernel_info
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+print("torch", torch.__version__, "| GPU", gpu, "| host Adam", kernel_info())
+EOF
+
+status=0
+parts=()
+flush_parts() {
+  if ((${#parts[@]})); then
+    PYTHONPATH=/tmp/site_ds:$PYTHONPATH python3 benchmarks/gpu_suite.py --out "$out" --parts "${parts[@]}" ${SUITE_FLAGS:-} \
+      >"$out/suite_stdout.md" 2>"$out/suite_stderr.log" || status=1
+    cat "$out/suite_stdout.md"
+    parts=()
+  fi
+}
+for step in "$@"; do
+  case "$step" in
+    cuda-tests)
+      flush_parts
+      python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py 2>&1 | tee "$out/cuda_tests.log" | tail -40
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      if grep -q "SKIPPED" "$out/cuda_tests.log"; then echo "CUDA tests skipped on a GPU machine"; status=1; fi
+      ;;
+    tests)
+      flush_parts
+      python3 -m pytest -q -p no:cacheprovider -n 8 --durations=15 2>&1 | tee "$out/tests.log" | tail -60
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      ;;
+    env | pcie | overlap | sizes | throughput | throughput_large) parts+=("$step") ;;
+    *) echo "unknown step: $step"; exit 2 ;;
+  esac
+done
+flush_parts
+exit $status

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Wheels the GPU machine lacks, for Python 3.12 on x86-64 Linux, into .whl/ (git-ignored):
+# pydantic (this package's config models) and what DeepSpeed needs beyond that machine's image
+# (hjson), plus a DeepSpeed wheel built here without prebuilt ops (its ops JIT-compile there).
+# scripts/gpu_run.sh installs them with `pip install --no-index --no-deps --target`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. .venv/bin/activate
+DS_VERSION="${DS_VERSION:-0.19.8}"
+mkdir -p .whl
+plat=()
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
+  plat+=(--platform "$p")
+done
+# One version of each (two versions of one name stop the whole install there).
+python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --implementation cp "${plat[@]}" -d .whl \
+  pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 \
+  hjson==3.1.0
+if ! ls .whl/deepspeed-"$DS_VERSION"-*.whl >/dev/null 2>&1; then
+  tmp=$(mktemp -d)
+  python -m pip download -q --no-deps --no-binary :all: "deepspeed==$DS_VERSION" -d "$tmp"
+  DS_BUILD_OPS=0 python -m pip wheel -q --no-deps --no-build-isolation "$tmp"/deepspeed-*.tar.gz -w .whl
+  rm -rf "$tmp"
+fi
+ls -la .whl
