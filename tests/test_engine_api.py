@@ -199,6 +199,23 @@ def test_comm_init_method_makes_the_rank_gpu_current_before_nccl_starts(monkeypa
     assert rt.local_rank() == 1
 
 
+def test_engine_makes_its_cuda_device_current(monkeypatch):
+    """The engine's streams and events use the current device: it must be the engine's."""
+    from zero_offload.runtime import dist as rt
+
+    class Stop(Exception):
+        pass
+
+    def set_device(d):
+        raise Stop(d)
+
+    monkeypatch.setattr(rt, "default_device", lambda: torch.device("cuda", 1))
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    with pytest.raises(Stop) as err:
+        _engine(stage=1, offload=False, gas=1)
+    assert err.value.args[0] == torch.device("cuda", 1)
+
+
 def test_deepspeed_module_paths_exist():
     from zero_offload.ops.adam import DeepSpeedCPUAdam, FusedAdam
     from zero_offload.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
