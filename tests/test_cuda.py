@@ -123,3 +123,37 @@ def test_cuda_stage3_params_on_pinned_host_and_released():
     assert engine.param_store.live == 0
     assert all(p.numel() == 0 for p in engine.module.parameters())
     assert torch.isfinite(loss)
+
+
+def test_cuda_delayed_update_uploads_land_before_staging_is_rewritten():
+    """flush's async uploads read the pinned staging buffer; the delayed host pass submitted
+    right after it rewrites staging. Held behind a busy compute stream, the uploads must still
+    carry what flush meant to upload, not the next pass's values."""
+    import zero_offload
+
+    cfg = engine_config(stage=2, offload=True, gas=1, micro=2, clip=0.0, overlap=True,
+                        dtype="bf16", pin_memory=True, delayed_update=True,
+                        delayed_update_after=0)  # fmt: skip
+    engine, *_ = zero_offload.initialize(model=make_model(), config=cfg)
+    so = engine.shard_opts[0]
+    assert so.staging is not None and so.staging.is_pinned() and not so.staging_is_home
+    uploaded = []
+    host_pass, prepare_write = so._host_pass, so.home.prepare_write
+
+    def spy_host_pass(grad, factor, h, upload):
+        uploaded.append(so.staging.clone())  # staging as the preceding flush uploaded it
+        return host_pass(grad, factor, h, upload)
+
+    def slow_prepare_write():  # flush's uploads wait for the compute stream: hold it ~0.2 s
+        torch.cuda._sleep(400_000_000)
+        prepare_write()
+
+    so._host_pass, so.home.prepare_write = spy_host_pass, slow_prepare_write
+    x = torch.randint(0, 32, (2, 5), device=engine.device)
+    for _ in range(2):  # step 1 starts pass 1; step 2 uploads it and starts pass 2
+        engine.backward(engine(x, x))
+        engine.step()
+    so._pending.result()
+    torch.cuda.synchronize()
+    assert not torch.equal(uploaded[1], so.staging)  # pass 2 did rewrite staging
+    assert torch.equal(engine.groups[0].flat, uploaded[1])
