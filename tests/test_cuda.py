@@ -3,9 +3,11 @@ without an NVIDIA GPU."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from parity import engine_config, make_model, run_cases
+from parity import batches, engine_config, make_model, run_cases
 
 pytestmark = [
     pytest.mark.cuda,
@@ -86,8 +88,11 @@ def test_cuda_offload_device_bytes_per_param():
     assert held <= rep["device.params"] + rep.get("device.grad_buckets", 0) + (64 << 20)
 
 
-@pytest.mark.parametrize("offload,offload_param", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize(
+    "offload,offload_param", [(False, False), (True, False), (True, True), (False, True)]
+)
 def test_cuda_stage3_parity(offload, offload_param):
+    """(False, True): the device update writes the pinned host param shard (device -> host)."""
     tiny = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 300}
     cases = [
         dict(
@@ -144,3 +149,104 @@ def test_cuda_large_pinned_buffer_is_registered_without_rounding():
     buf.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(buf, src.cpu())
+
+
+def test_cuda_delayed_update_uploads_land_before_staging_is_rewritten():
+    """flush's async uploads read the pinned staging buffer; the delayed host pass submitted
+    right after it rewrites staging. Held behind a busy compute stream, the uploads must still
+    carry what flush meant to upload, not the next pass's values."""
+    import zero_offload
+
+    cfg = engine_config(stage=2, offload=True, gas=1, micro=2, clip=0.0, overlap=True,
+                        dtype="bf16", pin_memory=True, delayed_update=True,
+                        delayed_update_after=0)  # fmt: skip
+    engine, *_ = zero_offload.initialize(model=make_model(), config=cfg)
+    so = engine.shard_opts[0]
+    assert so.staging is not None and so.staging.is_pinned() and not so.staging_is_home
+    uploaded = []
+    host_pass, prepare_write = so._host_pass, so.home.prepare_write
+
+    def spy_host_pass(grad, factor, h, upload):
+        uploaded.append(so.staging.clone())  # staging as the preceding flush uploaded it
+        return host_pass(grad, factor, h, upload)
+
+    def slow_prepare_write():  # flush's uploads wait for the compute stream: hold it ~0.2 s
+        torch.cuda._sleep(400_000_000)
+        prepare_write()
+
+    so._host_pass, so.home.prepare_write = spy_host_pass, slow_prepare_write
+    x = torch.randint(0, 32, (2, 5), device=engine.device)
+    for _ in range(2):  # step 1 starts pass 1; step 2 uploads it and starts pass 2
+        engine.backward(engine(x, x))
+        engine.step()
+    so._pending.result()
+    torch.cuda.synchronize()
+    assert not torch.equal(uploaded[1], so.staging)  # pass 2 did rewrite staging
+    assert torch.equal(engine.groups[0].flat, uploaded[1])
+
+
+def test_cuda_stage3_zero_init_parity():
+    """zero.Init on the GPU: rank 0's values broadcast, chunks kept on the device, gathered back
+    one param at a time into the engine's own layout."""
+    case = dict(stage=3, offload=True, offload_param=True, gas=1, clip=0.05, overlap=True)
+    for r in run_cases([dict(case, init=True)]):
+        assert r["grad_err"] < 1e-4 and r["param_err"] < 1e-3, r["case"]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(stage=1, offload=False, dtype="fp32"),
+        dict(stage=2, offload=True, dtype="bf16", pin_memory=True),
+        dict(stage=3, offload=False, dtype="fp16"),
+        dict(stage=3, offload=True, offload_param=True, dtype="bf16"),
+    ],
+)
+def test_cuda_checkpoint_roundtrip(case, tmp_path):
+    """Save on the GPU (device or host master, stage-3 params gathered to the host, the CUDA
+    generator) and load into a fresh engine: same masters, module, counters, CUDA RNG state, and
+    both continue alike."""
+    import zero_offload
+    from zero_offload.utils import safe_get_full_fp32_param
+
+    cfg = engine_config(gas=1, micro=2, clip=1.0, overlap=True, **case)
+    data = batches(4, 1, 1, 2)
+
+    def build():
+        engine, *_ = zero_offload.initialize(model=make_model(), config=copy.deepcopy(cfg))
+        return engine
+
+    def run(engine, steps):
+        out = []
+        for x, y in steps:
+            loss = engine(x.to(engine.device), y.to(engine.device))
+            engine.backward(loss)
+            engine.step()
+            out.append(float(loss.detach()))
+        return out
+
+    def state(engine):
+        named = dict(engine.module.named_parameters())
+        master = {n: safe_get_full_fp32_param(p).cpu() for n, p in named.items() if p.requires_grad}
+        with engine.params_on_host():
+            module = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+        return master, module
+
+    a = build()
+    run(a, data[:2])
+    saved = state(a)
+    torch.cuda.manual_seed(1234)
+    cuda_rng = torch.cuda.get_rng_state()
+    a.save_checkpoint(str(tmp_path))
+    torch.cuda.manual_seed(5678)
+    b = build()
+    b.load_checkpoint(str(tmp_path))
+    assert torch.equal(torch.cuda.get_rng_state(), cuda_rng)
+    loaded = state(b)
+    for want, got in zip(saved, loaded):
+        assert want.keys() == got.keys()
+        for k in want:
+            assert torch.equal(want[k], got[k]), k
+    assert (b.global_steps, b.micro_steps, b.loss_scale) == (a.global_steps, a.micro_steps,
+                                                             a.loss_scale)  # fmt: skip
+    assert run(b, data[2:]) == pytest.approx(run(a, data[2:]), rel=1e-3)

@@ -179,6 +179,43 @@ def test_comm_names_in_a_world_of_one():
         comm.init_distributed(init_method="tcp://127.0.0.1:1")
 
 
+def test_comm_init_method_makes_the_rank_gpu_current_before_nccl_starts(monkeypatch):
+    """nccl with an explicit rank: the rank's GPU is current before the group exists (its first
+    collective and object collectives run there), and the engine picks the same one."""
+    from zero_offload.runtime import dist as rt
+
+    calls = []
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.delenv("LOCAL_RANK")  # restored to its original state at teardown
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(
+        torch.distributed, "init_process_group", lambda **kw: calls.append(("init", kw["backend"]))
+    )
+    deepspeed.comm.init_distributed(
+        dist_backend="nccl", init_method="tcp://127.0.0.1:1", rank=3, world_size=4
+    )
+    assert calls == [("set_device", 1), ("init", "nccl")]
+    assert rt.local_rank() == 1
+
+
+def test_engine_makes_its_cuda_device_current(monkeypatch):
+    """The engine's streams and events use the current device: it must be the engine's."""
+    from zero_offload.runtime import dist as rt
+
+    class Stop(Exception):
+        pass
+
+    def set_device(d):
+        raise Stop(d)
+
+    monkeypatch.setattr(rt, "default_device", lambda: torch.device("cuda", 1))
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    with pytest.raises(Stop) as err:
+        _engine(stage=1, offload=False, gas=1)
+    assert err.value.args[0] == torch.device("cuda", 1)
+
+
 def test_deepspeed_module_paths_exist():
     from zero_offload.ops.adam import DeepSpeedCPUAdam, FusedAdam
     from zero_offload.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint

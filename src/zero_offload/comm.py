@@ -70,6 +70,10 @@ def init_distributed(
         method = (
             init_method or f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{distributed_port}"
         )
+        if backend == "nccl":  # one GPU per rank, current before the group's first collective
+            # and the one the engine picks (dist.default_device reads LOCAL_RANK)
+            os.environ.setdefault("LOCAL_RANK", str(rank % max(1, torch.cuda.device_count())))
+            torch.cuda.set_device(_rt.local_rank())
         _dist.init_process_group(
             backend=backend, init_method=method, rank=rank, world_size=world_size, timeout=timeout
         )

@@ -55,6 +55,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
         self.module = module
         self.config = config
         self.device = dist.default_device()
+        if self.device.type == "cuda":  # streams, events and collectives act on the current one
+            torch.cuda.set_device(self.device)
         self.dtype = config.dtype
         self.world_size, self.global_rank, self.local_rank = (
             dist.world_size(),

@@ -76,6 +76,9 @@ class ShardOptimizer:
         # another with the kernel's full thread count instead of oversubscribing the cores.
         self.executor = executor
         self._pending: concurrent.futures.Future | None = None
+        # CUDA: event after the last uploads from ``staging``; the host pass rewrites staging
+        # only once they have read it (a delayed pass starts right after flush's uploads).
+        self._uploaded = None
 
     def _hyper(self) -> dict:
         h = self.group.hyper
@@ -120,6 +123,7 @@ class ShardOptimizer:
         self.streams.wait(self.streams.h2d, None)
         for c in self.chunks:
             self._upload(c)
+        self._uploaded = self.streams.record(self.streams.h2d)
         self.home.publish()
 
     # ---- device placement ----------------------------------------------------------------------
@@ -154,6 +158,9 @@ class ShardOptimizer:
     # ---- host placement ------------------------------------------------------------------------
     def _host_pass(self, grad: torch.Tensor, factor: float, h: dict, upload: bool) -> None:
         bc = bool(self.group.hyper.get("bias_correction", True))
+        if self._uploaded is not None:  # the previous async uploads still read staging
+            self._uploaded.synchronize()
+            self._uploaded = None
         if upload:  # uploads overwrite params: only after the compute stream is done with them
             self.streams.wait(self.streams.h2d, None)
         for c in self.chunks:
@@ -174,6 +181,8 @@ class ShardOptimizer:
             )
             if upload:  # chunk k travels while chunk k+1 computes
                 self._upload(c)
+        if upload:
+            self._uploaded = self.streams.record(self.streams.h2d)
 
     def _upload(self, c) -> None:
         if self.staging_is_home:  # the kernel wrote the home itself
