@@ -98,7 +98,8 @@ def run(spec: dict) -> dict:
     shape, run_ = from_json(spec)
     torch.set_num_threads(_threads())
     rank = int(os.environ.get("RANK", "0"))
-    cuda = torch.cuda.is_available()
+    # ZERO_OFFLOAD_DEVICE=cpu (the engine's own switch) keeps every implementation on the CPU.
+    cuda = torch.cuda.is_available() and os.environ.get("ZERO_OFFLOAD_DEVICE") != "cpu"
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else None
     device = device or torch.device("cpu")
     if cuda:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -159,7 +160,7 @@ def _numel(rung: tuple[int, int, int], args: argparse.Namespace) -> int:
 def _gpu_gib() -> float | None:
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or os.environ.get("ZERO_OFFLOAD_DEVICE") == "cpu":
         return None
     return torch.cuda.get_device_properties(0).total_memory / GIB
 

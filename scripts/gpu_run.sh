@@ -7,7 +7,10 @@
 #
 # Steps, run in the order given:
 #   cuda-tests   tests/test_cuda.py (nothing may skip)
-#   tests        the whole default suite with CUDA present (8 workers)
+#   tests        the whole default suite with CUDA present (8 workers; tests not marked cuda
+#                run on the CPU, see tests/conftest.py)
+#   tests-on-gpu the same with ZERO_OFFLOAD_TEST_DEVICE=cuda: every engine on the GPU, to find
+#                what is not device-agnostic (log: tests_on_gpu.log)
 #   env pcie overlap sizes throughput throughput_large
 #                parts of benchmarks/gpu_suite.py (consecutive ones run in one call of it)
 # Logs, JSON and the suite's Markdown land in OUTDIR.
@@ -61,6 +64,12 @@ for step in "$@"; do
     tests)
       flush_parts
       python3 -m pytest -q -p no:cacheprovider -n 8 --durations=15 2>&1 | tee "$out/tests.log" | tail -60
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+      ;;
+    tests-on-gpu)
+      flush_parts
+      ZERO_OFFLOAD_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -n 8 2>&1 \
+        | tee "$out/tests_on_gpu.log" | tail -40
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       ;;
     env | pcie | overlap | sizes | throughput | throughput_large) parts+=("$step") ;;

@@ -170,6 +170,8 @@ def default_device() -> torch.device:
     forced = os.environ.get("ZERO_OFFLOAD_DEVICE", "").lower()
     if forced not in ("", "cpu", "cuda"):
         raise ValueError(f"ZERO_OFFLOAD_DEVICE must be 'cpu' or 'cuda', got {forced!r}")
+    if forced == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("ZERO_OFFLOAD_DEVICE=cuda, but torch sees no CUDA device")
     gloo = is_distributed() and dist.get_backend() == "gloo"
     if forced == "cuda" or (not forced and not gloo and torch.cuda.is_available()):
         return torch.device("cuda", local_rank() % torch.cuda.device_count())

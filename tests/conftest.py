@@ -1,0 +1,18 @@
+"""Where the tests run: every test not marked ``cuda`` runs on the CPU, also on a machine with a
+GPU (they compare against CPU references and feed CPU tensors; the ``cuda`` tests cover the GPU
+paths). ``ZERO_OFFLOAD_TEST_DEVICE=cuda`` runs them all on the GPU instead, to find what is not
+device-agnostic."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("cuda") is not None:
+        return
+    if os.environ.get("ZERO_OFFLOAD_TEST_DEVICE", "cpu") == "cpu":
+        monkeypatch.setenv("ZERO_OFFLOAD_DEVICE", "cpu")
