@@ -143,6 +143,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="only these ZeRO modes, as STAGE:OFFLOAD with OFFLOAD one of - cpu cpu+delayed "
         "cpu+param (e.g. 0:- 2:cpu 2:cpu+delayed 3:cpu+param; default all of --stages)",
     )
+    p.add_argument(
+        "--deepspeed-modes",
+        nargs="+",
+        default=None,
+        help="DeepSpeed's rows only in these modes (same form as --modes; default: --modes)",
+    )
+    p.add_argument(
+        "--host-reserve-gib",
+        type=float,
+        default=0.0,
+        help="stop a run when the host's available memory falls under this (default 0: off)",
+    )
     p.add_argument("--vocab", type=int, default=256, help="vocabulary size (default 256, bytes)")
     p.add_argument(
         "--gas", type=int, default=1, help="micro-steps per step (gradient_accumulation_steps)"
@@ -213,13 +225,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.vocab < 1 or args.gas < 1:
         p.error(f"--vocab and --gas must be >= 1, got {args.vocab} and {args.gas}")
-    if args.modes is not None:
-        known = {f"{st}:{Run('engine', st, o, d, 1, 'fp32', op).mode}" for st, o, d, op in
-                 ZERO_MODES + ENGINE_ONLY_MODES}  # fmt: skip
-        args.modes = [m if ":" in m else f"{m}:-" for m in args.modes]
-        bad = [m for m in args.modes if m not in known]
+    # The STAGE:OFFLOAD names that --modes and --deepspeed-modes accept.
+    known = {f"{st}:{Run('engine', st, o, d, 1, 'fp32', op).mode}" for st, o, d, op in
+             ZERO_MODES + ENGINE_ONLY_MODES}  # fmt: skip
+    for flag in ("modes", "deepspeed_modes"):
+        modes = getattr(args, flag)
+        if modes is None:
+            continue
+        modes = [m if ":" in m else f"{m}:-" for m in modes]
+        bad = [m for m in modes if m not in known]
         if bad:
-            p.error(f"--modes: unknown {bad}; known: {sorted(known)}")
+            p.error(f"--{flag.replace('_', '-')}: unknown {bad}; known: {sorted(known)}")
+        setattr(args, flag, modes)
     if args.no_deepspeed:
         args.impls = [i for i in args.impls if i != "deepspeed"]
     return args
@@ -294,6 +311,12 @@ def main(argv: list[str] | None = None) -> int:
     runs = matrix(args.world, args.dtype, args.impls, tuple(args.stages))
     if args.modes is not None:
         runs = [r for r in runs if r.impl == "torch" or f"{r.stage}:{r.mode}" in args.modes]
+    if args.deepspeed_modes is not None:
+        runs = [
+            r
+            for r in runs
+            if r.impl != "deepspeed" or f"{r.stage}:{r.mode}" in args.deepspeed_modes
+        ]
     ds_runs = [r for r in runs if r.impl == "deepspeed"]
     ds_error = None
     if ds_runs:
@@ -315,7 +338,9 @@ def main(argv: list[str] | None = None) -> int:
             if run.impl == "deepspeed" and ds_error:
                 result: dict[str, Any] = {"error": ds_error}
             else:
-                result = launch(shape, run, args.timeout, args.threads)
+                result = launch(
+                    shape, run, args.timeout, args.threads, int(args.host_reserve_gib * 2**30)
+                )
             results[i].append(result)
             said = result.get("error") or "{:.3f} s/step".format(
                 sorted(max(r["wall"][k] for r in result["ranks"]) for k in range(shape.steps))[

@@ -45,6 +45,9 @@ PARTS = ("env", "pcie", "overlap", "sizes", "throughput", "throughput_large")
 XL = dict(layers=48, hidden=1600, heads=25)
 THROUGHPUT_MODES = ("0:-", "2:cpu", "2:cpu+delayed", "3:cpu+param")
 LARGE_MODES = ("2:cpu", "2:cpu+delayed", "3:cpu+param")
+# DeepSpeed's offload modes only: its no-offload run needs FusedAdam, a CUDA build of minutes;
+# plain PyTorch and the engine's stage 0 are the no-offload anchors.
+DEEPSPEED_MODES = ("2:cpu", "3:cpu+param")
 
 
 def _sh(cmd: list[str]) -> str:
@@ -109,6 +112,7 @@ def part_commands(args: argparse.Namespace, out: Path, largest: dict | None) -> 
     )
     common = ["--checkpoint", "--zero-init", "--dtype", "bf16" if not tiny else "fp32"]
     common += ["--world", "1", "--gas", str(args.gas), "--timeout", str(args.run_timeout)]
+    common += ["--host-reserve-gib", "3", "--deepspeed-modes", *DEEPSPEED_MODES]
     impls = ["torch", "engine"] + ([] if tiny or args.no_deepspeed else ["deepspeed"])
     cmds: dict[str, list] = {
         "pcie": py
@@ -147,7 +151,7 @@ def _large_shape(args: argparse.Namespace, largest: dict | None) -> dict | None:
         return dict(layers=args.large_layers, hidden=args.large_hidden, heads=args.large_heads)
     if not largest:
         return None
-    row = next((r for r in largest["rows"] if r["mode"] == "stage 2 + opt" and "rung" in r), None)
+    row = next((r for r in largest["rows"] if r["mode"] == "stage2+opt" and "rung" in r), None)
     if row is None:
         return None
     return largest["meta"]["ladder"][row["rung"]]
@@ -256,6 +260,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro", type=int, default=8, help="micro batch of the throughput runs")
     p.add_argument("--gas", type=int, default=4, help="micro-steps per step (throughput runs)")
     p.add_argument("--no-deepspeed", action="store_true")
+    p.add_argument(
+        "--size-modes",
+        nargs="+",
+        default=None,
+        help="the sizes part's modes (default all three; one per call keeps a call short)",
+    )
     p.add_argument("--large-layers", type=int, default=None)
     p.add_argument("--large-hidden", type=int, default=None)
     p.add_argument("--large-heads", type=int, default=None)

@@ -3,9 +3,9 @@
 A ladder of GPT-2 shapes (GPT-2's 50257-token vocabulary, seq 1024, micro batch 1, bf16,
 activation checkpointing on every block) is climbed for each mode:
 
-- ``stage 0``: no offload (params, grads, fp32 master and Adam state on the GPU);
-- ``stage 2 + opt``: ``offload_optimizer`` (fp32 master and Adam state on the host);
-- ``stage 3 + opt + param``: both offloads, the model built under ``zero.Init``.
+- ``stage0``: no offload (params, grads, fp32 master and Adam state on the GPU);
+- ``stage2+opt``: ``offload_optimizer`` (fp32 master and Adam state on the host);
+- ``stage3+opt+param``: both offloads, the model built under ``zero.Init``.
 
 Each attempt is a fresh process (``_step_worker.py``) that builds the model, trains one warm-up
 and two timed steps, and reports the GPU's peak memory (while building, and over the steps), the
@@ -62,9 +62,9 @@ LADDER = (
 TINY_LADDER = ((2, 64, 4), (4, 128, 4), (6, 192, 4), (8, 256, 4), (8, 384, 4))
 
 MODES = {
-    "stage 0": Run("engine", 0, False, False, 1, "bf16"),
-    "stage 2 + opt": Run("engine", 2, True, False, 1, "bf16"),
-    "stage 3 + opt + param": Run("engine", 3, True, False, 1, "bf16", offload_param=True),
+    "stage0": Run("engine", 0, False, False, 1, "bf16"),
+    "stage2+opt": Run("engine", 2, True, False, 1, "bf16"),
+    "stage3+opt+param": Run("engine", 3, True, False, 1, "bf16", offload_param=True),
 }
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Everything the GPU machine runs, in as few calls as its time allows. It starts bare, with
-# PyTorch, pytest and transformers but without pydantic or DeepSpeed: first, on a machine with
+# Everything a GPU machine without network access runs, in a few calls. It has
+# PyTorch, pytest and transformers but not pydantic or DeepSpeed: first, on a machine with
 # PyPI, `bash scripts/gpu_wheels.sh` puts their wheels in .whl/ (git-ignored, carried along).
 #
 #   bash scripts/gpu_run.sh OUTDIR STEP...

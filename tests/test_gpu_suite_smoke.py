@@ -93,11 +93,11 @@ def test_suite_runs_on_the_cpu(tmp_path: Path) -> None:
     md = (tmp_path / "gpu_suite.md").read_text()
     assert "Largest model per mode" in md and "Throughput at the largest" in md
     sizes = json.loads((tmp_path / "sizes.json").read_text())
-    assert {r["mode"] for r in sizes["rows"]} == {"stage 0", "stage 2 + opt",
-                                                  "stage 3 + opt + param"}  # fmt: skip
+    assert {r["mode"] for r in sizes["rows"]} == {"stage0", "stage2+opt",
+                                                  "stage3+opt+param"}  # fmt: skip
     for r in sizes["rows"]:
         assert r["params"] > 0 and r["step_s"] > 0, r
-        if r["mode"] != "stage 0":  # the host holds master + Adam state + grad (16 B/param)
+        if r["mode"] != "stage0":  # the host holds master + Adam state + grad (16 B/param)
             assert r["host_bytes_per_param"] == pytest.approx(r["formula_host_bytes_per_param"],
                                                               rel=0.05)  # fmt: skip
     thr = json.loads((tmp_path / "throughput.json").read_text())
@@ -115,6 +115,6 @@ def test_suite_runs_on_the_cpu(tmp_path: Path) -> None:
     assert (
         large["meta"]["shape"]["hidden"]
         == sizes["meta"]["ladder"][
-            next(r for r in sizes["rows"] if r["mode"] == "stage 2 + opt")["rung"]
+            next(r for r in sizes["rows"] if r["mode"] == "stage2+opt")["rung"]
         ]["hidden"]
     )
