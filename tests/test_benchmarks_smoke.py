@@ -1,5 +1,6 @@
-"""Smoke test of the step benchmark: the quick run finishes, prints the table, and every row trained
-the same model to the same loss (a row that measured something else would not)."""
+"""Smoke tests of the benchmarks: the step benchmark's quick run finishes, prints the table, and every
+row trained the same model to the same loss (a row that measured something else would not); the
+overlap benchmark's CPU run writes a trace and a summary for every mode."""
 
 from __future__ import annotations
 
@@ -84,3 +85,47 @@ def test_quick_table(tmp_path: Path, case: str) -> None:
         n = 1 if key[2] == "cpu+delayed" else len(ref)
         for a, b in zip(r["losses"][:n], ref[:n]):
             assert abs(a - b) <= 1e-4 * abs(b), (key, r["losses"], ref)
+
+
+def test_overlap_trace_on_cpu(tmp_path: Path) -> None:
+    """The overlap benchmark's plumbing on the CPU: every mode runs in its own process, writes a
+    gzipped trace and its per-step summary; without GPU events only host columns are filled."""
+    import gzip
+
+    out = tmp_path / "traces"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "overlap_trace.py"), "--device", "cpu",
+         "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,  # about 8 s on 2 idle cores
+        cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    header = next(ln for ln in lines if ln.startswith("| mode |"))
+    for col in ("step ms", "GPU compute %", "H2D %", "D2H %", "host update %", "H2D GB/s"):
+        assert col in header
+    modes = ("stage2", "stage2-delayed", "stage3")
+    rows = [ln for ln in lines if ln.startswith(tuple(f"| {m} |" for m in modes))]
+    assert len(rows) == 3, "\n".join(lines)
+
+    data = json.loads((out / "summary.json").read_text())
+    assert data["meta"]["device"] == "cpu"
+    assert list(data["modes"]) == list(modes)
+    for mode, r in data["modes"].items():
+        assert "error" not in r, (mode, r)
+        assert r["step_ms_median"] > 0 and all(math.isfinite(x) for x in r["losses"])
+        s = r["summary"]
+        assert not s["has_gpu"]
+        assert len(s["steps"]) == data["meta"]["profile_steps"], mode
+        assert "host_update" in s["classes"], mode
+        for step in s["steps"]:
+            assert all(0.0 <= v <= 1.0 for v in step["busy_frac"].values()), (mode, step)
+        trace = Path(r["trace"])
+        assert trace.parent == out.resolve() and 0 < trace.stat().st_size < 10 * 2**20
+        with gzip.open(trace, "rt") as f:
+            assert json.load(f)["traceEvents"]
+    assert data["modes"]["stage2-delayed"]["host_update_thread_spans"] > 0
+    assert data["modes"]["stage2"]["host_update_thread_spans"] == 0
+    assert "fetch" in data["modes"]["stage3"]["summary"]["classes"]
