@@ -32,6 +32,6 @@ _OFF = contextlib.nullcontext()
 
 def label(name: str) -> contextlib.AbstractContextManager:
     """A profiler range named ``name`` while a profiler runs; a no-op context otherwise."""
-    if _profiler._is_profiler_enabled:
+    if getattr(_profiler, "_is_profiler_enabled", True):  # a torch without the flag: always
         return _profiler.record_function(name)
     return _OFF
