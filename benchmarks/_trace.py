@@ -179,7 +179,8 @@ class Trace:
         self.steps.sort()
         self.phase_unions = {p: union(v) for p, v in self.phases.items()}
         self._by_tid: dict[Any, list[tuple[float, float, str]]] = {}
-        for tid, lo, hi, name in sorted(self.host_ranges, key=lambda r: r[1]):
+        # by start, and of two ranges starting together the enclosing (longer) one first
+        for tid, lo, hi, name in sorted(self.host_ranges, key=lambda r: (r[1], -r[2])):
             self._by_tid.setdefault(tid, []).append((lo, hi, name))
         self._starts = {tid: [r[0] for r in rs] for tid, rs in self._by_tid.items()}
 

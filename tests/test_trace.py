@@ -183,6 +183,27 @@ def test_copies_without_bytes_give_no_rate():
     assert one["gbps"] == {"h2d": None}
 
 
+def test_issuer_is_the_innermost_range_even_when_a_parent_starts_together():
+    ua = "user_annotation"
+    events = [
+        X(ua, "bench.step", 0, 100),
+        X(ua, "zero_offload.param_h2d", 50, 5),  # listed before its parent, same start
+        X(ua, "bench.optimizer", 50, 50),
+        X("cuda_runtime", "cudaMemcpyAsync", 52, 1, correlation=1),
+        X("cuda_runtime", "cudaMemcpyAsync", 60, 1, correlation=2),
+        X("cuda_runtime", "cudaMemcpyAsync", 61, 1, tid=5, correlation=3),  # another thread
+        copy("h2d", 53, 1, 100, correlation=1),
+        copy("h2d", 62, 1, 200, correlation=2),
+        copy("h2d", 64, 1, 400, correlation=3),
+    ]
+    one = tr.summarize(events)["steps"][0]
+    assert one["bytes_by_issuer"]["h2d"] == {
+        "zero_offload.param_h2d": 100,
+        "bench.optimizer": 200,
+        "-": 400,
+    }
+
+
 def test_load_reads_plain_and_gzipped_traces(tmp_path):
     data = {"traceEvents": synthetic(), "displayTimeUnit": "ms"}
     plain, packed = tmp_path / "t.json", tmp_path / "t.json.gz"
@@ -226,7 +247,8 @@ def test_span_executor_times_tasks_on_the_worker_thread():
 
 # ---- a real CPU profiler trace ------------------------------------------------------------------
 @pytest.mark.parametrize("delayed", [False, True])
-def test_cpu_profiler_trace_of_a_tiny_engine_run(tmp_path, delayed):
+def test_cpu_profiler_trace_of_a_tiny_engine_run(tmp_path, monkeypatch, delayed):
+    monkeypatch.setenv("ZERO_OFFLOAD_DEVICE", "cpu")  # the CPU even where there is a GPU
     import torch
     from parity import batches, engine_config, make_model
     from torch.profiler import ProfilerActivity, profile
