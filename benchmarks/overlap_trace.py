@@ -17,7 +17,7 @@ chrome://tracing). Prints one Markdown table (a row per mode, medians over the p
 and writes ``--out``/summary.json with every step's numbers (``_trace.py`` says how they are
 computed).
 
-    python benchmarks/overlap_trace.py --out traces/              # CUDA: ~350M params, bf16
+    python benchmarks/overlap_trace.py --out traces/              # CUDA: 354.0M params, bf16
     python benchmarks/overlap_trace.py --device cpu --out /tmp/t  # tiny CPU run (smoke test)
 
 Without CUDA (or with ``--device cpu``) it runs a tiny fp32 model on the CPU: the trace then has
@@ -53,7 +53,7 @@ MODES: dict[str, tuple[int, bool, bool, bool]] = {
     "stage3": (3, True, False, True),
 }
 
-# Model and step counts on a GPU (about 353M params, bf16) and for the CPU smoke run.
+# Model and step counts on a GPU (354.0M params, bf16) and for the CPU smoke run.
 CUDA_SIZE = dict(layers=28, hidden=1024, heads=16, seq=1024, micro=8, warmup=2, steps=4, profile=3)
 CPU_SIZE = dict(layers=2, hidden=64, heads=4, seq=64, micro=2, warmup=2, steps=2, profile=2)
 
