@@ -25,6 +25,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,7 @@ def clock_offset_us(step_starts_us: list[float], marks_ns: list[int]) -> float |
     return statistics.median(ts - m / 1e3 for ts, m in pairs)
 
 
-def train_step(engine, x, y, sync, marks: list[int]):
+def train_step(engine, x, y, sync: Callable[[], None], marks: list[int]) -> Any:
     """One step in the benchmark's ranges; each phase synchronizes the device before it ends."""
     from torch.profiler import record_function
 
@@ -119,7 +120,8 @@ def train_step(engine, x, y, sync, marks: list[int]):
     return loss
 
 
-def build(spec: dict[str, Any]):
+def build(spec: dict[str, Any]) -> tuple[Any, list, int]:
+    """The engine over the spec's GPT-2, two token batches on its device, the param count."""
     import torch
     from _spec import ds_config, from_json
 

@@ -19,6 +19,7 @@ import json
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +116,8 @@ def _timed(streams_and_copies, warmup: int, repeats: int) -> list[float]:
     return times
 
 
-def cuda_timer(buffers: Buffers, warmup: int, repeats: int):
+def cuda_timer(buffers: Buffers, warmup: int, repeats: int) -> Callable[[str, int], list[float]]:
+    """``time_fn(kind, size)`` for ``_bandwidth.measure``: seconds of each repeat on CUDA."""
     import torch
 
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()

@@ -1,5 +1,6 @@
 """Profiler labels: each named range shows up in a torch.profiler run of the engine mode that has
-that phase, and without a profiler ``label`` is a no-op context (nothing recorded, nothing raised)."""
+that phase (on the CPU, and on CUDA where there is one), and without a profiler ``label`` is a
+no-op context."""
 
 from __future__ import annotations
 
