@@ -115,15 +115,14 @@ def part_commands(args: argparse.Namespace, out: Path, largest: dict | None) -> 
     common += ["--host-reserve-gib", "3", "--deepspeed-modes", *DEEPSPEED_MODES]
     impls = ["torch", "engine"] + ([] if tiny or args.no_deepspeed else ["deepspeed"])
     cmds: dict[str, list] = {
-        "pcie": py
-        + [str(HERE / "pcie_bandwidth.py"), "--json", str(out / "pcie.json")]
-        + (["--quick"] if tiny else []),
+        "pcie": py + [str(HERE / "pcie_bandwidth.py"), "--json", str(out / "pcie.json")],
+        # Its traces and summary.json land in OUT/traces.
         "overlap": py
         + [str(HERE / "overlap_trace.py"), "--out", str(out / "traces")]
-        + ["--json", str(out / "overlap.json")]
         + (["--device", "cpu"] if tiny else []),
         "sizes": py
         + [str(HERE / "model_size.py"), "--json", str(out / "sizes.json")]
+        + (["--modes", *args.size_modes] if args.size_modes else [])
         + (["--tiny", "--max-runs", "2"] if tiny else []),
         "throughput": py
         + [str(HERE / "engine_step.py"), *shape, *common]

@@ -1,5 +1,6 @@
-"""Smoke test of the step benchmark: the quick run finishes, prints the table, and every row trained
-the same model to the same loss (a row that measured something else would not)."""
+"""Smoke tests of the benchmarks: the step benchmark's quick run finishes, prints the table, and every
+row trained the same model to the same loss (a row that measured something else would not); the
+overlap benchmark's CPU run writes a trace and a summary for every mode."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "engine_step.py"
@@ -84,3 +86,124 @@ def test_quick_table(tmp_path: Path, case: str) -> None:
         n = 1 if key[2] == "cpu+delayed" else len(ref)
         for a, b in zip(r["losses"][:n], ref[:n]):
             assert abs(a - b) <= 1e-4 * abs(b), (key, r["losses"], ref)
+
+
+def test_overlap_trace_on_cpu(tmp_path: Path) -> None:
+    """The overlap benchmark's plumbing on the CPU: every mode runs in its own process, writes a
+    gzipped trace and its per-step summary; without GPU events only host columns are filled."""
+    import gzip
+
+    out = tmp_path / "traces"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "overlap_trace.py"), "--device", "cpu",
+         "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,  # about 8 s on 2 idle cores
+        cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    header = next(ln for ln in lines if ln.startswith("| mode |"))
+    for col in ("step ms", "GPU compute %", "H2D %", "D2H %", "host update %", "H2D GB/s"):
+        assert col in header
+    modes = ("stage2", "stage2-delayed", "stage3")
+    rows = [ln for ln in lines if ln.startswith(tuple(f"| {m} |" for m in modes))]
+    assert len(rows) == 3, "\n".join(lines)
+
+    data = json.loads((out / "summary.json").read_text())
+    assert data["meta"]["device"] == "cpu"
+    assert list(data["modes"]) == list(modes)
+    for mode, r in data["modes"].items():
+        assert "error" not in r, (mode, r)
+        assert r["step_ms_median"] > 0 and all(math.isfinite(x) for x in r["losses"])
+        s = r["summary"]
+        assert not s["has_gpu"]
+        assert len(s["steps"]) == data["meta"]["profile_steps"], mode
+        assert "host_update" in s["classes"], mode
+        for step in s["steps"]:
+            assert all(0.0 <= v <= 1.0 for v in step["busy_frac"].values()), (mode, step)
+        trace = Path(r["trace"])
+        assert trace.parent == out.resolve() and 0 < trace.stat().st_size < 10 * 2**20
+        with gzip.open(trace, "rt") as f:
+            assert json.load(f)["traceEvents"]
+    assert data["modes"]["stage2-delayed"]["host_update_thread_spans"] > 0
+    assert data["modes"]["stage2"]["host_update_thread_spans"] == 0
+    assert "fetch" in data["modes"]["stage3"]["summary"]["classes"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_overlap_trace_on_cuda_reads_the_gpu_events(tmp_path: Path) -> None:
+    """On a GPU: the trace's kernels and copies are found where ``_trace.py`` expects them (the
+    "kernel" and "gpu_memcpy" categories, "Memcpy HtoD/DtoH" names, ``args.bytes``), and a stage-2
+    offload step moves its bf16 gradients down and its bf16 params up once."""
+    out = tmp_path / "traces"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "overlap_trace.py"), "--device", "cuda",
+         "--layers", "2", "--hidden", "256", "--heads", "4", "--seq", "128", "--micro", "2",
+         "--warmup", "2", "--steps", "2", "--profile-steps", "2", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads((out / "summary.json").read_text())
+    for mode, r in data["modes"].items():
+        assert "error" not in r, (mode, r)
+        s = r["summary"]
+        assert s["has_gpu"], (mode, s["categories"])
+        assert {"compute", "h2d"} <= set(s["classes"]), (mode, s["classes"], s["copy_names"])
+        for step in s["steps"]:
+            assert all(0.0 <= v <= 1.0 for v in step["busy_frac"].values()), (mode, step)
+            assert all(v is not None for v in step["bytes"].values()), (mode, step["bytes"])
+    two = data["modes"]["stage2"]
+    grad_bytes = 2 * two["params"]  # bf16, world 1: every gradient goes down once per step
+    moved = two["summary"]["median"]["bytes"]
+    assert grad_bytes <= moved["d2h"] <= 1.05 * grad_bytes, (moved, grad_bytes)
+    assert grad_bytes <= moved["h2d"] <= 1.05 * grad_bytes, (moved, grad_bytes)
+    assert data["modes"]["stage2-delayed"]["host_update_thread_spans"] > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_overlap_trace_attributes_copies_to_the_labels(tmp_path: Path) -> None:
+    """On a GPU: each copy's ``correlation`` id leads to the runtime call and the label around it
+    (grad copies to ``zero_offload.grad_d2h``, param uploads to ``zero_offload.param_h2d``)."""
+    out = tmp_path / "traces"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "overlap_trace.py"), "--device", "cuda",
+         "--modes", "stage2", "--layers", "2", "--hidden", "256", "--heads", "4", "--seq", "128",
+         "--micro", "2", "--warmup", "2", "--steps", "1", "--profile-steps", "1",
+         "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    step = json.loads((out / "summary.json").read_text())["modes"]["stage2"]["summary"]["steps"][0]
+    by = step["bytes_by_issuer"]
+    assert max(by["d2h"], key=by["d2h"].get) == "zero_offload.grad_d2h", by
+    assert max(by["h2d"], key=by["h2d"].get) == "zero_offload.param_h2d", by
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pcie_bandwidth_on_cuda(tmp_path: Path) -> None:
+    out = tmp_path / "pcie.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "pcie_bandwidth.py"), "--min", "1MiB",
+         "--max", "4MiB", "--repeats", "3", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert "skipped" not in data
+    for kind, rows in data["kinds"].items():
+        assert len(rows) == 3 and all(r["gbps"] > 0 for r in rows.values()), (kind, rows)
+    assert "| **peak** |" in done.stdout

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .flat_group import FlatGroup
+from .labels import GRAD_D2H, GRAD_WAIT, label
 from .layout import Bucket, Segment
 from .streams import Streams, alloc_host
 
@@ -82,11 +83,12 @@ class GradShard:
         if self.offload:
             host = self.host[self.host_index][seg.shard_start : seg.shard_start + seg.numel]
             s = self.streams
-            s.wait(s.d2h, None)
-            with s.use(s.d2h):
-                host.copy_(final, non_blocking=s.cuda)
-                s.keep_alive(final, s.d2h)
-            self.d2h_done = s.record(s.d2h)
+            with label(GRAD_D2H):
+                s.wait(s.d2h, None)
+                with s.use(s.d2h):
+                    host.copy_(final, non_blocking=s.cuda)
+                    s.keep_alive(final, s.d2h)
+                self.d2h_done = s.record(s.d2h)
 
     # ---- consumers ----------------------------------------------------------------------------
     def device_grads(self) -> list[torch.Tensor]:
@@ -98,7 +100,8 @@ class GradShard:
     def host_grad(self) -> torch.Tensor:
         """This step's host gradient, after its copies have landed."""
         if self.d2h_done is not None:
-            self.d2h_done.synchronize()
+            with label(GRAD_WAIT):
+                self.d2h_done.synchronize()
         return self.host[self.host_index]
 
     def flip(self) -> None:

@@ -36,6 +36,7 @@ import torch
 from . import dist
 from .flat_group import FlatGroup
 from .init_partition import full_value, next_ds_id
+from .labels import FETCH, label
 from .layout import Segment
 from .status import ZeroParamStatus
 from .streams import Streams, alloc_host
@@ -188,7 +189,7 @@ class ParamStore:
         src = self._shard_slice(slot)
         st = self.streams
         st.wait(st.fetch, None)  # the own slice may be rewritten only after compute is done
-        with st.use(st.fetch):
+        with label(FETCH), st.use(st.fetch):
             buf = torch.empty(b.numel, dtype=slot.group.dtype, device=self.device)
             own = self._own_slice(slot, buf)
             own.copy_(src, non_blocking=st.cuda)

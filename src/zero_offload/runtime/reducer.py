@@ -25,6 +25,7 @@ import torch
 from . import dist
 from .flat_group import FlatGroup
 from .grad_shard import GradShard
+from .labels import REDUCE, label
 from .streams import Streams
 
 
@@ -138,7 +139,8 @@ class Reducer:
             if self.pending[key] > 0 and not force:
                 return
             self.next += 1
-            self._launch(key)
+            with label(REDUCE):
+                self._launch(key)
 
     # ---- reduction -----------------------------------------------------------------------------
     def _launch(self, key) -> None:

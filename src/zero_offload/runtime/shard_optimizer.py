@@ -24,6 +24,7 @@ import torch
 from ..kernels.host_adam import host_adam_step
 from .flat_group import FlatGroup
 from .grad_shard import GradShard
+from .labels import HOST_UPDATE, PARAM_H2D, label
 from .param_home import ParamHome
 from .streams import Streams, alloc_host
 
@@ -166,19 +167,20 @@ class ShardOptimizer:
         for c in self.chunks:
             s, lo, hi = c
             a, b = s.shard_start + lo, s.shard_start + hi
-            host_adam_step(
-                self.master[a:b],
-                self.exp_avg[a:b],
-                self.exp_avg_sq[a:b],
-                grad[a:b],
-                None if self.staging is None else self.staging[a:b],
-                step=self.step_count,
-                adamw=self.adamw,
-                bias_correction=bc,
-                grad_scale=factor,
-                threads=self.threads,
-                **h,
-            )
+            with label(HOST_UPDATE):
+                host_adam_step(
+                    self.master[a:b],
+                    self.exp_avg[a:b],
+                    self.exp_avg_sq[a:b],
+                    grad[a:b],
+                    None if self.staging is None else self.staging[a:b],
+                    step=self.step_count,
+                    adamw=self.adamw,
+                    bias_correction=bc,
+                    grad_scale=factor,
+                    threads=self.threads,
+                    **h,
+                )
             if upload:  # chunk k travels while chunk k+1 computes
                 self._upload(c)
         if upload:
@@ -193,7 +195,7 @@ class ShardOptimizer:
         ]
         dst = self.home.own(s)[lo:hi]
         st = self.streams
-        with st.use(st.h2d):
+        with label(PARAM_H2D), st.use(st.h2d):
             dst.copy_(src, non_blocking=st.cuda)
 
     def nbytes(self) -> dict[str, int]:
