@@ -210,6 +210,25 @@ def targets(throughput: dict | None) -> list[str]:
     return out
 
 
+def link_use(pcie: dict | None, overlap: dict | None) -> list[str]:
+    """Each overlap mode's achieved copy rate (bytes over the time a copy of that direction ran)
+    against the link's measured pinned peak in that direction."""
+    if not pcie or "peak_gbps" not in pcie or not overlap:
+        return []
+    peak = {"h2d": pcie["peak_gbps"].get("h2d_pinned"), "d2h": pcie["peak_gbps"].get("d2h_pinned")}
+    out = []
+    for mode, m in overlap.get("modes", {}).items():
+        rates = ((m.get("summary") or {}).get("median") or {}).get("gbps") or {}
+        parts = [
+            f"{d.upper()} {rates[d]:.1f} GB/s = {100 * rates[d] / peak[d]:.0f}% of {peak[d]:.1f}"
+            for d in ("h2d", "d2h")
+            if rates.get(d) and peak.get(d)
+        ]
+        if parts:
+            out.append(f"- {mode}: " + "; ".join(parts))
+    return out
+
+
 def _load(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -244,6 +263,10 @@ def report(info: dict[str, Any], status: dict[str, Any], out: Path) -> str:
         text = _tables(out / f"{name}.log")
         if text:
             parts += [text, ""]
+        if name == "overlap":
+            use = link_use(_load(out / "pcie.json"), _load(out / "traces" / "summary.json"))
+            if use:
+                parts += ["Achieved copy rate against the link's pinned peak (pcie):", *use, ""]
         if name.startswith("throughput"):
             checks = targets(_load(out / f"{name}.json"))
             if checks:

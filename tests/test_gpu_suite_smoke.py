@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from gpu_suite import targets  # noqa: E402
+from gpu_suite import link_use, targets  # noqa: E402
 from model_size import Attempt, climb  # noqa: E402
 
 
@@ -79,6 +79,20 @@ def test_targets_compare_with_deepspeed_and_no_offload() -> None:
     assert any("stage 2 cpu: 0.80x" in ln and "meets" in ln for ln in lines)
     assert any("stage 3 cpu+param: 1.20x" in ln and "MISSES" in ln for ln in lines)
     assert any("delayed update: 1.05x" in ln and "meets" in ln for ln in lines)
+
+
+def test_link_use_against_the_pinned_peak() -> None:
+    pcie = {"peak_gbps": {"h2d_pinned": 50.0, "d2h_pinned": 40.0, "h2d_pageable": 10.0}}
+    overlap = {
+        "modes": {
+            "stage2": {"summary": {"median": {"gbps": {"h2d": 25.0, "d2h": 30.0}}}},
+            "cpu-only": {"summary": {"median": {"gbps": {}}}},
+        }
+    }
+    assert link_use(pcie, overlap) == [
+        "- stage2: H2D 25.0 GB/s = 50% of 50.0; D2H 30.0 GB/s = 75% of 40.0"
+    ]
+    assert link_use({"skipped": "needs CUDA"}, overlap) == []
 
 
 def test_suite_runs_on_the_cpu(tmp_path: Path) -> None:
