@@ -6,7 +6,8 @@
 #   bash scripts/gpu_run.sh OUTDIR STEP...
 #
 # Steps, run in the order given:
-#   cuda-tests   tests/test_cuda.py (nothing may skip)
+#   cuda-tests   every test marked cuda: tests/test_cuda.py and the benchmarks' trace checks
+#                (nothing may skip)
 #   tests        the whole default suite with CUDA present (8 workers; tests not marked cuda
 #                run on the CPU, see tests/conftest.py)
 #   tests-on-gpu the same with ZERO_OFFLOAD_TEST_DEVICE=cuda: every engine on the GPU, to find
@@ -57,7 +58,7 @@ for step in "$@"; do
   case "$step" in
     cuda-tests)
       flush_parts
-      python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py 2>&1 | tee "$out/cuda_tests.log" | tail -40
+      python3 -m pytest -q -p no:cacheprovider -rs -m cuda 2>&1 | tee "$out/cuda_tests.log" | tail -40
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       if grep -q "SKIPPED" "$out/cuda_tests.log"; then echo "CUDA tests skipped on a GPU machine"; status=1; fi
       ;;
