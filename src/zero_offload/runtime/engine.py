@@ -192,6 +192,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
         )
         if partitioned:  # after the reducer: its hooks read a gradient before a slot is released
             self.fetch_schedule = FetchSchedule(self.param_store, module, self.param_store.policy)
+            self.param_store.settle = self.flush_delayed_update
         self.optimizer = ZeroOptimizer(self.groups, self.shard_opts)
         self.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
         self._overflows = OverflowMonitor(

@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +119,10 @@ class ParamStore:
         self.slots: list[Slot] = []
         self.group_slots: list[list[int]] = []
         self.masters: dict[int, torch.Tensor] = {}  # group index -> fp32 master shard (trainable)
+        # Applies any pending (delayed) update to the shards and masters; the engine sets it.
+        # Invariant: called before a write_back's slots are fetched, so no host pass writes the
+        # masters concurrently and no staged update lands on the written values afterwards.
+        self.settle: Callable[[], None] = lambda: None
         self._empties: dict[torch.dtype, torch.Tensor] = {}
         persistent_left = policy.model_persistence_threshold
         for gi, g in enumerate(groups):

@@ -53,6 +53,9 @@ class GatheredParameters:
                 entry[1].append(p._z3_slot)
 
     def __enter__(self) -> None:
+        if self.modifier_rank is not None:  # the edit must land after any pending update
+            for store, _ in self.by_store.values():
+                store.settle()
         for store, ids in self.by_store.values():
             for i in ids:
                 store.pinned[i] += 1
