@@ -135,7 +135,10 @@ class ShardOptimizer:
         views = lambda t: [t[s.shard_start : s.shard_start + s.numel] for s in self.segs]  # noqa: E731
         p, m, v = views(self.master), views(self.exp_avg), views(self.exp_avg_sq)
         if self.group.hyper.get("bias_correction", True):
-            steps = [torch.tensor(float(self.step_count), device=self.master.device) for _ in p]
+            # One step tensor filled on the device, shared by every segment (the fused kernel
+            # only reads it): no host-to-device copy per segment per step.
+            step = torch.full((), float(self.step_count), device=self.master.device)
+            steps = [step] * len(p)
             fused = torch._fused_adamw_ if self.adamw else torch._fused_adam_
             fused(
                 p,
