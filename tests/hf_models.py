@@ -10,6 +10,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
+from parity import global_step  # noqa: E402
 
 # (stage, offload) pairs every Hugging Face model test runs under.
 STAGE_CASES = [(1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]
@@ -106,18 +107,7 @@ def reference_train(model, steps_data):
 
 def engine_train(engine, steps_data, world: int = 1, rank: int = 0):
     """This rank's share of each global batch, in micro-batches of the engine's size."""
-    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    losses = []
-    for x, y in steps_data:
-        total = 0.0
-        for k in range(gas):
-            lo = (k * world + rank) * micro
-            loss = engine(x[lo : lo + micro], y[lo : lo + micro])
-            engine.backward(loss)
-            engine.step()
-            total += float(loss.detach()) / gas
-        losses.append(total)
-    return losses
+    return [global_step(engine, x, y, world, rank) for x, y in steps_data]
 
 
 def displacement_err(params: dict, ref: dict, init: dict) -> float:

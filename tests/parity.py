@@ -134,6 +134,20 @@ def engine_config(
     return cfg
 
 
+def global_step(engine, x: torch.Tensor, y: torch.Tensor, world: int = 1, rank: int = 0) -> float:
+    """One optimizer step of ``engine`` on this rank's share of the global batch ``x, y``
+    (rows ordered micro-step by micro-step, rank by rank); returns this rank's mean loss."""
+    micro, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    total = 0.0
+    for k in range(gas):
+        lo = (k * world + rank) * micro
+        loss = engine(x[lo : lo + micro], y[lo : lo + micro])
+        engine.backward(loss)
+        engine.step()
+        total += float(loss.detach()) / gas
+    return total
+
+
 def run_engine(cfg: dict, steps: int, micro: int, gas: int, init: bool = False):
     """Train with the engine on this rank's share of each global batch."""
     import zero_offload
