@@ -93,6 +93,18 @@ class Run:
         return f"{self.impl} stage {self.stage} offload {self.mode} world {self.world} {self.dtype}"
 
 
+def stage3_auto(hidden: int) -> dict[str, int]:
+    """``Shape``'s stage-3 sizes as DeepSpeed's ``"auto"`` fills them for this hidden size (the
+    library's own rule): ``prefetch_bucket`` and ``persistence_threshold``."""
+    from zero_offload.config.auto_sizes import auto_sizes
+
+    sizes = auto_sizes(hidden)
+    return {
+        "prefetch_bucket": sizes["stage3_prefetch_bucket_size"],
+        "persistence_threshold": sizes["stage3_param_persistence_threshold"],
+    }
+
+
 def to_json(shape: Shape, run: Run) -> dict[str, Any]:
     return {"shape": dataclasses.asdict(shape), "run": dataclasses.asdict(run)}
 

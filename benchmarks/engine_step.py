@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _launch import cores, launch, prebuild_deepspeed  # noqa: E402
 from _report import add_ratios, merge_rounds, summarize, table  # noqa: E402
-from _spec import DTYPES, IMPLS, Run, Shape  # noqa: E402
+from _spec import DTYPES, IMPLS, Run, Shape, stage3_auto  # noqa: E402
 
 # (layers, hidden, heads, seq, micro, steps, warmup): --quick, and the default full size.
 QUICK = dict(layers=2, hidden=64, heads=4, seq=64, micro=2, steps=3, warmup=1)
@@ -216,10 +216,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--world sizes must be >= 1, got {args.world}")
     if args.bucket < 1:
         p.error(f"--bucket must be >= 1 element, got {args.bucket}")
-    if args.prefetch_bucket is None:
-        args.prefetch_bucket = int(0.9 * args.hidden * args.hidden)
-    if args.persistence_threshold is None:
-        args.persistence_threshold = 10 * args.hidden
+    for name, size in stage3_auto(args.hidden).items():  # DeepSpeed's "auto" where not given
+        if getattr(args, name) is None:
+            setattr(args, name, size)
     for name in ("prefetch_bucket", "persistence_threshold", "max_live"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")

@@ -42,7 +42,7 @@ sys.path[:0] = [
 
 from _launch import launch, mem_available  # noqa: E402
 from _report import GIB, summarize  # noqa: E402
-from _spec import Run, Shape  # noqa: E402
+from _spec import Run, Shape, stage3_auto  # noqa: E402
 
 # (layers, hidden, heads): GPT-2 shapes about 13% apart from 1.6B to 8.9B params.
 LADDER = (
@@ -142,8 +142,7 @@ def _shape(rung: tuple[int, int, int], args: argparse.Namespace) -> Shape:
         steps=args.steps,
         warmup=1,
         bucket=int(args.bucket),
-        prefetch_bucket=int(0.9 * hidden * hidden),
-        persistence_threshold=10 * hidden,
+        **stage3_auto(hidden),
         vocab=args.vocab,
         checkpoint=True,
         zero_init=True,

@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _launch import _why  # noqa: E402
-from _spec import Run, Shape, to_json  # noqa: E402
+from _spec import Run, Shape, stage3_auto, to_json  # noqa: E402
 
 WORKER = HERE / "_overlap_worker.py"
 
@@ -140,8 +140,7 @@ def shape_of(args: argparse.Namespace) -> Shape:
         steps=args.steps,
         warmup=args.warmup,
         bucket=int(args.bucket),
-        prefetch_bucket=int(0.9 * args.hidden * args.hidden),  # DeepSpeed's "auto"
-        persistence_threshold=10 * args.hidden,
+        **stage3_auto(args.hidden),  # DeepSpeed's "auto"
     )
 
 

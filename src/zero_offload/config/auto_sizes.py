@@ -46,6 +46,11 @@ _AUTO_SIZES = (
 )
 
 
+def auto_sizes(hidden: int) -> dict[str, int]:
+    """Every ``"auto"`` size for a model of hidden size ``hidden``, by ZeroConfig field name."""
+    return {a.name: a.size(hidden) for a in _AUTO_SIZES}
+
+
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
