@@ -221,15 +221,16 @@ def _writable(params: list[nn.Parameter]) -> contextlib.AbstractContextManager:
     """A context in which ``params`` hold their full values and writes to them stick: nothing
     for ordinary params; for params partitioned by ``zero_offload.zero.Init`` (or a stage-3
     engine), ``GatheredParameters`` with rank 0 as the modifier."""
-    ours = [p for p in params if hasattr(p, "_z3_init") or hasattr(p, "_z3_slot")]
-    foreign = [p for p in params if hasattr(p, "ds_tensor") and not hasattr(p, "_z3_init")]
-    foreign = [p for p in foreign if not hasattr(p, "_z3_slot")]
-    if foreign:
-        raise RuntimeError(
-            "GPT2Model.reset_parameters: params partitioned by another library's zero.Init "
-            "cannot be initialized here; build the model under zero_offload.zero.Init, or "
-            "without one"
-        )
+    ours = []
+    for p in params:
+        if hasattr(p, "_z3_init") or hasattr(p, "_z3_slot"):
+            ours.append(p)
+        elif hasattr(p, "ds_tensor"):  # partitioned, but not by this library
+            raise RuntimeError(
+                "GPT2Model.reset_parameters: params partitioned by another library's zero.Init "
+                "cannot be initialized here; build the model under zero_offload.zero.Init, or "
+                "without one"
+            )
     if not ours:
         return contextlib.nullcontext()
     from ..zero.gathered import GatheredParameters
