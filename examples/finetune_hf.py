@@ -127,10 +127,12 @@ def main(argv: list[str] | None = None) -> float:
             if step == args.steps:
                 break
 
-    # Save the model: a save_pretrained folder from_pretrained loads
-    if deepspeed.comm.get_rank() == 0:
-        model.save_pretrained(args.out)
-        print(f"saved to {args.out}")
+    # Save the model: a save_pretrained folder from_pretrained loads. Every rank gathers (at
+    # ZeRO stage 3 the weights are partitioned; at stages 0-2 this does nothing), rank 0 writes.
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        if deepspeed.comm.get_rank() == 0:
+            model.save_pretrained(args.out)
+            print(f"saved to {args.out}")
     return float(loss.detach())
 
 

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     batches = data_iterator(TokenBlockDataset(train_tokens, args.seq_length), micro, args.seed)
     tokens_per_iter = micro * gas * engine.world_size * args.seq_length
     if rank0:
-        n = sum(p.numel() for p in model.parameters())
+        n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # stage 3: shards
         print(
             f"GPT-2: {n / 1e6:.2f}M parameters, {engine.world_size} rank(s), micro batch "
             f"{micro} x {gas} accumulation steps, {tokens_per_iter} tokens per iteration"

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hf_models import (
     STAGE_CASES,
+    assert_partitioned,
     displacement_err,
     ds_config,
     engine_train,
@@ -46,6 +47,8 @@ def _run_parity(
     data = token_batches(1, 4) * 3  # one batch, repeated: the loss must fall
     ref_losses = reference_train(ref, data)
     engine, *_ = deepspeed.initialize(model=model, config=ds_config(stage, offload))
+    if stage == 3:
+        assert_partitioned(model)
     losses = engine_train(engine, data)
     masters = {n: safe_get_full_fp32_param(p) for n, p in _named_trainable(model).items()}
     ref_params = {n: p.detach() for n, p in _named_trainable(ref).items()}

@@ -53,10 +53,13 @@ def corpus(tmp_path: Path) -> Path:
     return path
 
 
+# Threshold 0: every weight is partitioned (the tiny models' weights are all under the default
+# persistence threshold, which would leave them whole and the stage-3 export path untested).
 STAGE3_OFFLOAD = {
     "stage": 3,
     "offload_optimizer": {"device": "cpu"},
     "offload_param": {"device": "cpu"},
+    "stage3_param_persistence_threshold": 0,
 }
 
 
@@ -82,7 +85,11 @@ def test_full_finetune_exports_a_loadable_model(tmp_path, corpus, capsys, zero):
     assert type(trained).__name__ == "LlamaForCausalLM"
     ids = torch.tensor([list(TEXT[:64].encode())])
     assert _loss(trained, ids) < _loss(initial, ids)  # it learned the text
-    assert json.loads((out / "run.json").read_text())["exported"] == ["hf_model"]
+    run = json.loads((out / "run.json").read_text())
+    assert run["exported"] == ["hf_model"]
+    if zero["stage"] == 3:  # every weight was partitioned, and the export gathered it
+        assert run["partitioned_parameters"] == len(list(trained.parameters())) > 0
+        assert all(p.numel() > 0 for p in trained.parameters())
 
 
 @pytest.mark.parametrize("stage3", [False, True], ids=["default", "s3"])
@@ -153,14 +160,19 @@ def test_missing_transformers_names_the_extra(tmp_path, corpus, capsys, monkeypa
     assert "needs the 'transformers' package" in err and "zero_offload[hf]" in err
 
 
-def test_example_finetune_hf_runs_as_written(tmp_path):
+@pytest.mark.parametrize("zero", [None, STAGE3_OFFLOAD], ids=["as-written", "s3"])
+def test_example_finetune_hf_runs_as_written(tmp_path, zero):
     from importlib.util import module_from_spec, spec_from_file_location
 
     path = Path(__file__).resolve().parents[1] / "examples" / "finetune_hf.py"
     spec = spec_from_file_location("finetune_hf", path)
     example = module_from_spec(spec)
     spec.loader.exec_module(example)
+    if zero is not None:  # its save must gather the partitioned weights
+        example.ds_config["zero_optimization"] = zero
     out = tmp_path / "finetuned"
     loss = example.main(["--steps", "2", "--max-bytes", "50000", "--out", str(out)])
     assert 0 < loss < 10
-    assert transformers.AutoModelForCausalLM.from_pretrained(str(out)).config.model_type == "llama"
+    saved = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    assert saved.config.model_type == "llama"
+    assert all(p.numel() > 0 for p in saved.parameters())

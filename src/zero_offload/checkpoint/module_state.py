@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime.status import require_whole
 from .format import CheckpointError
 
 
 def module_state(module: torch.nn.Module, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
-    """``module.state_dict()`` (params and persistent buffers), refusing non-tensor entries."""
+    """``module.state_dict()`` (params and persistent buffers), refusing non-tensor entries and
+    partitioned params (gather first: ``engine.params_on_host()``)."""
+    require_whole(module, "module state dict")
     sd = module.state_dict()
     if exclude_frozen:
         frozen = frozen_param_names(module)

@@ -383,6 +383,13 @@ def _tokens_per_step(engine, seq_length: int) -> int:
     )
 
 
+def _partitioned_count(engine) -> int:
+    store = getattr(engine, "param_store", None)
+    if store is None:
+        return 0
+    return sum(len(slot.params) for slot in store.slots if not slot.persistent)
+
+
 def _describe(engine, job: Job, ds_config: dict[str, Any], steps: int) -> None:
     print(
         f"{job.title}, {job.corpus_tokens / 2**20:.1f}M corpus tokens, {engine.world_size} "
@@ -477,6 +484,8 @@ def _summarize(
         "model": job.info,
         "num_parameters": job.num_parameters,
         "world_size": engine.world_size,
+        # stage 3: params held only as shards outside a gather (not persistent); 0 below stage 3
+        "partitioned_parameters": _partitioned_count(engine),
         "steps": len(losses),
         "tokens_per_step": tokens_per_step,
         "first_loss": losses[0],

@@ -74,9 +74,10 @@ def hf_job(args: argparse.Namespace) -> Job:
         from zero_offload.hf import export_pretrained
 
         engine.flush_delayed_update()
-        if engine.global_rank != 0:
-            return []
-        return export_pretrained(hf_model, os.path.join(folder.path, EXPORT_DIR))
+        with engine.params_on_host():  # stage 3: a collective binding full copies on every rank
+            if engine.global_rank != 0:
+                return []
+            return export_pretrained(hf_model, os.path.join(folder.path, EXPORT_DIR))
 
     return Job(
         model=model,
