@@ -49,7 +49,7 @@ def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
         raise
 
 
-def run_ranks(world: int, fn, *args, timeout: float = 600):
+def run_ranks(world: int, fn, *args, timeout: float = 1200):
     """Spawn ``world`` gloo ranks running ``fn(*args)``; return rank 0's result."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()

@@ -148,8 +148,12 @@ def global_step(engine, x: torch.Tensor, y: torch.Tensor, world: int = 1, rank: 
     return total
 
 
-def run_engine(cfg: dict, steps: int, micro: int, gas: int, init: bool = False):
-    """Train with the engine on this rank's share of each global batch."""
+def run_engine(
+    cfg: dict, steps: int, micro: int, gas: int, init: bool = False, plain: bool = False
+):
+    """Train with the engine on this rank's share of each global batch; ``plain``: a plain
+    ``loss.backward()`` (``engine.scale(loss).backward()`` with fp16) instead of
+    ``engine.backward(loss)``."""
     import zero_offload
     import zero_offload.zero
     from zero_offload.runtime import dist
@@ -168,7 +172,12 @@ def run_engine(cfg: dict, steps: int, micro: int, gas: int, init: bool = False):
             loss = engine(
                 x[lo : lo + micro].to(engine.device), y[lo : lo + micro].to(engine.device)
             )
-            engine.backward(loss)
+            if not plain:
+                engine.backward(loss)
+            elif engine.fp16_enabled():
+                engine.scale(loss).backward()
+            else:
+                loss.backward()
             step_loss += float(loss.detach()) / gas
             if engine.is_gradient_accumulation_boundary():
                 grads.append(
@@ -219,9 +228,9 @@ def run_cases(cases: list[dict]) -> list[dict]:
         if key not in refs:
             refs[key] = reference(steps, world, gas, micro, clip)
         init, ref_params, ref_grads, ref_losses = refs[key]
-        init_ctx = c.pop("init", False)
+        init_ctx, plain = c.pop("init", False), c.pop("plain", False)
         params, device_params, grads, losses, mem, expected = run_engine(
-            engine_config(micro=micro, **c), steps, micro, gas, init=init_ctx
+            engine_config(micro=micro, **c), steps, micro, gas, init=init_ctx, plain=plain
         )
         out.append(
             {

@@ -43,7 +43,7 @@ def _spawn(root: Path, point: str, tag: str | None) -> tuple[subprocess.Popen, P
     return proc, log
 
 
-def _kill_when_paused(proc: subprocess.Popen, log: Path, point: str, timeout: float = 120) -> None:
+def _kill_when_paused(proc: subprocess.Popen, log: Path, point: str, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     marker = f"checkpoint paused at {point}"
     while marker not in log.read_text(errors="replace"):

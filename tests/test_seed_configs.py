@@ -65,7 +65,7 @@ def test_seed_config_trains_on_two_ranks(name, tmp_path):
         "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")]),
     }
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=1200)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     losses = [float(x) for x in re.findall(r"loss[ =:]+([0-9.]+)", proc.stdout)]

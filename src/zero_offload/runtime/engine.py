@@ -19,6 +19,7 @@ import torch
 
 from ..config.auto_sizes import resolve_auto_sizes
 from . import dist, guards
+from .backward_scope import ENGINE, PLAIN, BackwardScope, in_backward
 from .consistency import synchronize_start
 from .engine_api import DeepSpeedEngineAPI
 from .fetch_schedule import FetchSchedule
@@ -180,6 +181,9 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
             self.grad_shards.append(gs)
             self.shard_opts.append(so)
         pos = {pid: n_total - 1 - i for pid, i in order.items()}
+        self._loss_scaled = False  # engine.scale(loss) was called since the last backward
+        self._bw_last = False  # the running backward ends the accumulation window
+        self.scope = BackwardScope(self._backward_prologue)
         self.reducer = Reducer(
             self.groups,
             self.grad_shards,
@@ -188,11 +192,15 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
             bool(zc.reduce_scatter),
             self.streams,
             pos,
+            self.scope,
             ignore_unused=bool(zc.ignore_unused_parameters),
         )
         if partitioned:  # after the reducer: its hooks read a gradient before a slot is released
-            self.fetch_schedule = FetchSchedule(self.param_store, module, self.param_store.policy)
+            self.fetch_schedule = FetchSchedule(
+                self.param_store, module, self.param_store.policy, self.scope
+            )
             self.param_store.settle = self.flush_delayed_update
+        self.scope.on_end(self._backward_epilogue, lambda: None)  # after the components' ends
         self.optimizer = ZeroOptimizer(self.groups, self.shard_opts)
         self.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
         self._overflows = OverflowMonitor(
@@ -211,8 +219,12 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
 
     # ---- DeepSpeed API -------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
+        if self.scope.open and not in_backward():
+            self.scope.abandon()  # the last backward raised part way: start clean
         with self._timed("forward"):
-            return self.module(*inputs, **kwargs)
+            out = self.module(*inputs, **kwargs)
+        self.scope.attach_outputs(out)  # a plain loss.backward() of these opens the backward
+        return out
 
     def train(self, mode: bool = True):
         if not mode:  # evaluate on the newest params, not the one-step-old ones
@@ -254,19 +266,47 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
         backward that ended the window (it reduced), another one before ``step()`` raises: its
         gradient would be reduced twice or lost; sum the losses instead."""
         guards.check_loss(loss)
-        if self._backward_done:
-            raise guards.second_backward_error()
-        dist.set_step(self.global_steps)
-        first = self._first_micro_step()
-        last = self._reduces_now()
-        self.reducer.prepare(first=first, last=last)
+        self.scope.begin(ENGINE)
         gas = self._gas if scale_wrt_gas else 1
         scale = self.loss_scaler.loss_scale / gas
+        scaled = loss * scale if scale != 1.0 else loss
+        self.scope.attach_loss(scaled)  # the end is queued on this (the outermost) graph task
         with self._timed("backward"):
-            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-        self._backward_done = last
-        self._backward_since_step = True
+            try:
+                scaled.backward(retain_graph=retain_graph)
+            except BaseException:
+                self.scope.abandon()
+                raise
+        self.scope.end()  # a no-op unless no graph task ran the end (a leaf loss)
         return loss / gas if gas != 1 else loss
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """DeepSpeed's ``engine.scale(loss)``: the loss times the fp16 loss scale, for a plain
+        ``scale(loss).backward()`` (the engine still applies 1/GAS, to the gradients)."""
+        guards.check_loss(loss)
+        self._loss_scaled = True
+        scale = self.loss_scaler.loss_scale
+        return loss * scale if scale != 1.0 else loss
+
+    def _backward_prologue(self, driver: str) -> None:
+        """The start of every backward, through ``engine.backward`` (``ENGINE``, whose loss is
+        already scaled) or a plain ``loss.backward()`` of the forward's output (``PLAIN``)."""
+        if self._backward_done:
+            raise guards.second_backward_error()
+        factor = 1.0
+        if driver == PLAIN:
+            if self.config.fp16.enabled and not self._loss_scaled:
+                raise guards.unscaled_backward_error()
+            factor = 1.0 / self._gas
+        self._loss_scaled = False
+        dist.set_step(self.global_steps)
+        first = self._first_micro_step()
+        self._bw_last = self._reduces_now()
+        self.reducer.prepare(first, self._bw_last, factor)
+
+    def _backward_epilogue(self) -> None:
+        self._backward_done = self._bw_last
+        self._backward_since_step = True
 
     def step(self) -> None:
         """Update at the accumulation boundary; always advances the micro-step counter.

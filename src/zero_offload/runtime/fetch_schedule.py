@@ -38,12 +38,9 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .backward_scope import BackwardScope, in_backward
 from .param_store import ParamStore, Stage3Policy
 from .status import ZeroParamStatus
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class _AfterBackward(torch.autograd.Function):
@@ -98,8 +95,14 @@ class _ParamDict(dict):
 
 
 class FetchSchedule:
-    def __init__(self, store: ParamStore, module: torch.nn.Module, policy: Stage3Policy) -> None:
-        self.store, self.module, self.policy = store, module, policy
+    def __init__(
+        self,
+        store: ParamStore,
+        module: torch.nn.Module,
+        policy: Stage3Policy,
+        scope: BackwardScope,
+    ) -> None:
+        self.store, self.module, self.policy, self.scope = store, module, policy, scope
         self.stack: list[torch.nn.Module] = []
         self.needs: dict[int, list[int]] = {}  # id(module) -> slot ids it fetches
         self.need_sets: dict[int, set[int]] = {}
@@ -130,7 +133,7 @@ class FetchSchedule:
         self.rec_key: tuple | None = None
         self.replay: list[int] | None = None
         self.pos = 0
-        self.in_backward_pass = False
+        scope.on_end(self._end_backward, self._end_backward)
 
     # ---- pass bookkeeping ----------------------------------------------------------------------
     def _begin_pass(self) -> None:
@@ -180,7 +183,7 @@ class FetchSchedule:
 
     # ---- forward -------------------------------------------------------------------------------
     def _pre_forward(self, m: torch.nn.Module, args, kwargs):
-        backward = _in_backward()
+        backward = in_backward()
         if not self.stack and not backward:
             self._begin_pass()
         self.stack.append(m)
@@ -206,7 +209,7 @@ class FetchSchedule:
         ids = self.needs[id(m)]
         if not ids:
             return
-        backward = _in_backward()
+        backward = in_backward()
         if torch.is_grad_enabled() and not backward:
             tensors = [
                 t
@@ -243,9 +246,7 @@ class FetchSchedule:
 
     # ---- backward ------------------------------------------------------------------------------
     def _pre_backward(self, ids: list[int]) -> None:
-        if not self.in_backward_pass:
-            self.in_backward_pass = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self.scope.ensure()
         self._demand(ids)
 
     def _grad_final(self, p: torch.Tensor) -> None:
@@ -255,7 +256,6 @@ class FetchSchedule:
             self.store.release(i)
 
     def _end_backward(self) -> None:
-        self.in_backward_pass = False
         self._reset_grads()
         if not self.stack:
             self.store.release_all()

@@ -67,6 +67,14 @@ def second_backward_error() -> EngineUsageError:
     )
 
 
+def unscaled_backward_error() -> EngineUsageError:
+    return EngineUsageError(
+        "loss.backward() with fp16 enabled needs the loss scaled first: call "
+        "engine.scale(loss).backward() or engine.backward(loss). An unscaled fp16 backward "
+        "underflows small gradients to zero."
+    )
+
+
 def step_without_backward_error(global_steps: int) -> EngineUsageError:
     return EngineUsageError(
         f"engine.step() with no engine.backward() since the last step() (at global step "

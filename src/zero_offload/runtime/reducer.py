@@ -11,6 +11,14 @@ them), never in arrival order, so every rank issues the same collectives in the 
 bucket whose params got no gradient (unused params) is launched, with zeros, at the end of
 backward.
 
+A param's gradient is final at its first post-accumulate hook of a backward. A second one (the
+param is used both inside and outside a reentrant checkpoint, two graph tasks) is added to the
+first while its bucket has not been reduced, and is an error once it has: it would be lost.
+
+The backward's start and end are the ``BackwardScope``'s (the end of the outermost graph task).
+A plain ``loss.backward()`` carries no 1/GAS in its loss, so the scope's prologue sets
+``grad_factor`` and a pre-hook on each param scales the gradient before it accumulates.
+
 With ``overlap_comm`` the collective of a bucket runs while backward continues (on the reduce
 stream under CUDA; as an async work handle on gloo: one bucket reducing while the next fills); without it each
 reduction completes before the hook returns.
@@ -23,6 +31,7 @@ import collections
 import torch
 
 from . import dist
+from .backward_scope import BackwardScope
 from .flat_group import FlatGroup
 from .grad_shard import GradShard
 from .labels import REDUCE, label
@@ -39,6 +48,7 @@ class Reducer:
         reduce_scatter: bool,
         streams: Streams,
         global_pos: dict[int, int],
+        scope: BackwardScope,
         ignore_unused: bool = True,
     ) -> None:
         self.groups, self.shards, self.stage = groups, shards, stage
@@ -54,6 +64,7 @@ class Reducer:
                 last = max(global_pos[id(g.params[i])] for i in b.params)
                 keys.append((last, g.index, b.index))
         self.order = [(gi, bi) for _, gi, bi in sorted(keys)]
+        self.launch_pos = {key: k for k, key in enumerate(self.order)}
         self.bucket_of = [g.layout.param_bucket() for g in groups]
         self.ignore_unused = ignore_unused
         # Free stage-2 bucket buffers, oldest first, each with the event after which it is free.
@@ -63,11 +74,15 @@ class Reducer:
         self.reducing = False  # does this backward reduce (stage 2: always; 0/1: at boundary)
         self.first = True  # first micro-step of the accumulation window
         self.last = True
+        self.grad_factor = 1.0  # applied to each gradient before it accumulates
+        self.scope = scope
         self._reset()
         self.handles = []
         for g in groups:
             for i, p in enumerate(g.params):
+                self.handles.append(p.register_hook(self._scale))
                 self.handles.append(p.register_post_accumulate_grad_hook(self._hook(g.index, i)))
+        scope.on_end(self._finish_backward, self._reset)
 
     # ---- per-backward state --------------------------------------------------------------------
     def _reset(self) -> None:
@@ -77,27 +92,39 @@ class Reducer:
         self.buffers: dict[tuple[int, int], torch.Tensor] = {}
         self.next = 0  # index into self.order of the next bucket to launch
         self.inflight: list = []
-        self.queued = False
         self.arrived: set[tuple[int, int]] = set()  # (group, param) that got a gradient
 
-    def prepare(self, first: bool, last: bool) -> None:
-        """Called by the engine before each backward."""
-        self.first, self.last = first, last
+    def prepare(self, first: bool, last: bool, grad_factor: float = 1.0) -> None:
+        """Called by the engine's backward prologue."""
+        self.first, self.last, self.grad_factor = first, last, grad_factor
         self.reducing = self.stage == 2 or last
+
+    def _scale(self, grad: torch.Tensor) -> torch.Tensor | None:
+        return None if self.grad_factor == 1.0 else grad * self.grad_factor
 
     # ---- hooks ---------------------------------------------------------------------------------
     def _hook(self, gi: int, i: int):
         def hook(p: torch.Tensor) -> None:
-            if not self.queued:
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-                self.queued = True
+            self.scope.ensure()
             key = (gi, self.bucket_of[gi][i])
+            again = (gi, i) in self.arrived
+            if again and self.reducing and self.launch_pos[key] < self.next:
+                raise RuntimeError(
+                    f"parameter {self.groups[gi].names[i]!r} received a second gradient in one "
+                    "backward after its bucket was already reduced (it is used both inside and "
+                    "outside a reentrant activation checkpoint); use "
+                    "torch.utils.checkpoint(..., use_reentrant=False) for that block"
+                )
             self.arrived.add((gi, i))
             if self.stage == 2:
                 g = self.groups[gi]
                 b = g.layout.buckets[key[1]]
                 off = g.layout.offsets[i] - b.start
-                self._buffer(key)[off : off + p.numel()].copy_(p.grad.reshape(-1))
+                dst = self._buffer(key)[off : off + p.numel()]
+                if again:
+                    dst.add_(p.grad.reshape(-1))
+                else:
+                    dst.copy_(p.grad.reshape(-1))
                 p.grad = None  # the unowned (and owned) full gradient is released here
             else:
                 view = self.shards[gi].views[i]
@@ -106,6 +133,8 @@ class Reducer:
                     p.grad = view
                 if not self.reducing:
                     return
+            if again:
+                return  # counted at its first arrival
             self.pending[key] -= 1
             self._launch_ready()
 
