@@ -85,18 +85,8 @@ def test_client_torch_optimizer_and_errors():
     del cfg["optimizer"]
     engine, opt, _, _ = zero_offload.initialize(model=model, optimizer=client, config=cfg)
     assert engine.get_lr() == [3e-3] and opt.param_groups[0]["weight_decay"] == 0.1
-    with pytest.raises(ValueError, match="SGD"):
-        m = make_model()
-        zero_offload.initialize(
-            model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1), config=cfg
-        )
-    with pytest.raises(ValueError, match="optimizer"):
-        m = make_model()
-        zero_offload.initialize(
-            model=m,
-            optimizer=torch.optim.AdamW(m.parameters()),
-            config=engine_config(stage=1, offload=False, gas=1, micro=2, clip=0.0, overlap=False),
-        )
+    assert engine.shard_opts[0].client is None  # torch AdamW runs as the built-in AdamW
+    # Other client optimizers, and a client optimizer beside a config block: test_client_optimizer
     with pytest.raises(ValueError, match="config"):
         zero_offload.initialize(model=make_model())
     with pytest.raises(ValueError, match="model"):

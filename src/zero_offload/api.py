@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable, Iterable
 
 import torch
 
 from .runtime import dist
 from .runtime.engine import ZeroOffloadEngine
+
+log = logging.getLogger("zero_offload")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -77,14 +80,32 @@ def initialize(
             list(model_parameters) if model_parameters is not None else model.parameters()
         )
     if optimizer is not None and cfg.optimizer is not None:
-        raise ConfigError(
-            "both a client optimizer and an 'optimizer' config block were given; use one"
+        log.warning(  # DeepSpeed's rule: the client optimizer wins
+            "initialize: both a client optimizer (%s) and an 'optimizer' config block (%s) were "
+            "given; using the client optimizer, the config block is ignored",
+            type(optimizer).__name__,
+            cfg.optimizer.type,
         )
-    groups, adamw = _param_groups(model, model_parameters, optimizer, cfg)
+    groups, adamw, client = _param_groups(model, model_parameters, optimizer, cfg)
+    if client is not None and cfg.zero_optimization.offload_device == "cpu":
+        oc = cfg.zero_optimization.offload_optimizer
+        if oc.delayed_update:
+            raise ConfigError(
+                "zero_optimization.offload_optimizer.delayed_update needs the built-in Adam(W) "
+                f"(an 'optimizer' config block or a torch Adam/AdamW); the client optimizer "
+                f"{type(client).__name__} runs synchronously: remove delayed_update"
+            )
+        log.warning(
+            "initialize: the client optimizer %s runs on the host with offload_optimizer, in its "
+            "own CPU implementation (Adam/AdamW use the faster SIMD kernel)",
+            type(client).__name__,
+        )
 
     loader = _dataloader(training_data, cfg, collate_fn) if training_data is not None else None
-    engine = ZeroOffloadEngine(model, cfg, groups, adamw, training_dataloader=loader)
-    if cfg.scheduler is not None:
+    engine = ZeroOffloadEngine(model, cfg, groups, adamw, training_dataloader=loader, client=client)
+    if not groups:
+        pass  # no optimizer (inference, a frozen reference model): no LR scheduler either
+    elif cfg.scheduler is not None:
         engine.lr_scheduler = build_lr_scheduler(cfg.scheduler, engine.optimizer)
     elif lr_scheduler is not None:
         engine.lr_scheduler = (
@@ -95,28 +116,43 @@ def initialize(
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
-def _param_groups(model, model_parameters, client_opt, cfg) -> tuple[list[dict], bool]:
-    """Param groups (dicts with every Adam hyperparameter) and the decoupled-decay flag."""
-    from .config import ConfigError
+def _adam_mode(client_opt: torch.optim.Optimizer) -> bool | None:
+    """Decoupled weight decay (AdamW) or not, for a client optimizer the built-in Adam runs
+    exactly; None for any other optimizer (a subclass may change the update), which then runs
+    as itself (client_update.py)."""
+    from .ops.adam import DeepSpeedCPUAdam, FusedAdam
 
+    groups = client_opt.param_groups
+    if any(g.get("amsgrad") or g.get("maximize") for g in groups):
+        return None
+    if type(client_opt) in (DeepSpeedCPUAdam, FusedAdam):
+        return bool(client_opt.adam_w_mode)
+    if type(client_opt) is torch.optim.AdamW:
+        return True
+    if type(client_opt) is torch.optim.Adam:
+        modes = {bool(g.get("decoupled_weight_decay", False)) for g in groups}
+        return modes.pop() if len(modes) == 1 else None
+    return None
+
+
+def _param_groups(
+    model, model_parameters, client_opt, cfg
+) -> tuple[list[dict], bool, torch.optim.Optimizer | None]:
+    """Param groups (dicts with every Adam hyperparameter), the decoupled-decay flag, and the
+    client optimizer to run as itself (None: the built-in Adam(W)). No optimizer at all (none
+    given, none configured) or no trainable param: no groups, an engine for forward only."""
+    generic = None
     if client_opt is not None:
-        if not isinstance(client_opt, torch.optim.Adam | torch.optim.AdamW):
-            raise ValueError(
-                "optimizer: client optimizers must be torch.optim.Adam or torch.optim.AdamW (the engine "
-                f"runs their math on sharded flat buffers); got {type(client_opt).__name__}"
-            )
-        adamw = isinstance(client_opt, torch.optim.AdamW) or bool(
-            client_opt.defaults.get("decoupled_weight_decay")
-        )
-        if any(g.get("amsgrad") for g in client_opt.param_groups):
-            raise ValueError("optimizer: amsgrad is not supported")
+        mode = _adam_mode(client_opt)
+        adamw = bool(mode)
+        if mode is None:
+            generic = client_opt
         raw = client_opt.param_groups
         defaults = {}
     else:
         if cfg.optimizer is None:
-            raise ConfigError(
-                'no optimizer: add an \'optimizer\' block ({"type": "AdamW", ...}) or pass optimizer='
-            )
+            log.info("initialize: no optimizer given or configured: an engine for forward only")
+            return [], True, None
         p = cfg.optimizer.params
         adamw = cfg.optimizer.adamw
         defaults = {
@@ -148,12 +184,13 @@ def _param_groups(model, model_parameters, client_opt, cfg) -> tuple[list[dict],
                 kept.append(p)
         if kept:
             hyper = g if client_opt is not None else {**defaults, **g}
-            hyper.setdefault("bias_correction", True)
+            if generic is None:
+                hyper.setdefault("bias_correction", True)
             hyper["params"] = kept
             groups.append(hyper)
     if not groups:
-        raise ValueError("initialize: no trainable parameters (none with requires_grad=True)")
-    return groups, adamw
+        log.info("initialize: no trainable parameters: an engine for forward only")
+    return groups, adamw, generic
 
 
 def _dataloader(data, cfg, collate_fn):

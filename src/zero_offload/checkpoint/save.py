@@ -163,6 +163,14 @@ def save_checkpoint(
     """Save a complete, resumable checkpoint as ``<save_dir>/<tag>`` (default
     ``global_step<N>``) and, with ``save_latest``, point ``<save_dir>/latest`` at it."""
     engine.flush_delayed_update()  # the saved master must be the one the live params came from
+    client = next((so.client for so in engine.shard_opts if so.client is not None), None)
+    if client is not None:  # the same on every rank: no rank starts a collective alone
+        raise CheckpointError(
+            f"save_checkpoint: the client optimizer {type(client.optimizer).__name__} keeps its "
+            "own state, which zero_offload checkpoints do not hold (they hold the built-in "
+            "Adam(W)'s, so a resume is exact); use an 'optimizer' config block or torch Adam/"
+            "AdamW to checkpoint, or engine.save_16bit_model for the weights alone"
+        )
     tag = check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
     check_same_tag(engine.device, tag)
     root, rank, world = Path(save_dir), engine.global_rank, engine.world_size

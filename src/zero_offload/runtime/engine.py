@@ -50,7 +50,10 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
         adamw: bool,
         lr_scheduler=None,
         training_dataloader=None,
+        client: torch.optim.Optimizer | None = None,
     ) -> None:
+        """``param_groups`` empty: no optimizer (forward only: inference, a frozen reference
+        model); ``client``: a client optimizer to run as itself instead of the built-in Adam."""
         super().__init__()
         guards.check_not_wrapped(module.parameters())
         self.module = module
@@ -173,6 +176,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
                 self._executor,
                 # sub_group_size: the update's unit of work (host chunks pipelined with uploads)
                 chunk_numel=min(int(zc.sub_group_size), 1 << 22),
+                client=client,
             )
             if partitioned:
                 self.param_store.masters[gi] = so.master
@@ -201,7 +205,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
             )
             self.param_store.settle = self.flush_delayed_update
         self.scope.on_end(self._backward_epilogue, lambda: None)  # after the components' ends
-        self.optimizer = ZeroOptimizer(self.groups, self.shard_opts)
+        self.optimizer = ZeroOptimizer(self.groups, self.shard_opts) if self.groups else None
         self.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
         self._overflows = OverflowMonitor(
             self.loss_scaler.dynamic,
@@ -266,6 +270,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
         backward that ended the window (it reduced), another one before ``step()`` raises: its
         gradient would be reduced twice or lost; sum the losses instead."""
         guards.check_loss(loss)
+        guards.check_has_optimizer(self.optimizer, "backward")
         self.scope.begin(ENGINE)
         gas = self._gas if scale_wrt_gas else 1
         scale = self.loss_scaler.loss_scale / gas
@@ -291,6 +296,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
     def _backward_prologue(self, driver: str) -> None:
         """The start of every backward, through ``engine.backward`` (``ENGINE``, whose loss is
         already scaled) or a plain ``loss.backward()`` of the forward's output (``PLAIN``)."""
+        guards.check_has_optimizer(self.optimizer, "backward")
         if self._backward_done:
             raise guards.second_backward_error()
         factor = 1.0
@@ -312,6 +318,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
         """Update at the accumulation boundary; always advances the micro-step counter.
 
         Every micro-step needs a backward() first: a step() without one raises."""
+        guards.check_has_optimizer(self.optimizer, "step")
         if not self._backward_since_step:
             raise guards.step_without_backward_error(self.global_steps)
         self._before_step()

@@ -59,6 +59,19 @@ def check_loss(loss: object) -> torch.Tensor:
     return loss
 
 
+class NoOptimizerError(EngineUsageError, AssertionError):
+    """Training an engine built without an optimizer (DeepSpeed asserts there)."""
+
+
+def check_has_optimizer(optimizer: object, what: str) -> None:
+    if optimizer is None:
+        raise NoOptimizerError(
+            f"engine.{what}(): this engine has no optimizer (initialize() got none and the config "
+            "has no 'optimizer' block, or the model has no trainable parameter): it runs forward "
+            "only. Pass optimizer= or add an 'optimizer' block to train."
+        )
+
+
 def second_backward_error() -> EngineUsageError:
     return EngineUsageError(
         "engine.backward() was called twice in one micro-step, and the first one ended the "

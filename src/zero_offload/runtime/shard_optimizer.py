@@ -10,6 +10,9 @@ of the flat buffer, all-gathered per bucket (stages 0-2), or its param shard (st
 home is the host param shard (stage 3 with offload_param and offload_optimizer), the host kernel
 writes the 16-bit output there in place and nothing is uploaded.
 
+A client optimizer that is not Adam(W) (``client_update.py``) replaces the Adam math: it runs
+over the master shard where it lives, and the 16-bit output takes the same way home.
+
 Delayed update (host only): ``launch`` starts the host pass of step t on a worker thread and
 returns; the next ``launch`` (or ``flush``) joins it and uploads its params, so forward and backward
 of step t+1 overlap the host update of step t and run on params one step old.
@@ -22,6 +25,7 @@ import concurrent.futures
 import torch
 
 from ..kernels.host_adam import host_adam_step
+from .client_update import ClientUpdate
 from .flat_group import FlatGroup
 from .grad_shard import GradShard
 from .labels import HOST_UPDATE, PARAM_H2D, label
@@ -43,6 +47,7 @@ class ShardOptimizer:
         threads: int | None,
         executor: concurrent.futures.Executor | None = None,
         chunk_numel: int = 1 << 22,
+        client: torch.optim.Optimizer | None = None,
     ) -> None:
         self.group, self.grads, self.home = group, grad_shard, home
         self.sharded, self.host = sharded, host
@@ -53,8 +58,11 @@ class ShardOptimizer:
         self.master = torch.empty(numel, dtype=torch.float32, device=where)
         for s in self.segs:
             self.master[s.shard_start : s.shard_start + s.numel].copy_(home.own(s))
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.client = ClientUpdate(client, group.hyper, self.master) if client else None
+        # A client optimizer keeps its own state: no Adam moments (empty, never read).
+        adam_numel = 0 if self.client else numel
+        self.exp_avg = torch.zeros(adam_numel, dtype=torch.float32, device=where)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
         self.step_count = 0
         # 16-bit staging for the trip up; fp32 training uploads straight from the master. A host
         # home is written in place by the kernel, except with the delayed update: the next
@@ -98,11 +106,34 @@ class ShardOptimizer:
         self.flush()
         self.home.prepare_write()
         self.step_count += 1
-        if self.host:
+        if self.client is not None:
+            self._client_step(factor)
+        elif self.host:
             self._host_pass(self.grads.host_grad(), factor, self._hyper(), upload=True)
         else:
             self._device_step(factor)
         self.home.publish()
+
+    def _client_step(self, factor: float) -> None:
+        assert self.client is not None
+        if self.host:
+            grad = self.grads.host_grad()
+            grads = [grad[s.shard_start : s.shard_start + s.numel] for s in self.segs]
+        else:
+            grads = self.grads.device_grads()
+        self.client.step([(s.shard_start, g) for s, g in zip(self.segs, grads)], factor)
+        if not self.host:
+            views = [self.master[s.shard_start : s.shard_start + s.numel] for s in self.segs]
+            torch._foreach_copy_([self.home.own(s) for s in self.segs], views)
+            return
+        if self._uploaded is not None:  # the previous async uploads still read staging
+            self._uploaded.synchronize()
+        self.streams.wait(self.streams.h2d, None)
+        if self.staging is not None:  # 16-bit cast (in place when staging is the host home)
+            self.staging.copy_(self.master)
+        for c in self.chunks:
+            self._upload(c)
+        self._uploaded = self.streams.record(self.streams.h2d)
 
     def launch(self, factor: float) -> None:
         """Delayed update: apply the previous step's params, start this step's host pass."""
@@ -203,10 +234,10 @@ class ShardOptimizer:
 
     def nbytes(self) -> dict[str, int]:
         where = "host" if self.host else "device"
-        out = {
-            f"{where}.master_shard": self.master.numel() * 4,
-            f"{where}.optimizer_state": (self.exp_avg.numel() + self.exp_avg_sq.numel()) * 4,
-        }
+        state = (self.exp_avg.numel() + self.exp_avg_sq.numel()) * 4
+        if self.client is not None:
+            state = self.client.state_nbytes()
+        out = {f"{where}.master_shard": self.master.numel() * 4, f"{where}.optimizer_state": state}
         if self.staging is not None and not self.staging_is_home:
             out["host.param_staging"] = self.staging.numel() * self.staging.element_size()
         return out
