@@ -13,6 +13,7 @@ from pydantic import Field, TypeAdapter, ValidationError, field_validator, model
 from .errors import join_path, json_repr
 from .fields import DEFAULT_ONLY, Bool, Float, Int, Section, Str, rule_error
 from .keys import describe_errors
+from .leaf_module import LeafModuleConfig
 
 # 5e8 elements: DeepSpeed's default for both bucket sizes.
 DEFAULT_BUCKET_SIZE = 500_000_000
@@ -59,7 +60,6 @@ ZERO_NOT_IMPLEMENTED = frozenset(
         "log_trace_cache_warnings",
         "enable_sanity_checks",
         "save_muon_momentum_buffer_in_memory",
-        "leaf_module",
         "zenflow",
         "legacy_stage1",
         "cpu_offload_use_pin_memory",
@@ -158,6 +158,7 @@ class ZeroConfig(Section):
     stage3_max_reuse_distance: Int = Field(1_000_000_000, ge=0)
     stage3_gather_16bit_weights_on_model_save: Bool = False
     sub_group_size: Int = Field(1_000_000_000, ge=0)
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
 
     @classmethod
     def known_keys(cls) -> set[str]:

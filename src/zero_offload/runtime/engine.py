@@ -18,6 +18,7 @@ import weakref
 import torch
 
 from ..config.auto_sizes import resolve_auto_sizes
+from ..utils.z3_leaf_module import apply_leaf_config
 from . import dist, guards
 from .backward_scope import ENGINE, PLAIN, BackwardScope, in_backward
 from .consistency import synchronize_start
@@ -103,6 +104,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
             if self.delayed
             else None
         )
+        if partitioned:  # before the units: a leaf module's whole subtree is one unit
+            apply_leaf_config(module, zc.leaf_module)
         units = unit_ids(module) if partitioned else None
         world = self.world_size
 

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .backward_scope import BackwardScope, in_backward
 from .param_store import ParamStore, Stage3Policy
+from .partition_units import scheduled_modules
 from .status import ZeroParamStatus
 
 
@@ -109,9 +110,9 @@ class FetchSchedule:
         self.handles = []
         self.modules = []
         store.schedule = self
-        for m in module.modules():
+        for m, owned in scheduled_modules(module):  # a leaf module: its whole subtree
             ids = []
-            for p in [*m._parameters.values(), *getattr(m, "_z3_external", ())]:
+            for p in [*owned, *getattr(m, "_z3_external", ())]:
                 i = getattr(p, "_z3_slot", None)
                 if i is not None and i not in ids:
                     ids.append(i)

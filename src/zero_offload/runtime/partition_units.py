@@ -1,7 +1,8 @@
 """Stage 3: which params form one fetch unit, and the layout that gives each unit its bucket.
 
 A param's unit is the first module (in ``module.modules()`` order) that owns it directly; a tied
-param owned by two modules belongs to the first, and the second fetches that unit too.
+param owned by two modules belongs to the first, and the second fetches that unit too. A leaf
+module (``_z3_leaf``, a Mixture-of-Experts block) is one unit with its whole subtree.
 """
 
 from __future__ import annotations
@@ -12,13 +13,34 @@ from .flat_group import FlatGroup
 from .layout import FlatLayout, build_unit_layout
 
 
+def scheduled_modules(module: torch.nn.Module) -> list[tuple[torch.nn.Module, list]]:
+    """(module, the params it fetches) for every module that gets fetch hooks, in
+    ``module.modules()`` order: a module fetches the params it owns directly; a leaf module
+    (``_z3_leaf``) fetches its whole subtree's, and its descendants are not scheduled."""
+    out: list[tuple[torch.nn.Module, list]] = []
+
+    def visit(m: torch.nn.Module) -> None:
+        if getattr(m, "_z3_leaf", False):
+            params = list(dict.fromkeys(m.parameters()))
+            for p in params:
+                p.ds_z3_leaf_module = m
+            out.append((m, params))
+            return
+        out.append((m, [p for p in m._parameters.values() if p is not None]))
+        for child in m.children():
+            visit(child)
+
+    visit(module)
+    seen: set[int] = set()  # a module reachable twice (shared) is scheduled once
+    return [(m, ps) for m, ps in out if not (id(m) in seen or seen.add(id(m)))]
+
+
 def unit_ids(module: torch.nn.Module) -> dict[int, int]:
-    """id(param) -> index of the module that owns it directly."""
+    """id(param) -> index (among the scheduled modules) of the module that fetches it."""
     owner: dict[int, int] = {}
-    for mi, m in enumerate(module.modules()):
-        for p in m._parameters.values():
-            if p is not None:
-                owner.setdefault(id(p), mi)
+    for mi, (_, params) in enumerate(scheduled_modules(module)):
+        for p in params:
+            owner.setdefault(id(p), mi)
     return owner
 
 

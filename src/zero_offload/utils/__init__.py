@@ -79,3 +79,13 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> 
 
 
 from . import zero_to_fp32  # noqa: E402,F401 (DeepSpeed: deepspeed.utils.zero_to_fp32)
+from .z3_leaf_module import (  # noqa: E402,F401 (DeepSpeed: deepspeed.utils's leaf-module names)
+    get_z3_leaf_modules,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+    z3_leaf_parameter,
+)
