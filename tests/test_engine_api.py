@@ -151,8 +151,7 @@ def test_set_train_batch_size_changes_accumulation():
     assert flags == [False, True, False, True] and engine.global_steps == 3
     with pytest.raises(ValueError, match="multiple of train_micro_batch_size_per_gpu 2"):
         engine.set_train_batch_size(3)
-    with pytest.raises(ValueError, match="gradient_accumulation_steps > 1"):
-        _engine(stage=2, offload=True, gas=1).set_train_batch_size(4)
+    # stage 2 + offload built with GAS 1 accumulates too: test_engine_compat
 
 
 def test_save_fp16_model_writes_pytorch_model_bin(tmp_path):

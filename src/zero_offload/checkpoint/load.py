@@ -126,10 +126,13 @@ def load_checkpoint(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
+    load_module_strict: bool = True,
 ):
     """Load ``<load_dir>/<tag>`` (``latest``'s tag when None) into ``engine``; returns
     ``(checkpoint directory, client_state)``, or ``(None, None)`` when ``tag`` is None and there
-    is no ``latest`` file (DeepSpeed's behaviour). A collective: every rank calls it."""
+    is no ``latest`` file (DeepSpeed's behaviour). A collective: every rank calls it.
+    ``load_module_strict`` False: module keys on one side only are skipped (the model keeps its
+    own values) instead of refused."""
     engine.flush_delayed_update()  # a pending host update must not land on top of the load
     _refuse_deepspeed_folder(load_dir, tag)
     err: BaseException | None = None
@@ -139,7 +142,7 @@ def load_checkpoint(
         ckpt = CheckpointReader.open(Path(load_dir), tag)
         if ckpt is not None:
             with engine.params_on_host():  # stage 3: the module's full shapes
-                plan = make_plan(engine, ckpt, use_opt, load_module_only)
+                plan = make_plan(engine, ckpt, use_opt, load_module_only, load_module_strict)
     except Exception as e:
         err = e
     failed = failed_ranks(engine.device, err is None)

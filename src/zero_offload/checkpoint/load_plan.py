@@ -47,16 +47,21 @@ class LoadPlan:
     ranges: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # bytes to verify
 
 
-def _plan_module(engine, ckpt: CheckpointReader, plan: LoadPlan, with_trainable: bool) -> None:
-    """Match live state-dict keys with the model file; pick the entries to read."""
+def _plan_module(
+    engine, ckpt: CheckpointReader, plan: LoadPlan, with_trainable: bool, strict: bool
+) -> None:
+    """Match live state-dict keys with the model file; pick the entries to read. Keys saved
+    out on request (``exclude_frozen_parameters``), and with ``strict`` False any key on only
+    one side, keep the model's live values."""
     model_file = str(ckpt.path / MODEL_FILE)
     saved = ckpt.meta["model"]
     saved_keys, saved_alias = list(saved.get("keys", [])), dict(saved.get("aliases", {}))
     live = module_state(engine.module)
     saved_set = set(saved_keys)
-    missing = [k for k in live if k not in saved_set]
+    excluded = set(saved.get("excluded_frozen", []))
+    missing = [k for k in live if k not in saved_set and k not in excluded]
     unexpected = [k for k in saved_keys if k not in live]
-    if missing or unexpected:
+    if (missing or unexpected) and strict:
         parts = []
         if missing:
             parts.append(f"the model has {missing[:5]} but the checkpoint does not")
@@ -67,6 +72,8 @@ def _plan_module(engine, ckpt: CheckpointReader, plan: LoadPlan, with_trainable:
     live_alias = alias_map(live, prefer=trainable)
     for key, t in live.items():
         target = saved_alias.get(key, key)
+        if target not in saved_set:
+            continue  # excluded frozen, or (not strict) absent: the live value stays
         info = ckpt.require_tensor(MODEL_FILE, target, None, None)
         if info.shape != tuple(t.shape):
             raise CheckpointError(
@@ -151,9 +158,11 @@ def _plan_rng(engine, ckpt: CheckpointReader, plan: LoadPlan) -> None:
     plan.rng_json, plan.rng_file = state, name
 
 
-def make_plan(engine, ckpt: CheckpointReader, use_opt: bool, module_only: bool) -> LoadPlan:
+def make_plan(
+    engine, ckpt: CheckpointReader, use_opt: bool, module_only: bool, strict: bool = True
+) -> LoadPlan:
     plan = LoadPlan(module=[], groups=None)
-    _plan_module(engine, ckpt, plan, with_trainable=not use_opt)
+    _plan_module(engine, ckpt, plan, with_trainable=not use_opt, strict=strict)
     if use_opt:
         _plan_groups(engine, ckpt, plan)
     if not module_only:

@@ -136,8 +136,8 @@ def _write_rank_file(engine, stage: Path) -> dict:
         return write_file(path, entries, {RANK_META_KEY: json.dumps(info)})
 
 
-def _write_model_file(engine, stage: Path) -> tuple[dict, dict]:
-    sd = module_state(engine.module)
+def _write_model_file(engine, stage: Path, exclude_frozen: bool) -> tuple[dict, dict]:
+    sd = module_state(engine.module, exclude_frozen=exclude_frozen)
     aliases = alias_map(sd, prefer={n for g in engine.groups for n in g.names})
     entries = [Entry.of(k, t) for k, t in sd.items() if k not in aliases]
     with writing(stage / MODEL_FILE):
@@ -149,6 +149,8 @@ def _write_model_file(engine, stage: Path) -> tuple[dict, dict]:
         "aliases": aliases,
         "params": [k for k in sd if k in names],
         "frozen": sorted(frozen_param_names(engine.module) & set(sd)),
+        # left out on request: a load keeps the live values of these keys
+        "excluded_frozen": sorted(frozen_param_names(engine.module) - set(sd)),
     }
     return digest, model
 
@@ -158,10 +160,17 @@ def _digest_file(stage: Path, rank: int) -> Path:
 
 
 def save_checkpoint(
-    engine, save_dir, tag=None, client_state=None, save_latest: bool = True
+    engine,
+    save_dir,
+    tag=None,
+    client_state=None,
+    save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
 ) -> bool:
     """Save a complete, resumable checkpoint as ``<save_dir>/<tag>`` (default
-    ``global_step<N>``) and, with ``save_latest``, point ``<save_dir>/latest`` at it."""
+    ``global_step<N>``) and, with ``save_latest``, point ``<save_dir>/latest`` at it.
+    ``exclude_frozen_parameters``: the model file leaves out params that do not require grad
+    (a load keeps the model's own values for them)."""
     engine.flush_delayed_update()  # the saved master must be the one the live params came from
     client = next((so.client for so in engine.shard_opts if so.client is not None), None)
     if client is not None:  # the same on every rank: no rank starts a collective alone
@@ -198,7 +207,9 @@ def save_checkpoint(
             digests = {rank_file(rank): _write_rank_file(engine, stage)}
             model = None
             if rank == 0:
-                digests[MODEL_FILE], model = _write_model_file(engine, stage)
+                digests[MODEL_FILE], model = _write_model_file(
+                    engine, stage, exclude_frozen_parameters
+                )
         with writing(_digest_file(stage, rank)):
             atomic.write_bytes_atomic(
                 _digest_file(stage, rank), json.dumps(digests).encode("utf-8")

@@ -464,23 +464,43 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
         self._times.clear()
 
     # ---- checkpoints (see zero_offload.checkpoint) --------------------------------------------
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
+    def save_checkpoint(
+        self,
+        save_dir,
+        tag=None,
+        client_state=None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ):
         from ..checkpoint import save_checkpoint
 
         return save_checkpoint(
-            self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest
+            self,
+            save_dir,
+            tag=tag,
+            client_state=client_state,
+            save_latest=save_latest,
+            exclude_frozen_parameters=exclude_frozen_parameters,
         )
 
     def load_checkpoint(
         self,
         load_dir,
         tag=None,
+        load_module_strict: bool = True,
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        custom_load_fn=None,
     ):
+        """DeepSpeed's signature and argument order."""
         from ..checkpoint import load_checkpoint
 
+        if custom_load_fn is not None:
+            raise NotImplementedError(
+                "load_checkpoint(custom_load_fn=...): not supported; zero_offload checkpoints "
+                "load into the engine's own shards (load_module_only=True loads the weights alone)"
+            )
         return load_checkpoint(
             self,
             load_dir,
@@ -488,6 +508,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
+            load_module_strict=load_module_strict,
         )
 
     def save_16bit_model(
@@ -499,6 +520,28 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
         from ..checkpoint import save_16bit_model
 
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def empty_partition_cache(self) -> None:
+        """Stage 3: free every gathered param, persistent ones too (the next forward gathers
+        them again); below stage 3 there is nothing to free."""
+        if self.param_store is not None:
+            self.param_store.empty_cache()
+
+    def __getattr__(self, name: str):
+        """DeepSpeed's engine passes unknown attributes through to the module it wraps."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+            try:
+                return getattr(module, name)
+            except AttributeError:
+                raise AttributeError(
+                    f"'{type(self).__name__}' object (and its module, a "
+                    f"{type(module).__name__}) has no attribute '{name}'"
+                ) from None
 
     def params_on_host(self, write_back: bool = False):
         """Stage 3: every param bound to a full host copy for the block (see ParamStore); a

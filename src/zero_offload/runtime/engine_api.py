@@ -88,12 +88,9 @@ class DeepSpeedEngineAPI:
         window has seen a backward."""
         self._window_backwards_at = (self.global_steps, self.micro_steps)
         last = not self._inside_no_sync and self.is_gradient_accumulation_boundary()
-        if not last and self.stage >= 2 and self.offload and self._gas == 1:
-            raise RuntimeError(
-                "a non-boundary backward with zero_optimization.stage 2, offload and "
-                "gradient_accumulation_steps 1: this engine keeps no device gradient to "
-                "accumulate into; set gradient_accumulation_steps > 1 in the config"
-            )
+        if not last:  # a window of several backwards (built with GAS 1: allocated now)
+            for gs in self.grad_shards:
+                gs.ensure_device_accumulator()
         return last
 
     @contextlib.contextmanager
@@ -150,12 +147,9 @@ class DeepSpeedEngineAPI:
                 "boundary step()"
             )
         new_gas = train_batch_size // (micro * world)
-        if new_gas > 1 and self._gas == 1 and self.stage == 2 and self.offload:
-            raise ValueError(
-                "set_train_batch_size: this engine was built with gradient_accumulation_steps 1, "
-                "stage 2 and offload, which keeps no device gradient to accumulate into; set "
-                "gradient_accumulation_steps > 1 (or train_batch_size) in the config to start"
-            )
+        if new_gas > 1:
+            for gs in self.grad_shards:
+                gs.ensure_device_accumulator()
         self._gas = new_gas
         self.config.train_batch_size = train_batch_size
         self.config.gradient_accumulation_steps = new_gas

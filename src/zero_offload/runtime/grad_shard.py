@@ -56,6 +56,14 @@ class GradShard:
         self.sumsq = torch.zeros((), dtype=torch.float32, device=dev)
         self.d2h_done = None  # event after the last host copy of this step (CUDA only)
 
+    def ensure_device_accumulator(self) -> None:
+        """Stage 2/3 with offload and no accumulation was built without a device grad shard
+        (2/N bytes/param saved); a window of several backwards needs one to add into. Called
+        before the window's first backward, so nothing is lost by starting from zeros."""
+        if self.stage >= 2 and self.device_shard is None:
+            numel = self.group.shard_numel(True)
+            self.device_shard = torch.zeros(numel, dtype=self.group.dtype, device=self.group.device)
+
     # ---- targets for the reducer -------------------------------------------------------------
     def bucket_input(self, b: Bucket) -> torch.Tensor:
         """Stage 0/1: the flat-grad range that is the bucket's reduction input."""

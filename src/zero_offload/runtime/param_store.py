@@ -145,6 +145,7 @@ class ParamStore:
                     persistent_left -= data
                 for p in slot.params:
                     p._z3_slot = slot.index
+                    p.ds_persist = slot.persistent  # DeepSpeed's name: stays gathered
                 ids.append(slot.index)
                 self.slots.append(slot)
             self.group_slots.append(ids)
@@ -252,6 +253,14 @@ class ParamStore:
     def release_all(self, force: bool = False) -> None:
         for i in range(len(self.slots)):
             self.release(i, force=force)
+
+    def empty_cache(self) -> None:
+        """Release every gathered slot, persistent ones too, except those a
+        ``GatheredParameters`` block holds (DeepSpeed's ``empty_partition_cache``)."""
+        self.quiesce()
+        for i in range(len(self.slots)):
+            if not self.pinned[i]:
+                self.release(i, force=True)
 
     def quiesce(self) -> None:
         """Every gather started so far has finished reading the shards (before they change)."""

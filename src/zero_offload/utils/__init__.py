@@ -89,3 +89,4 @@ from .z3_leaf_module import (  # noqa: E402,F401 (DeepSpeed: deepspeed.utils's l
     z3_leaf_module,
     z3_leaf_parameter,
 )
+from ..runtime.dataloader import RepeatingLoader  # noqa: E402,F401 (deepspeed.utils)
