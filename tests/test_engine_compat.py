@@ -167,3 +167,30 @@ def test_repeating_loader_restarts_the_loader():
     with pytest.raises(StopIteration):
         next(RepeatingLoader([]))
     assert copy.copy(it).loader is loader
+
+
+def test_unwrap_model_for_generation_gathers_once():
+    pytest.importorskip("transformers")
+    from hf_models import tiny_model
+
+    from zero_offload.zero import unwrap_model_for_generation
+
+    hf = tiny_model("gpt2")
+    plain = copy.deepcopy(hf).eval()
+    cfg = engine_config(3, True, 1, 2, 0.0, overlap=True, offload_param=True)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = zero_offload.initialize(model=hf, config=cfg)
+    store = engine.param_store
+    starts = []
+    start = store.start
+    store.start = lambda i: (starts.append(i), start(i))[1]  # count gathers
+    ids = torch.tensor([[1, 2, 3]])
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with unwrap_model_for_generation(engine) as unwrapped:
+        assert unwrapped is engine
+        gathered = len(starts)
+        out = engine.module.generate(ids, **kwargs)
+        assert len(starts) == gathered  # no gather per token
+    assert torch.equal(out, plain.generate(ids, **kwargs))
+    assert all(p.numel() == 0 for p in hf.parameters())  # released after the block
+    engine.destroy()

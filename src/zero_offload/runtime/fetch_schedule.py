@@ -134,6 +134,7 @@ class FetchSchedule:
         self.rec_key: tuple | None = None
         self.replay: list[int] | None = None
         self.pos = 0
+        self.suspended = False  # unwrap_model_for_generation: every param held gathered
         scope.on_end(self._end_backward, self._end_backward)
 
     # ---- pass bookkeeping ----------------------------------------------------------------------
@@ -184,6 +185,8 @@ class FetchSchedule:
 
     # ---- forward -------------------------------------------------------------------------------
     def _pre_forward(self, m: torch.nn.Module, args, kwargs):
+        if self.suspended:
+            return None
         backward = in_backward()
         if not self.stack and not backward:
             self._begin_pass()
@@ -205,6 +208,8 @@ class FetchSchedule:
                 self.store.release(i)
 
     def _post_forward(self, m: torch.nn.Module, args, output) -> None:
+        if self.suspended:
+            return
         if self.stack and self.stack[-1] is m:
             self.stack.pop()
         ids = self.needs[id(m)]

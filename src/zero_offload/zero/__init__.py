@@ -2,7 +2,13 @@
 params of a partitioned model (``GatheredParameters``), and declare cross-module param use."""
 
 from ..runtime.status import ZeroParamStatus
-from .gathered import GatheredParameters, register_external_parameter
+from .gathered import GatheredParameters, register_external_parameter, unwrap_model_for_generation
 from .init import Init
 
-__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "register_external_parameter"]
+__all__ = [
+    "GatheredParameters",
+    "Init",
+    "ZeroParamStatus",
+    "register_external_parameter",
+    "unwrap_model_for_generation",
+]

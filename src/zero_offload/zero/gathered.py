@@ -8,7 +8,8 @@ pinned, while the block runs) and for params partitioned by ``zero.Init`` before
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -90,3 +91,26 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
     store = ref() if ref is not None else None
     if store is not None and store.schedule is not None:
         store.schedule.add_external(module, parameter._z3_slot)
+
+
+@contextlib.contextmanager
+def unwrap_model_for_generation(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """DeepSpeed's ``deepspeed.runtime.zero.unwrap_model_for_generation``: every param of a
+    stage-3 ``model`` (an engine or its module) gathered once for the block, and the per-module
+    fetch hooks idle, so a ``generate`` loop does no gather per token. Yields ``model``.
+    Collective; below stage 3 it only yields."""
+    params = list(model.parameters())
+    stores = {}
+    for p in params:
+        ref = getattr(p, "_z3_store", None)
+        store = ref() if ref is not None else None
+        if store is not None and store.schedule is not None:
+            stores[id(store)] = store
+    with GatheredParameters(params):
+        for store in stores.values():
+            store.schedule.suspended = True
+        try:
+            yield model
+        finally:
+            for store in stores.values():
+                store.schedule.suspended = False
