@@ -55,6 +55,11 @@ def initialize(
         config = config_params
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None)
+        if getattr(args, "deepscale_config", None) is not None:  # DeepSpeed's old flag name
+            log.warning("--deepscale_config is deprecated, please use --deepspeed_config")
+            if config is not None:
+                raise ConfigError("given both --deepscale_config and --deepspeed_config")
+            config = args.deepscale_config
     if config is None:
         raise ValueError(
             "initialize: no config; pass config= (dict or JSON path) or --deepspeed_config"

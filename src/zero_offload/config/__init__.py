@@ -3,7 +3,7 @@
 from .auto import AutoValueWarning
 from .auto_sizes import resolve_auto_sizes
 from .batch import BatchSizes, resolve_batch_sizes
-from .errors import ConfigError, NotImplementedSettingWarning
+from .errors import ConfigError, DeepSpeedConfigError, NotImplementedSettingWarning
 from .json_text import parse_json_text, read_json_file
 from .load import ConfigSource, load_config
 from .models import ZeroOffloadConfig
@@ -27,6 +27,7 @@ __all__ = [
     "BatchSizes",
     "ConfigError",
     "ConfigSource",
+    "DeepSpeedConfigError",
     "FP16Config",
     "NotImplementedSettingWarning",
     "OffloadOptimizerConfig",

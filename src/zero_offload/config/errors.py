@@ -8,9 +8,20 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 
-class ConfigError(ValueError):
+class DeepSpeedConfigError(Exception):
+    """DeepSpeed's config error class (``deepspeed.runtime.config.DeepSpeedConfigError``).
+
+    Every :class:`ConfigError` is one, so code written for DeepSpeed (``except
+    DeepSpeedConfigError``) catches this project's config errors too."""
+
+
+class ConfigError(ValueError, AssertionError, DeepSpeedConfigError):
     """A config the project cannot run. ``problems`` holds one line per problem, each naming
-    the full key path (``zero_optimization.stage``) and what is allowed."""
+    the full key path (``zero_optimization.stage``) and what is allowed.
+
+    DeepSpeed refuses a bad config with a pydantic ValidationError (a ValueError), an
+    ``assert`` (AssertionError: the batch triple, fp16 with bf16) or its DeepSpeedConfigError;
+    a ConfigError is all three, so whichever one a DeepSpeed script catches, it catches this."""
 
     def __init__(self, problems: str | Sequence[str], origin: str | None = None) -> None:
         self.problems: list[str] = [problems] if isinstance(problems, str) else list(problems)

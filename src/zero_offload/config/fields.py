@@ -1,8 +1,18 @@
 """JSON scalar types with DeepSpeed's leniency and no more, and the base of every config section.
 
 Pydantic's lax mode would read ``true`` as 1 and ``"8"`` as 8; a config is hand-written, so
-those are typos to report, not values to guess. The one leniency kept is DeepSpeed's: JSON
-writes ``5e8`` as a float, so an integral float is accepted where an integer belongs.
+those are typos to report, not values to guess. Two leniencies are DeepSpeed's and kept:
+
+* JSON writes ``5e8`` as a float, so an integral float is accepted where an integer belongs.
+* The sections DeepSpeed validates with pydantic models in lax mode (``fp16``,
+  ``zero_optimization`` and its offload blocks) read a numeric string as the number:
+  ``"reduce_bucket_size": "500000000"`` loads there, so it loads here (:data:`DsInt`,
+  :data:`DsFloat`). The keys DeepSpeed reads as given (``get_scalar_param``: the batch triple,
+  ``gradient_clipping``, ``steps_per_print``) and the optimizer and scheduler params it hands
+  on unconverted keep a string as a string, which then fails in DeepSpeed (a TypeError at load
+  or at the first step); those stay errors here (:data:`Int`, :data:`Float`).
+
+A converted value passes the same checks as a number given as one (finite, 64-bit range).
 """
 
 from __future__ import annotations
@@ -10,9 +20,10 @@ from __future__ import annotations
 import math
 import types
 import typing
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, TypeAdapter
 from pydantic_core import PydanticCustomError
 
 from .errors import json_repr
@@ -26,6 +37,19 @@ DEFAULT_ONLY = {"default_only": True}
 INT64_MAX = 2**63 - 1
 
 
+def _unquote_hint(value: Any, integral: bool) -> str:
+    """For a quoted number this key does not read as one: the fix."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    if not math.isfinite(number) or (integral and not number.is_integer()):
+        return ""
+    return " (a number in quotes: write it without the quotes)"
+
+
 def _to_int(value: Any) -> int:
     # bool is an int subclass in Python; a JSON true where a count belongs is a typo, not 1.
     if isinstance(value, bool):
@@ -36,12 +60,13 @@ def _to_int(value: Any) -> int:
         if abs(value) > INT64_MAX:
             raise ValueError(f"{json_repr(value)} is out of range (at most 2**63 - 1)")
         return value
-    raise ValueError(f"expected an integer, got {json_repr(value)}")
+    raise ValueError(f"expected an integer, got {json_repr(value)}{_unquote_hint(value, True)}")
 
 
 def _to_float(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"expected a number, got {json_repr(value)}")
+        hint = _unquote_hint(value, False)
+        raise ValueError(f"expected a number, got {json_repr(value)}{hint}")
     if not math.isfinite(value):
         raise ValueError(f"expected a finite number, got {value}")
     return float(value)
@@ -63,6 +88,54 @@ Int = Annotated[int, BeforeValidator(_to_int)]
 Float = Annotated[float, BeforeValidator(_to_float)]
 Bool = Annotated[bool, BeforeValidator(_to_bool)]
 Str = Annotated[str, BeforeValidator(_to_str)]
+
+# Pydantic's lax mode, as DeepSpeed's config models run it: " 8 ", "+8", "1_000" and "8.0" are
+# integers, "1e-3" and "3" are floats; "5e8" is not an integer (pydantic refuses it).
+_LAX_INT = TypeAdapter(int)
+_LAX_FLOAT = TypeAdapter(float)
+
+
+def pydantic_int(text: str) -> int:
+    """``text`` as DeepSpeed's pydantic ``int`` field reads it (ValueError if it does not)."""
+    return _LAX_INT.validate_python(text)
+
+
+def pydantic_float(text: str) -> float:
+    """``text`` as DeepSpeed's pydantic ``float`` field reads it (ValueError if it does not)."""
+    return _LAX_FLOAT.validate_python(text)
+
+
+def reads_numeric_strings(
+    read: Callable[[str], int | float], check: Callable[[Any], Any]
+) -> BeforeValidator:
+    """A validator that turns a string ``read`` accepts into its number, then applies ``check``
+    (the strict conversion and range checks) to the result; a string ``read`` refuses reaches
+    ``check`` unchanged and is reported there, naming the key as for any other bad value."""
+
+    def validate(value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                value = read(value)
+            except (ValueError, TypeError, OverflowError):  # pydantic's ValidationError included
+                pass
+        return check(value)
+
+    return BeforeValidator(validate)
+
+
+# A number in a section DeepSpeed validates with a pydantic model: also given as a string.
+DsInt = Annotated[int, reads_numeric_strings(pydantic_int, _to_int)]
+DsFloat = Annotated[float, reads_numeric_strings(pydantic_float, _to_float)]
+
+
+def to_int(value: Any) -> int:
+    """The strict integer conversion of :data:`Int` (for custom numeric-string readers)."""
+    return _to_int(value)
+
+
+def to_float(value: Any) -> float:
+    """The strict number conversion of :data:`Float` (for custom numeric-string readers)."""
+    return _to_float(value)
 
 
 def rule_error(key: str, message: str) -> PydanticCustomError:

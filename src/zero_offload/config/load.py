@@ -29,8 +29,12 @@ def _legacy_forms(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
         raw.setdefault("bf16", old)
     zero = raw.get("zero_optimization")
     if isinstance(zero, bool):
-        # DeepSpeed's first format: true meant stage 1.
+        # DeepSpeed's first format: true meant stage 1, with the top-level "allgather_size"
+        # as its allgather bucket size (read_zero_config_deprecated). Otherwise DeepSpeed
+        # ignores "allgather_size", and it is listed as ignored here.
         raw["zero_optimization"] = {"stage": 1 if zero else 0}
+        if zero and "allgather_size" in raw:
+            raw["zero_optimization"]["allgather_bucket_size"] = raw.pop("allgather_size")
     return raw
 
 

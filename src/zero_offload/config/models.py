@@ -28,6 +28,7 @@ TOP_LEVEL_NOT_IMPLEMENTED = frozenset(
     {
         "activation_checkpointing",
         "aio",
+        "allgather_size",  # read only with "zero_optimization": true (config/load.py)
         "amp",
         "autotuning",
         "checkpoint",

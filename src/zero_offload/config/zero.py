@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from .errors import join_path, json_repr
-from .fields import DEFAULT_ONLY, Bool, Float, Int, Section, Str, rule_error
+from .fields import DEFAULT_ONLY, Bool, DsFloat, DsInt, Int, Section, Str, pydantic_int, rule_error
 from .keys import describe_errors
 from .leaf_module import LeafModuleConfig
 
@@ -87,12 +87,12 @@ class OffloadOptimizerConfig(Section):
 
     device: Literal["none", "cpu"] = "none"
     nvme_path: Str | None = None
-    buffer_count: Int = Field(4, ge=0)
+    buffer_count: DsInt = Field(4, ge=0)
     pin_memory: Bool = True
     pipeline_read: Bool = False
     pipeline_write: Bool = False
     fast_init: Bool = False
-    ratio: Float = Field(1.0, ge=0.0, le=1.0)
+    ratio: DsFloat = Field(1.0, ge=0.0, le=1.0)
     delayed_update: Bool = False
     delayed_update_after: Int = Field(0, ge=0)
     threads: Int | None = Field(None, ge=1, le=1024)  # the host kernel's pool holds 1024
@@ -111,9 +111,9 @@ class OffloadParamConfig(Section):
 
     device: Literal["none", "cpu"] = "none"
     nvme_path: Str | None = None
-    buffer_count: Int = Field(5, ge=0)
-    buffer_size: Int = Field(100_000_000, ge=0)
-    max_in_cpu: Int = Field(1_000_000_000, ge=0)
+    buffer_count: DsInt = Field(5, ge=0)
+    buffer_size: DsInt = Field(100_000_000, ge=0)
+    max_in_cpu: DsInt = Field(1_000_000_000, ge=0)
     pin_memory: Bool = True
 
     @field_validator("device", mode="before")
@@ -128,14 +128,14 @@ class ZeroConfig(Section):
 
     NOT_IMPLEMENTED: ClassVar[frozenset[str]] = ZERO_NOT_IMPLEMENTED
 
-    stage: Int = 0
+    stage: DsInt = 0
     # Gradients always go through contiguous buckets and a contiguous grad shard.
     contiguous_gradients: Bool = Field(True, json_schema_extra=DEFAULT_ONLY)
     reduce_scatter: Bool = True
-    reduce_bucket_size: Int = Field(DEFAULT_BUCKET_SIZE, gt=0)
+    reduce_bucket_size: DsInt = Field(DEFAULT_BUCKET_SIZE, gt=0)
     use_multi_rank_bucket_allreduce: Bool = Field(True, json_schema_extra=DEFAULT_ONLY)
     allgather_partitions: Bool = True
-    allgather_bucket_size: Int = Field(DEFAULT_BUCKET_SIZE, gt=0)
+    allgather_bucket_size: DsInt = Field(DEFAULT_BUCKET_SIZE, gt=0)
     # None until validated: DeepSpeed turns it on by default for stage 3 only.
     overlap_comm: Bool | None = None
     load_from_fp32_weights: Bool = Field(True, json_schema_extra=DEFAULT_ONLY)
@@ -151,13 +151,13 @@ class ZeroConfig(Section):
     offload_optimizer: OffloadOptimizerConfig | None = None
     offload_param: OffloadParamConfig | None = None
     # Stage 3 (elements unless named otherwise); no effect below stage 3. Defaults: DeepSpeed's.
-    stage3_prefetch_bucket_size: Int = Field(50_000_000, ge=0)
-    stage3_param_persistence_threshold: Int = Field(100_000, ge=0)
-    stage3_model_persistence_threshold: Int = Field(sys.maxsize, ge=0)
-    stage3_max_live_parameters: Int = Field(1_000_000_000, ge=0)
-    stage3_max_reuse_distance: Int = Field(1_000_000_000, ge=0)
+    stage3_prefetch_bucket_size: DsInt = Field(50_000_000, ge=0)
+    stage3_param_persistence_threshold: DsInt = Field(100_000, ge=0)
+    stage3_model_persistence_threshold: DsInt = Field(sys.maxsize, ge=0)
+    stage3_max_live_parameters: DsInt = Field(1_000_000_000, ge=0)
+    stage3_max_reuse_distance: DsInt = Field(1_000_000_000, ge=0)
     stage3_gather_16bit_weights_on_model_save: Bool = False
-    sub_group_size: Int = Field(1_000_000_000, ge=0)
+    sub_group_size: DsInt = Field(1_000_000_000, ge=0)
     leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
 
     @classmethod
@@ -186,6 +186,11 @@ class ZeroConfig(Section):
     @field_validator("stage", mode="before")
     @classmethod
     def _stage(cls, value: Any) -> Any:
+        if isinstance(value, str):  # DeepSpeed's ZeroStageEnum reads "2" as 2 (pydantic lax)
+            try:
+                value = pydantic_int(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or value not in (0, 1, 2, 3):
             raise ValueError(f"allowed: 0, 1, 2, 3; got {json_repr(value)}")
         return value

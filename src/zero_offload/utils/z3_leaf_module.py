@@ -55,7 +55,9 @@ def _flag_classes(model, classes, flag: bool, raise_if_not_found: bool) -> list[
     for m in found:
         m._z3_leaf = flag
     if not found and raise_if_not_found:
-        raise ValueError(f"No modules of type {list(classes)} found in model {type(model).__name__}")
+        raise ValueError(
+            f"No modules of type {list(classes)} found in model {type(model).__name__}"
+        )
     return found
 
 
