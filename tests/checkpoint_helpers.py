@@ -193,7 +193,8 @@ def resume_phase(cases: list[dict], root: str) -> dict:
 # ---- one rank fails: every rank refuses ----------------------------------------------------------
 def refused_saves(case: dict, root: str) -> list[str]:
     """Saves that only some ranks refuse (rank 1's client_state is not JSON; ranks pass
-    different tags): every rank must raise, and nothing may be published."""
+    different tags under checkpoint.tag_validation "fail"): every rank must raise, and nothing
+    may be published. Under "warn" (the default) different tags save under rank 0's."""
     from zero_offload.checkpoint import CheckpointError
     from zero_offload.runtime import dist
 
@@ -201,12 +202,16 @@ def refused_saves(case: dict, root: str) -> list[str]:
         engine, _ = build(case)
         msgs = []
         bad = {"x": {1, 2}} if dist.rank() == 1 else {}
+        engine.config.checkpoint.tag_validation = "fail"
         for kwargs in ({"client_state": bad, "tag": "refused"}, {"tag": f"rank{dist.rank()}"}):
             try:
                 engine.save_checkpoint(f"{root}/refused", **kwargs)
                 msgs.append("saved")
             except CheckpointError as e:
                 msgs.append(str(e))
+        engine.config.checkpoint.tag_validation = "warn"
+        engine.save_checkpoint(f"{root}/warned", tag=f"rank{dist.rank()}")
+        msgs.append(",".join(sorted(p.name for p in Path(root, "warned").iterdir())))
         engine.destroy()
     return msgs
 

@@ -8,11 +8,14 @@ engine's device (NCCL moves only device tensors).
 from __future__ import annotations
 
 import hashlib
+import logging
 
 import torch
 
 from ..runtime import dist
 from .format import CheckpointError
+
+log = logging.getLogger("zero_offload")
 
 
 def failed_ranks(device: torch.device, ok: bool) -> list[int]:
@@ -26,16 +29,35 @@ def failed_ranks(device: torch.device, ok: bool) -> list[int]:
     return [r for r, f in enumerate(flags.tolist()) if f]
 
 
-def check_same_tag(device: torch.device, tag: str) -> None:
-    """Refuse a save whose tag differs between ranks (they would write different directories)."""
+def agree_on_tag(device: torch.device, tag: str, validation: str = "fail") -> str:
+    """The tag every rank saves under. Ranks that passed different tags would write different
+    directories: ``validation`` "fail" refuses the save; "warn" (DeepSpeed's default) warns and
+    "ignore" does not, and both save under rank 0's tag."""
     world = dist.world_size()
     if world == 1:
-        return
+        return tag
     code = int.from_bytes(hashlib.sha256(tag.encode("utf-8")).digest()[:8], "little", signed=True)
     codes = torch.zeros(world, dtype=torch.int64, device=device)
     dist.all_gather(codes, torch.tensor([code], dtype=torch.int64, device=device))
-    if len(set(codes.tolist())) != 1:
+    if len(set(codes.tolist())) == 1:
+        return tag
+    if validation == "fail":
         raise CheckpointError(
             f"tag: ranks passed different tags (rank {dist.rank()} has {tag!r}); every rank "
-            "must save under the same tag"
+            'must save under the same tag (checkpoint.tag_validation is "fail")'
         )
+    raw = torch.zeros(1024, dtype=torch.uint8, device=device)
+    if dist.rank() == 0:
+        data = tag.encode("utf-8")[:1024]
+        raw[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    dist.broadcast(raw, src=0)
+    chosen = bytes(raw.cpu().tolist()).rstrip(b"\0").decode("utf-8", errors="replace")
+    if validation == "warn":
+        log.warning(
+            "checkpoint tag %r on rank %d differs from other ranks'; saving under rank 0's tag "
+            '%r (checkpoint.tag_validation: "fail" refuses, "ignore" stays quiet)',
+            tag,
+            dist.rank(),
+            chosen,
+        )
+    return chosen

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from . import atomic, rng
-from .collective import check_same_tag, failed_ranks
+from .collective import agree_on_tag, failed_ranks
 from .format import (
     FORMAT,
     FORMAT_VERSION,
@@ -181,7 +181,7 @@ def save_checkpoint(
             "AdamW to checkpoint, or engine.save_16bit_model for the weights alone"
         )
     tag = check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
-    check_same_tag(engine.device, tag)
+    tag = agree_on_tag(engine.device, tag, engine.config.checkpoint.tag_validation)
     root, rank, world = Path(save_dir), engine.global_rank, engine.world_size
     stage = atomic.staging_dir(root, tag)
 

@@ -7,17 +7,18 @@ for the run's world size. After that the batch fields are always ints.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from .batch import resolve_batch_sizes
-from .errors import ConfigError
+from .errors import ConfigError, json_repr
 from .fields import DEFAULT_ONLY, Bool, Float, Int, Section, rule_error
 from .optimizer import OptimizerConfig
 from .precision import BF16Config, FP16Config
+from .runtime_keys import CheckpointConfig, DataTypesConfig, allreduce_op
 from .scheduler import SCHEDULER_CONFIGS, AnySchedulerConfig, canonical_scheduler_type
 from .scheduler import normalize_scheduler as _normalize_scheduler
 from .zero import ZeroConfig
@@ -31,7 +32,6 @@ TOP_LEVEL_NOT_IMPLEMENTED = frozenset(
         "allgather_size",  # read only with "zero_optimization": true (config/load.py)
         "amp",
         "autotuning",
-        "checkpoint",
         "comet",
         "comms_logger",
         "communication_data_type",
@@ -40,7 +40,6 @@ TOP_LEVEL_NOT_IMPLEMENTED = frozenset(
         "csv_monitor",
         "curriculum_learning",
         "data_efficiency",
-        "data_types",
         "dataloader_drop_last",
         "datastates",
         "disable_allgather",
@@ -50,11 +49,9 @@ TOP_LEVEL_NOT_IMPLEMENTED = frozenset(
         "elasticity",
         "expert_parallel",
         "flops_profiler",
-        "gradient_allreduce_op",
         "graph_harvesting",
         "hybrid_engine",
         "log_level",
-        "managed_gradient_accumulation",
         "memory_breakdown",
         "nebula",
         "pipeline",
@@ -100,6 +97,11 @@ class ZeroOffloadConfig(Section):
     # Extension: stop after this many consecutive skipped steps that loss scaling cannot fix
     # (runtime/overflow.py); 0 never stops.
     max_consecutive_overflows: Int = Field(10, ge=0)
+    # False: backward() only accumulates; every step() is the accumulation boundary.
+    managed_gradient_accumulation: Bool = True
+    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     prescale_gradients: Bool = Field(False, json_schema_extra=DEFAULT_ONLY)
     gradient_predivide_factor: Float = Field(1.0, gt=0.0, json_schema_extra=DEFAULT_ONLY)
 
@@ -107,6 +109,11 @@ class ZeroOffloadConfig(Section):
     _ignored_keys: tuple[str, ...] = PrivateAttr(())
     _auto_keys: frozenset[str] = PrivateAttr(frozenset())
     _source: dict[str, Any] | None = PrivateAttr(None)
+
+    @field_validator("gradient_allreduce_op", mode="before")
+    @classmethod
+    def _allreduce_op(cls, value: Any) -> Any:
+        return allreduce_op(value)
 
     @field_validator("scheduler", mode="before")
     @classmethod
@@ -118,6 +125,24 @@ class ZeroOffloadConfig(Section):
         if self.fp16.enabled and self.bf16.enabled:
             raise rule_error(
                 "bf16.enabled", "fp16.enabled and bf16.enabled are both true; pick one"
+            )
+        stage = self.zero_optimization.stage
+        if self.gradient_allreduce_op == "sum" and stage == 3:
+            raise rule_error("gradient_allreduce_op", '"sum" is not supported with ZeRO stage 3')
+        training = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(self.dtype, "fp32")
+        dt = self.data_types
+        if dt.param_dtype is not None and dt.param_dtype != training:
+            raise rule_error(
+                "data_types.param_dtype",
+                f"{json_repr(dt.param_dtype)} differs from the training dtype {training} "
+                "(set by the fp16/bf16 blocks)",
+            )
+        if dt.grad_accum_dtype not in (None, training) and stage < 2:
+            raise rule_error(
+                "data_types.grad_accum_dtype",
+                f"{json_repr(dt.grad_accum_dtype)} with {training} params is built for ZeRO stages "
+                f"2 and 3 (a separate accumulator); at stage {stage} gradients accumulate in the "
+                "params' own .grad, in their dtype",
             )
         context = info.context or {}
         world_size = context.get("world_size", 1)

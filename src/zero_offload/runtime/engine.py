@@ -18,6 +18,7 @@ import weakref
 import torch
 
 from ..config.auto_sizes import resolve_auto_sizes
+from ..config.runtime_keys import DTYPES
 from ..utils.z3_leaf_module import apply_leaf_config
 from . import dist, guards
 from .backward_scope import ENGINE, PLAIN, BackwardScope, in_backward
@@ -63,6 +64,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
         if self.device.type == "cuda":  # streams, events and collectives act on the current one
             torch.cuda.set_device(self.device)
         self.dtype = config.dtype
+        accum = config.data_types.grad_accum_dtype  # stages 2/3 only (the config checks)
+        self.grad_accum_dtype = DTYPES[accum] if accum is not None else self.dtype
         self.world_size, self.global_rank, self.local_rank = (
             dist.world_size(),
             dist.rank(),
@@ -76,6 +79,10 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
         self.delayed = bool(oc is not None and oc.delayed_update)
         self.delayed_after = int(oc.delayed_update_after) if self.delayed else 0
         self._gas = config.gradient_accumulation_steps
+        # False: backward() only accumulates; each step() ends the window and updates.
+        self.managed_accumulation = bool(config.managed_gradient_accumulation)
+        self._in_unmanaged_step = False
+        self._unmanaged_backwards = 0
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -154,6 +161,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
                 self.streams,
                 pin,
                 host_buffers=2 if self.delayed else 1,
+                accum_dtype=self.grad_accum_dtype,
             )
             home = (
                 ShardHome(self.param_store, gi)
@@ -201,6 +209,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
             pos,
             self.scope,
             ignore_unused=bool(zc.ignore_unused_parameters),
+            average=config.gradient_allreduce_op == "mean",
         )
         if partitioned:  # after the reducer: its hooks read a gradient before a slot is released
             self.fetch_schedule = FetchSchedule(
@@ -208,6 +217,9 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
             )
             self.param_store.settle = self.flush_delayed_update
         self.scope.on_end(self._backward_epilogue, lambda: None)  # after the components' ends
+        if not self.managed_accumulation:
+            for gs in self.grad_shards:
+                gs.ensure_device_accumulator()
         self.optimizer = ZeroOptimizer(self.groups, self.shard_opts) if self.groups else None
         self.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
         self._overflows = OverflowMonitor(
@@ -308,6 +320,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
                 raise guards.unscaled_backward_error()
             factor = 1.0 / self._gas
         self._loss_scaled = False
+        self._unmanaged_backwards += 1
         dist.set_step(self.global_steps)
         first = self._first_micro_step()
         self._bw_last = self._reduces_now()
@@ -326,11 +339,22 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
             raise guards.step_without_backward_error(self.global_steps)
         self._before_step()
         self._backward_done = self._backward_since_step = False
-        if self.is_gradient_accumulation_boundary():
+        samples = self.config.train_micro_batch_size_per_gpu * self.world_size
+        if not self.managed_accumulation:  # this step() is the boundary of its backwards
+            samples *= self._unmanaged_backwards
+            self._unmanaged_backwards = 0
+            self._in_unmanaged_step = True
+            try:
+                self.reducer.finish_window()
+                with self._timed("step"):
+                    self._take_step()
+            finally:
+                self._in_unmanaged_step = False
+        elif self.is_gradient_accumulation_boundary():
             with self._timed("step"):
                 self._take_step()
         self.micro_steps += 1
-        self.global_samples += self.config.train_micro_batch_size_per_gpu * self.world_size
+        self.global_samples += samples
 
     # ---- the update ----------------------------------------------------------------------------
     def _take_step(self) -> None:

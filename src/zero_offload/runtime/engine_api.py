@@ -19,6 +19,8 @@ from collections.abc import Iterator
 
 import torch
 
+from . import guards
+
 
 class LossScale(float):
     """``engine.loss_scale``: the current loss scale as a number (this project's property), and
@@ -58,7 +60,10 @@ class DeepSpeedEngineAPI:
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the current micro-batch ends the accumulation window (DeepSpeed's rule:
-        the counter, unless :meth:`set_gradient_accumulation_boundary` overrode it)."""
+        the counter, unless :meth:`set_gradient_accumulation_boundary` overrode it). With
+        ``managed_gradient_accumulation`` false: True only while ``step()`` runs."""
+        if not self.managed_accumulation:
+            return self._in_unmanaged_step
         if self._boundary_override is not None:
             return self._boundary_override
         self._sync_window()
@@ -70,6 +75,11 @@ class DeepSpeedEngineAPI:
         if not isinstance(is_boundary, bool):
             raise ValueError(
                 f"set_gradient_accumulation_boundary: is_boundary must be a bool, got {is_boundary!r}"
+            )
+        if not self.managed_accumulation:
+            raise guards.EngineUsageError(
+                "set_gradient_accumulation_boundary() with managed_gradient_accumulation false: "
+                "the caller owns the boundary by calling step()"
             )
         self._boundary_override = is_boundary
 
@@ -182,8 +192,9 @@ class DeepSpeedEngineAPI:
         return self.config.zero_optimization.offload_device == "cpu"
 
     def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
-        """(model dtype, gradient accumulation dtype): gradients accumulate in the model dtype."""
-        return (self.dtype, self.dtype)
+        """(model dtype, gradient accumulation dtype): ``data_types.grad_accum_dtype`` when set
+        (stages 2/3), else the model dtype."""
+        return (self.dtype, self.grad_accum_dtype)
 
     @property
     def loss_scale(self) -> LossScale:

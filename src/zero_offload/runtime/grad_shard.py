@@ -31,8 +31,12 @@ class GradShard:
         streams: Streams,
         pin: bool,
         host_buffers: int = 1,
+        accum_dtype: torch.dtype | None = None,
     ) -> None:
+        """``accum_dtype``: the dtype of the stage-2/3 device accumulator (fp32 with 16-bit
+        params: ``data_types.grad_accum_dtype``); stages 0/1 accumulate in ``p.grad``."""
         self.group = group
+        self.accum_dtype = accum_dtype or group.dtype
         self.stage = stage
         self.offload = offload
         self.streams = streams
@@ -48,7 +52,7 @@ class GradShard:
             for p, v in zip(group.params, self.views):
                 p.grad = v
         elif not offload or gas > 1:
-            self.device_shard = torch.zeros(numel, dtype=dt, device=dev)
+            self.device_shard = torch.zeros(numel, dtype=self.accum_dtype, device=dev)
         self.host = (
             [alloc_host(numel, dt, pin).zero_() for _ in range(host_buffers)] if offload else []
         )
@@ -62,7 +66,15 @@ class GradShard:
         before the window's first backward, so nothing is lost by starting from zeros."""
         if self.stage >= 2 and self.device_shard is None:
             numel = self.group.shard_numel(True)
-            self.device_shard = torch.zeros(numel, dtype=self.group.dtype, device=self.group.device)
+            self.device_shard = torch.zeros(numel, dtype=self.accum_dtype, device=self.group.device)
+
+    def finalize(self) -> None:
+        """Stage 2/3, ``managed_gradient_accumulation`` false: every backward folded into the
+        device accumulator without ending the window; ``step()`` ends it here (norm, host
+        copy), as the last backward's fold would have."""
+        assert self.device_shard is not None
+        for seg in self.segs:
+            self.accept(seg, self.device_shard[seg.shard_start : seg.shard_start + seg.numel], True)
 
     # ---- targets for the reducer -------------------------------------------------------------
     def bucket_input(self, b: Bucket) -> torch.Tensor:
@@ -73,9 +85,9 @@ class GradShard:
         """Where a collective may write this rank's reduced segment directly, or None for a temp."""
         if self.stage <= 1:
             return self.flat_grad[seg.flat_start : seg.flat_start + seg.numel]
-        if self.device_shard is not None and first:
+        if self.device_shard is not None and first and self.accum_dtype == self.group.dtype:
             return self.device_shard[seg.shard_start : seg.shard_start + seg.numel]
-        return None
+        return None  # later micro-steps add; another accumulator dtype always adds (zeroed)
 
     def accept(self, seg: Segment, reduced: torch.Tensor, last: bool) -> None:
         """Fold a reduced segment in (on the stream that reduced it, the current one).
@@ -120,6 +132,8 @@ class GradShard:
         """Start a new accumulation window."""
         if self.flat_grad is not None:
             self.flat_grad.zero_()
+        if self.device_shard is not None and self.accum_dtype != self.group.dtype:
+            self.device_shard.zero_()  # no first micro-step writes it directly
         self.sumsq.zero_()
 
     def nbytes(self) -> dict[str, int]:

@@ -50,13 +50,17 @@ class Reducer:
         global_pos: dict[int, int],
         scope: BackwardScope,
         ignore_unused: bool = True,
+        average: bool = True,
     ) -> None:
+        """``average``: gradients averaged over the ranks (``gradient_allreduce_op`` "mean",
+        DeepSpeed's default), else summed ("sum")."""
         self.groups, self.shards, self.stage = groups, shards, stage
         self.overlap, self.use_rs, self.streams = overlap, reduce_scatter, streams
         # CUDA: with overlap_comm, collectives run on the reduce stream; without, on the
         # compute stream (None = current), ordered with backward.
         self.stream = streams.reduce if overlap else None
         self.world = dist.world_size()
+        self.average = average
         # Global launch order: a bucket is expected done when its earliest-registered param is.
         keys = []
         for g in groups:
@@ -181,7 +185,7 @@ class Reducer:
         inp = shard.bucket_input(b) if self.stage <= 1 else self._buffer(key)
         s.wait(self.stream, None)
         with s.use(self.stream):
-            if self.world > 1:
+            if self.world > 1 and self.average:
                 inp.mul_(1.0 / self.world)  # average; pre-divided so fp16 sums stay in range
             async_op = self.overlap and not s.cuda
             if self.stage == 0:
@@ -240,6 +244,21 @@ class Reducer:
             if self.inflight:
                 self._complete(len(self.inflight) - 1)
             self.streams.wait(None, self.stream)
+        self._reset()
+
+    def finish_window(self) -> None:
+        """``managed_gradient_accumulation`` false: ``step()`` ends the window. Stages 0/1
+        reduce the gradients accumulated in the flat buffer now (every bucket, in the fixed
+        order); stage 2/3 segments were reduced by each backward and are finalized instead."""
+        if self.stage == 2:
+            for shard in self.shards:
+                shard.finalize()
+            return
+        self.prepare(first=True, last=True)
+        self._launch_ready(force=True)
+        if self.inflight:
+            self._complete(len(self.inflight) - 1)
+        self.streams.wait(None, self.stream)
         self._reset()
 
     def bucket_pool_bytes(self) -> int:

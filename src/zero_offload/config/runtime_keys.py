@@ -1,0 +1,63 @@
+"""DeepSpeed's top-level keys that change how the engine runs a step: ``data_types``,
+``checkpoint`` and the spellings of ``gradient_allreduce_op``; values as DeepSpeed spells them
+(case-insensitive where DeepSpeed upper- or lower-cases them)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import field_validator
+
+from .errors import json_repr
+from .fields import Section
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _lower(value: Any, allowed: tuple[str, ...]) -> Any:
+    if isinstance(value, str) and value.lower() in allowed:
+        return value.lower()
+    if value is None:
+        return value
+    raise ValueError(f"allowed: {', '.join(allowed)}; got {json_repr(value)}")
+
+
+class DataTypesConfig(Section):
+    """``grad_accum_dtype``: the dtype gradients accumulate in across micro-steps (None: the
+    training dtype). ``param_dtype``: must name the training dtype (fp16/bf16/fp32 blocks pick
+    it). ``buffer_dtype``: DeepSpeed's cast of the buffers, accepted and not built (listed in
+    the not-implemented warning); buffers keep their own dtype here."""
+
+    NOT_IMPLEMENTED: ClassVar[frozenset[str]] = frozenset({"buffer_dtype"})
+
+    grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = None
+    param_dtype: Literal["fp32", "fp16", "bf16"] | None = None
+
+    @field_validator("grad_accum_dtype", "param_dtype", mode="before")
+    @classmethod
+    def _dtype(cls, value: Any) -> Any:
+        return _lower(value, tuple(DTYPES))
+
+
+class CheckpointConfig(Section):
+    """``tag_validation``: what a save does when ranks pass different tags. ``fail`` refuses
+    (before anything is written); ``warn`` (DeepSpeed's default) warns and ``ignore`` does not,
+    and both save under rank 0's tag, since one checkpoint is written by all ranks together."""
+
+    NOT_IMPLEMENTED: ClassVar[frozenset[str]] = frozenset(
+        {"load_universal", "use_node_local_storage", "parallel_write", "writer"}
+    )
+
+    tag_validation: Literal["warn", "ignore", "fail"] = "warn"
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _mode(cls, value: Any) -> Any:
+        return _lower(value, ("warn", "ignore", "fail"))
+
+
+def allreduce_op(value: Any) -> Any:
+    """``gradient_allreduce_op``: "mean" (DeepSpeed's default: gradients averaged over the
+    ranks) or "sum"."""
+    return _lower(value, ("mean", "sum"))
