@@ -81,20 +81,46 @@ def test_backward_of_a_detached_or_vector_loss():
         eng.backward(torch.ones(3, requires_grad=True))
 
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_initialize_twice_on_one_model(stage):
+def _stage_config(stage: int) -> dict:
+    cfg = h.config(stage)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    return cfg
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_initialize_twice_on_one_model(stage, caplog):
+    """A second initialize() takes the model over from an engine that was not destroyed (at
+    stage 3 a dropped engine stays alive through the model's hooks), with a warning; the old
+    engine then refuses to run. Both train from the same weights."""
+    import gc
+
     import zero_offload
 
     model = h.net()
-    eng, _, _, _ = zero_offload.initialize(model=model, config=h.config(stage))
-    with pytest.raises(EngineUsageError, match="already wrapped by an engine.*destroy"):
-        zero_offload.initialize(model=model, config=h.config(stage))
-    eng.backward(eng(h.batch()))  # the first engine is untouched
+    eng, _, _, _ = zero_offload.initialize(model=model, config=_stage_config(stage))
+    eng.backward(eng(h.batch()))
     eng.step()
-    eng.destroy()
-    eng2, _, _, _ = zero_offload.initialize(model=model, config=h.config(stage))
+    from zero_offload.utils import safe_get_full_fp32_param
+
+    trained = [safe_get_full_fp32_param(p) for p in model.parameters()]
+    with caplog.at_level("WARNING", logger="zero_offload"):
+        eng2, _, _, _ = zero_offload.initialize(model=model, config=_stage_config(stage))
+    assert "not destroyed; destroying it" in caplog.text
+    with pytest.raises(EngineUsageError, match=r"engine.forward\(\) after engine.destroy"):
+        eng(h.batch())
+    with pytest.raises(EngineUsageError, match=r"engine.step\(\) after engine.destroy"):
+        eng.step()
+    assert all(  # the new engine starts from the old one's weights
+        torch.equal(safe_get_full_fp32_param(p), t) for p, t in zip(model.parameters(), trained)
+    )
+    del eng
+    gc.collect()
     eng2.backward(eng2(h.batch()))
     eng2.step()
+    eng2.destroy()
+    eng2.destroy()  # a second destroy does nothing
+    with pytest.raises(EngineUsageError, match="after engine.destroy"):
+        eng2.backward(eng2.module(h.batch()) if stage < 3 else torch.ones((), requires_grad=True))
 
 
 class _InfLR(torch.optim.lr_scheduler.LRScheduler):

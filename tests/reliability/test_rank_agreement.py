@@ -70,17 +70,42 @@ def _mismatched(kind: str) -> str:
         cfg["zero_optimization"]["stage"] = 1
     if kind == "shape" and rank == 1:
         width = 9
+    if kind in OTHER_KEYS:  # keys that shape collectives or the update; rank 1 differs
+        section, key, value = OTHER_KEYS[kind]
+        if section == "zero_optimization":
+            cfg["zero_optimization"]["stage"] = 3
+        if rank == 1:
+            (cfg.setdefault(section, {}) if section else cfg)[key] = value
+    model = h.net(width=width)
+    if kind == "leaf" and rank == 1:
+        from zero_offload.utils import set_z3_leaf_module
+
+        set_z3_leaf_module(model.a, True)
     try:
-        zero_offload.initialize(model=h.net(width=width), config=cfg)
+        zero_offload.initialize(model=model, config=cfg)
     except Exception as e:  # noqa: BLE001 - the message is the result
         return f"{type(e).__name__}: {e}"
     return "no error"
 
 
+# Before, the agreement skipped these: ranks that differed deadlocked until the timeout.
+OTHER_KEYS = {
+    "reuse": ("zero_optimization", "stage3_max_reuse_distance", 7),
+    "model_persistence": ("zero_optimization", "stage3_model_persistence_threshold", 5),
+    "allgather_partitions": ("zero_optimization", "allgather_partitions", False),
+    "gather_on_save": ("zero_optimization", "stage3_gather_16bit_weights_on_model_save", True),
+    "tag_validation": ("checkpoint", "tag_validation", "fail"),
+    "overflows": (None, "max_consecutive_overflows", 3),
+}
 KINDS = {
     "bucket": "zero_optimization.reduce_bucket_size",
     "stage": "zero_optimization.stage",
     "shape": "param a.weight",
+    "leaf": "zero-3 leaf modules",
+    **{
+        kind: f"{section}.{key}" if section else key
+        for kind, (section, key, _) in OTHER_KEYS.items()
+    },
 }
 
 

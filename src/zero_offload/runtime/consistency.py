@@ -6,9 +6,14 @@ different models at stage 0 and a silent mix of both at stages 1-2; ranks with d
 sizes or shapes would issue collectives of different sizes, which gloo reports only as "Received
 data size doesn't match". So, before the engine flattens or partitions anything:
 
-1. every rank gathers every rank's fingerprint (config keys that shape the collectives, and the
-   name, shape and dtype of each param and buffer) and compares it with rank 0's; a mismatch is
-   one error, raised identically on every rank, naming the key and the ranks that differ;
+1. every rank gathers every rank's fingerprint (every resolved config key but the few that are
+   rank-local by nature, the ZeRO-3 leaf modules, and the name, shape and dtype of each param and
+   buffer) and compares it with rank 0's; a mismatch is one error, raised identically on every
+   rank, naming the key and the ranks that differ. The config is compared whole rather than by
+   a hand-made list of "collective-shaping" keys: nearly every key changes which collectives run
+   or when (bucket sizes, reuse distance, persistence, save gathers, tag validation, the
+   overflow stop) or what the update does (ranks stepping with different lr silently train
+   different shards), and a key added later is covered without anyone remembering to list it;
 2. rank 0's params and buffers are broadcast to the others (DeepSpeed's start-up broadcast).
    It runs on the module's own tensors before the engine builds flat buffers or partitions, so
    every later layout (stage 3's too) starts from rank 0's values.
@@ -27,34 +32,40 @@ class RankMismatchError(RuntimeError):
     """Ranks were started with different configs or models."""
 
 
-def _config_fingerprint(config) -> dict[str, Any]:
-    zc = config.zero_optimization
-    oc = zc.offload_optimizer
-    return {
-        "zero_optimization.stage": zc.stage,
-        "dtype": str(config.dtype),
-        "zero_optimization.reduce_bucket_size": int(zc.reduce_bucket_size),
-        "zero_optimization.allgather_bucket_size": int(zc.allgather_bucket_size),
-        "zero_optimization.offload_optimizer.device": zc.offload_device,
-        "zero_optimization.offload_optimizer.delayed_update": bool(oc and oc.delayed_update),
-        "gradient_accumulation_steps": config.gradient_accumulation_steps,
-        "train_micro_batch_size_per_gpu": config.train_micro_batch_size_per_gpu,
-        "train_batch_size": config.train_batch_size,
-        "gradient_clipping": float(config.gradient_clipping),
-        "fp16.enabled": bool(config.fp16.enabled),
-        "bf16.enabled": bool(config.bf16.enabled),
-        "zero_optimization.offload_param.device": zc.offload_param_device,
-        "zero_optimization.stage3_prefetch_bucket_size": int(zc.stage3_prefetch_bucket_size),
-        "zero_optimization.stage3_param_persistence_threshold": int(
-            zc.stage3_param_persistence_threshold
-        ),
-        "zero_optimization.stage3_max_live_parameters": int(zc.stage3_max_live_parameters),
+# Keys that may differ between ranks: no collective, and no update, depends on them.
+RANK_LOCAL = frozenset(
+    {
+        "steps_per_print",  # rank 0 logs
+        "wall_clock_breakdown",
+        "seed",  # weights come from rank 0; per-rank dropout streams are the user's choice
+        "zero_optimization.offload_optimizer.threads",  # the host kernel's own pool
+        "zero_optimization.offload_optimizer.pin_memory",
+        "zero_optimization.offload_param.pin_memory",
+        "zero_optimization.offload_optimizer.nvme_path",  # a per-rank local path
+        "zero_optimization.offload_param.nvme_path",
     }
+)
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else k, out)
+    else:
+        out[prefix] = value
+
+
+def _config_fingerprint(config) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    _flatten(config.to_dict(), "", flat)
+    return {k: v for k, v in flat.items() if k not in RANK_LOCAL}
 
 
 def fingerprint(module: torch.nn.Module, config) -> dict[str, Any]:
-    """What every rank must agree on: collective-shaping config keys and the module's tensors."""
+    """What every rank must agree on: the config (but rank-local keys), the ZeRO-3 leaf
+    modules and the module's tensors."""
     out = _config_fingerprint(config)
+    out["zero-3 leaf modules"] = [n for n, m in module.named_modules() if getattr(m, "_z3_leaf", 0)]
     for kind, items in (("param", module.named_parameters()), ("buffer", module.named_buffers())):
         for name, t in items:  # a zero.Init param's shape is its ds_shape
             out[f"{kind} {name}"] = (tuple(getattr(t, "ds_shape", t.shape)), str(t.dtype))

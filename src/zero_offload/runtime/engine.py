@@ -57,7 +57,11 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
         """``param_groups`` empty: no optimizer (forward only: inference, a frozen reference
         model); ``client``: a client optimizer to run as itself instead of the built-in Adam."""
         super().__init__()
-        guards.check_not_wrapped(module.parameters())
+        self.destroyed = False
+        guards.take_over(module.parameters())
+        # Params that require grad now but are left out of the optimizer on purpose (a subset
+        # in model_parameters) are allowed; any other trainable param at a step is an error.
+        self._known_params = {id(p) for p in module.parameters() if p.requires_grad}
         self.module = module
         self.config = config
         self.device = dist.default_device()
@@ -238,6 +242,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
 
     # ---- DeepSpeed API -------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
+        guards.check_alive(self.destroyed, "forward")
         if self.scope.open and not in_backward():
             self.scope.abandon()  # the last backward raised part way: start clean
         with self._timed("forward"):
@@ -285,6 +290,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
         backward that ended the window (it reduced), another one before ``step()`` raises: its
         gradient would be reduced twice or lost; sum the losses instead."""
         guards.check_loss(loss)
+        guards.check_alive(self.destroyed, "backward")
         guards.check_has_optimizer(self.optimizer, "backward")
         self.scope.begin(ENGINE)
         gas = self._gas if scale_wrt_gas else 1
@@ -334,6 +340,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
         """Update at the accumulation boundary; always advances the micro-step counter.
 
         Every micro-step needs a backward() first: a step() without one raises."""
+        guards.check_alive(self.destroyed, "step")
         guards.check_has_optimizer(self.optimizer, "step")
         if not self._backward_since_step:
             raise guards.step_without_backward_error(self.global_steps)
@@ -344,6 +351,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
             samples *= self._unmanaged_backwards
             self._unmanaged_backwards = 0
             self._in_unmanaged_step = True
+            guards.check_trained(self.module, self._known_params)
             try:
                 self.reducer.finish_window()
                 with self._timed("step"):
@@ -351,6 +359,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
             finally:
                 self._in_unmanaged_step = False
         elif self.is_gradient_accumulation_boundary():
+            guards.check_trained(self.module, self._known_params)
             with self._timed("step"):
                 self._take_step()
         self.micro_steps += 1
@@ -575,8 +584,15 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
         return self.param_store.params_on_host(write_back)
 
     def destroy(self) -> None:
-        """Release the model: pending update applied, hooks removed, worker thread joined."""
+        """Release the model: pending update applied, hooks removed, worker thread joined; at
+        stage 3 the params stay partitioned, as ``zero.Init`` leaves them (a later initialize()
+        lays them out again). A collective at stage 3. The engine then refuses to run."""
+        if self.destroyed:
+            return
         self.flush_delayed_update()
+        if self.param_store is not None:
+            self.param_store.release_to_init_form()
+        self.destroyed = True
         self.reducer.remove()
         if self.fetch_schedule is not None:
             self.fetch_schedule.remove()

@@ -13,10 +13,13 @@ Invariants the engine relies on, enforced here:
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 
 import torch
+
+log = logging.getLogger("zero_offload")
 
 
 class EngineUsageError(RuntimeError):
@@ -27,16 +30,44 @@ class NonFiniteHyperparameterError(ValueError):
     """A learning rate, beta, eps or weight decay became NaN or infinite before an update."""
 
 
-def check_not_wrapped(params: Iterable[torch.nn.Parameter]) -> None:
+def take_over(params: Iterable[torch.nn.Parameter]) -> None:
+    """A model still wrapped by an engine (not destroyed: maybe dropped, which at stage 3 keeps
+    it alive through the model's hooks) is released from it first, with a warning; that engine
+    then refuses to run. A collective, as initialize() is: every rank destroys the same one."""
     for p in params:
         tag = getattr(p, "_zero_offload", None)
-        if tag is not None and tag[0]() is not None:
-            raise EngineUsageError(
-                "initialize(): this model is already wrapped by an engine (its parameters are "
-                "views of that engine's buffers and carry its gradient hooks). Keep using the "
-                "first engine, call engine.destroy() on it before initializing again, or build "
-                "a fresh model."
+        old = tag[0]() if tag is not None else None
+        if old is not None and not old.destroyed:
+            log.warning(
+                "initialize(): this model is still wrapped by an earlier engine that was not "
+                "destroyed; destroying it (its forward/backward/step now raise) and wrapping the "
+                "model anew. Call engine.destroy() yourself to silence this."
             )
+            old.destroy()
+            return
+
+
+def check_trained(module: torch.nn.Module, known: set[int]) -> None:
+    """Before an update: every param that requires grad is one the engine trains, or one it
+    was told to leave out (``known``: the params that required grad at initialize()). A param created or unfrozen
+    later has no optimizer state or gradient buffer, so it would silently never train."""
+    for p in module.parameters():
+        if p.requires_grad and id(p) not in known and getattr(p, "_zero_offload", None) is None:
+            name = next(n for n, q in module.named_parameters() if q is p)
+            raise EngineUsageError(
+                f"parameter {name!r} requires grad but this engine does not train it: it was "
+                "created or unfrozen after initialize(), which built the optimizer state and "
+                "gradient buffers. Set requires_grad and add modules before initialize(), or "
+                "initialize a new engine"
+            )
+
+
+def check_alive(destroyed: bool, what: str) -> None:
+    if destroyed:
+        raise EngineUsageError(
+            f"engine.{what}() after engine.destroy(): this engine no longer holds the model "
+            "(its hooks are gone and its state released); initialize() a new engine"
+        )
 
 
 def check_loss(loss: object) -> torch.Tensor:

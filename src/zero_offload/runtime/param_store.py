@@ -36,7 +36,7 @@ import torch
 
 from . import dist
 from .flat_group import FlatGroup
-from .init_partition import full_value, next_ds_id
+from .init_partition import InitShard, full_value, next_ds_id
 from .labels import FETCH, label
 from .layout import Segment
 from .status import ZeroParamStatus
@@ -313,6 +313,34 @@ class ParamStore:
                 if master is not None:
                     b = slot.bucket
                     master[b.shard_start : b.shard_start + b.slice_numel].copy_(own)
+
+    def restore(self, ids) -> None:
+        """Slots ``ids`` that stayed gathered (persistent, or in use by a running module) take
+        their values from the shards again, dropping any edit made to the gathered copy. A
+        collective when any slot is gathered; every rank has the same ones."""
+        again = [i for i in ids if self.slots[i].status is not ZeroParamStatus.NOT_AVAILABLE]
+        for i in again:
+            self.release(i, force=True)
+        self.fetch(again)
+
+    def release_to_init_form(self) -> None:
+        """The engine is destroyed: every param leaves this store as a ``zero.Init`` param
+        (its even chunk as ``ds_tensor``), so the model stays partitioned without the store and a
+        later engine lays it out again. A collective (one slot gathered at a time)."""
+        self.quiesce()
+        where = self.shards[0].device if self.shards else self.device
+        for slot in self.slots:
+            self.wait(slot.index)
+            for p, (off, n, shape) in zip(slot.params, slot.views):
+                spec = InitShard(n, tuple(shape), self.world, self.rank)
+                p.ds_tensor = slot.buf[off + spec.lo : off + spec.hi].to(where, copy=True)
+                p._z3_init = spec
+                for attr in ("_z3_slot", "_z3_store", "ds_z3_leaf_module", "ds_persist"):
+                    if hasattr(p, attr):
+                        delattr(p, attr)
+            self.release(slot.index, force=True)
+            self._set_status(slot, ZeroParamStatus.NOT_AVAILABLE)
+        self.pinned.clear()
 
     # ---- whole-model access (checkpoints) -------------------------------------------------------
     @contextlib.contextmanager

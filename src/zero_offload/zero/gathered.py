@@ -72,6 +72,8 @@ class GatheredParameters:
                 for i in ids:
                     store.pinned[i] -= 1
                     store.release(i)
+                if self.modifier_rank is None:  # edits are discarded, as in DeepSpeed
+                    store.restore([i for i in ids if not store.pinned[i]])
             for p in self.init_params:
                 if self.modifier_rank is not None:
                     dist.broadcast(p.data, src=self.modifier_rank)
