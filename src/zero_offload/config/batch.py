@@ -15,6 +15,7 @@ from .errors import ConfigError
 TBS = "train_batch_size"
 MICRO = "train_micro_batch_size_per_gpu"
 GAS = "gradient_accumulation_steps"
+MAX_GAS = 1_000_000
 
 
 class BatchSizes(NamedTuple):
@@ -78,5 +79,10 @@ def resolve_batch_sizes(
         raise ConfigError(
             f"{TBS} {tbs} != {MICRO} {micro} * {GAS} {gas} * world_size {world_size} "
             f"= {micro * gas * world_size}{note}"
+        )
+    if gas > MAX_GAS:
+        raise ConfigError(
+            f"{GAS} {gas} is beyond any sane accumulation (at most {MAX_GAS:,} micro-steps per "
+            "update): a typo? One update would take that many forward/backward passes"
         )
     return BatchSizes(tbs, micro, gas)

@@ -38,6 +38,20 @@ def _legacy_forms(raw: dict[str, Any], problems: list[str]) -> dict[str, Any]:
     return raw
 
 
+def _unused_nvme_paths(config: ZeroOffloadConfig) -> list[str]:
+    """``nvme_path`` given for an offload whose device is not NVMe: DeepSpeed ignores it too,
+    but never silently here."""
+    zc = config.zero_optimization
+    out = []
+    for name, section in (
+        ("offload_optimizer", zc.offload_optimizer),
+        ("offload_param", zc.offload_param),
+    ):
+        if section is not None and section.nvme_path is not None and section.device != "nvme":
+            out.append(f"zero_optimization.{name}.nvme_path (device is {section.device!r})")
+    return out
+
+
 def load_config(
     source: ConfigSource,
     world_size: int = 1,
@@ -107,7 +121,11 @@ def load_config(
             AutoValueWarning,
             stacklevel=2,
         )
-    unimplemented = [*prepared.ignored, *config.non_default_unimplemented()]
+    unimplemented = [
+        *prepared.ignored,
+        *config.non_default_unimplemented(),
+        *_unused_nvme_paths(config),
+    ]
     if unimplemented:
         warnings.warn(
             f"{origin}: accepted but not implemented (no effect): {', '.join(unimplemented)}",

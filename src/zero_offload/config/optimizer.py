@@ -26,7 +26,7 @@ class AdamParams(Section):
         "max_grad_norm": 'not an optimizer parameter; use the top-level "gradient_clipping"',
     }
 
-    lr: Float = Field(1e-3, ge=0.0)
+    lr: Float = Field(1e-3, ge=0.0, le=1e3)  # beyond 1e3 no optimizer trains: a typo
     betas: tuple[Beta, Beta] = (0.9, 0.999)
     eps: Float = Field(1e-8, ge=0.0)
     weight_decay: Float = Field(0.0, ge=0.0)

@@ -157,7 +157,7 @@ class ZeroConfig(Section):
     stage3_max_live_parameters: DsInt = Field(1_000_000_000, ge=0)
     stage3_max_reuse_distance: DsInt = Field(1_000_000_000, ge=0)
     stage3_gather_16bit_weights_on_model_save: Bool = False
-    sub_group_size: DsInt = Field(1_000_000_000, ge=0)
+    sub_group_size: DsInt = Field(1_000_000_000, gt=0)
     leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
 
     @classmethod

@@ -301,8 +301,11 @@ class ParamStore:
     # ---- edits of full params (GatheredParameters with a modifier rank) ------------------------
     def write_back(self, ids, src_rank: int) -> None:
         """Every rank takes rank ``src_rank``'s full values of the gathered slots ``ids`` into its
-        param shard (and its fp32 master shard, for trainable groups)."""
+        param shard (and its fp32 master shard, for trainable groups). A param whose ``.data``
+        was replaced inside the block counts by its new value; a new shape is refused on every
+        rank (the shards and the master keep the param's size)."""
         with torch.no_grad():
+            self._adopt_replaced_data(ids)
             for i in ids:
                 slot = self.slots[i]
                 self.wait(i)
@@ -313,6 +316,31 @@ class ParamStore:
                 if master is not None:
                     b = slot.bucket
                     master[b.shard_start : b.shard_start + b.slice_numel].copy_(own)
+
+    def _adopt_replaced_data(self, ids) -> None:
+        problems = []
+        for i in ids:
+            slot = self.slots[i]
+            self.wait(i)
+            for p, (off, n, shape) in zip(slot.params, slot.views):
+                view = slot.buf[off : off + n]
+                if p.data.data_ptr() == view.data_ptr() and tuple(p.shape) == tuple(shape):
+                    continue
+                if tuple(p.shape) != tuple(shape):
+                    problems.append(f"shape {list(p.shape)} instead of {list(shape)}")
+                else:
+                    view.copy_(p.data.reshape(-1))  # .data = new tensor: its values are the edit
+        flag = torch.tensor([1 if problems else 0], dtype=torch.int32, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(flag)
+        if int(flag):  # every rank raises, so no rank waits in a broadcast alone
+            mine = f" (here: a param got {problems[0]})" if problems else ""
+            raise ValueError(
+                "GatheredParameters(modifier_rank=...): a param's .data was given a new shape "
+                f"inside the block{mine}; a partitioned param keeps its size (its shards and "
+                "fp32 master are laid out for it): write values in place, or rebuild the model "
+                "before initialize()"
+            )
 
     def restore(self, ids) -> None:
         """Slots ``ids`` that stayed gathered (persistent, or in use by a running module) take

@@ -33,10 +33,14 @@ class GatheredParameters:
         fwd_module: torch.nn.Module | None = None,
         enabled: bool = True,
     ) -> None:
-        if modifier_rank is not None and not 0 <= int(modifier_rank) < dist.world_size():
+        if modifier_rank is not None and (
+            isinstance(modifier_rank, bool)
+            or not isinstance(modifier_rank, int)
+            or not 0 <= modifier_rank < dist.world_size()
+        ):
             raise ValueError(
-                f"GatheredParameters: modifier_rank must be None or in [0, {dist.world_size()}), "
-                f"got {modifier_rank}"
+                f"GatheredParameters: modifier_rank must be None or an int rank in "
+                f"[0, {dist.world_size()}), got {modifier_rank!r}"
             )
         self.enabled = enabled
         self.modifier_rank = modifier_rank
@@ -67,11 +71,13 @@ class GatheredParameters:
     def __exit__(self, *exc) -> None:
         with torch.no_grad():
             for store, ids in self.by_store.values():
-                if self.modifier_rank is not None:
-                    store.write_back(ids, self.modifier_rank)
-                for i in ids:
-                    store.pinned[i] -= 1
-                    store.release(i)
+                try:
+                    if self.modifier_rank is not None:
+                        store.write_back(ids, self.modifier_rank)
+                finally:  # a refused write-back still unpins and frees the gathered copies
+                    for i in ids:
+                        store.pinned[i] -= 1
+                        store.release(i)
                 if self.modifier_rank is None:  # edits are discarded, as in DeepSpeed
                     store.restore([i for i in ids if not store.pinned[i]])
             for p in self.init_params:

@@ -71,6 +71,12 @@ class Init:
 
     @staticmethod
     def _config_dtype(cfg) -> torch.dtype | None:
+        """The training dtype of a config, validated (a bad key is the same ConfigError
+        initialize() would raise). zero.Init needs no batch size: a config without a numeric
+        one (Hugging Face's "auto") is checked as if the micro batch were 1. Warnings are left
+        to initialize(), which reads the same config."""
+        import warnings
+
         from ..config import load_config
 
         if isinstance(cfg, str | os.PathLike):
@@ -78,12 +84,14 @@ class Init:
 
             cfg = read_json_file(cfg)
         if isinstance(cfg, dict):
-            for key in ("fp16", "bf16", "bfloat16"):
-                block = cfg.get(key)
-                if isinstance(block, dict) and block.get("enabled") is True:
-                    return torch.bfloat16 if key != "fp16" else torch.float16
-            return None
-        return load_config(cfg, world_size=dist.world_size()).dtype
+            batch = ("train_batch_size", "train_micro_batch_size_per_gpu")
+            if not any(isinstance(cfg.get(k), int) for k in batch):
+                cfg = {**cfg, "train_micro_batch_size_per_gpu": 1}
+                cfg.pop("train_batch_size", None)
+                cfg.pop("gradient_accumulation_steps", None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return load_config(cfg, world_size=dist.world_size()).dtype
 
     # ---- partitioning --------------------------------------------------------------------------
     def _partition_module(self, m: torch.nn.Module) -> None:
