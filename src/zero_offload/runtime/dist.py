@@ -114,15 +114,16 @@ def set_step(step: int | None) -> None:
 
 
 @contextlib.contextmanager
-def _named(name: str):
+def _named(name: str, what: str | None = None):
     try:
         yield
     except CollectiveError:
         raise
     except RuntimeError as e:  # torch's DistBackendError and gloo's timeouts are RuntimeErrors
         at = f"engine step {_step}" if _step is not None else "start-up (before the first step)"
+        doing = f" ({what})" if what else ""
         raise CollectiveError(
-            f"collective {name} failed on rank {rank()} of {world_size()} at {at}: {e} "
+            f"collective {name}{doing} failed on rank {rank()} of {world_size()} at {at}: {e} "
             "(a rank that died, froze or was started differently; the collective timeout is "
             "init_distributed(timeout=...) or the launcher's --timeout)"
         ) from e
@@ -131,21 +132,23 @@ def _named(name: str):
 class _Work:
     """An async collective's handle whose ``wait`` names the collective when it fails."""
 
-    def __init__(self, work, name: str) -> None:
-        self._work, self._name = work, name
+    def __init__(self, work, name: str, what: str | None = None) -> None:
+        self._work, self._name, self._what = work, name, what
 
     def wait(self, *args, **kwargs):
-        with _named(self._name):
+        with _named(self._name, self._what):
             return self._work.wait(*args, **kwargs)
 
     def __getattr__(self, attr):
         return getattr(self._work, attr)
 
 
-def _run(name: str, fn, *args, async_op: bool = False, **kwargs):
-    with _named(name):
+def _run(name: str, fn, *args, async_op: bool = False, what: str | None = None, **kwargs):
+    """``what``: what the collective is for, named in its error (e.g. the params a stage-3
+    gather fetches)."""
+    with _named(name, what):
         work = fn(*args, async_op=async_op, **kwargs)
-    return _Work(work, name) if work is not None else None
+    return _Work(work, name, what) if work is not None else None
 
 
 def is_distributed() -> bool:
@@ -186,13 +189,15 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, async_op: bool = False)
     return _run("reduce_scatter", _reduce_scatter, out, inp, async_op=async_op)
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+def all_gather(
+    out: torch.Tensor, inp: torch.Tensor, async_op: bool = False, what: str | None = None
+):
     """Gather every rank's ``inp`` into ``out``; ``inp`` may be this rank's own slice of ``out``."""
     if world_size() == 1:
         if inp.data_ptr() != out.data_ptr():
             out.copy_(inp)
         return None
-    return _run("all_gather", _all_gather, out, inp, async_op=async_op)
+    return _run("all_gather", _all_gather, out, inp, async_op=async_op, what=what)
 
 
 def all_reduce(t: torch.Tensor, async_op: bool = False):

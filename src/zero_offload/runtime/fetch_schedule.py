@@ -38,7 +38,9 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import dist
 from .backward_scope import BackwardScope, in_backward
+from .consistency import RankMismatchError
 from .param_store import ParamStore, Stage3Policy
 from .partition_units import scheduled_modules
 from .status import ZeroParamStatus
@@ -135,6 +137,7 @@ class FetchSchedule:
         self.replay: list[int] | None = None
         self.pos = 0
         self.suspended = False  # unwrap_model_for_generation: every param held gathered
+        self.order_checked = False
         scope.on_end(self._end_backward, self._end_backward)
 
     # ---- pass bookkeeping ----------------------------------------------------------------------
@@ -263,8 +266,38 @@ class FetchSchedule:
 
     def _end_backward(self) -> None:
         self._reset_grads()
+        if not self.order_checked and self.module.training:
+            self.order_checked = True
+            self._check_same_order()
         if not self.stack:
             self.store.release_all()
+
+    def _check_same_order(self) -> None:
+        """Once, at the end of the first training backward: every rank gathered the same slots
+        in the same order. Ranks that ran different modules (data-dependent calls, as in
+        Mixture-of-Experts routing) pair different params in one all-gather, silently when the
+        sizes agree: refuse before the first update, naming the first difference."""
+        if self.store.world == 1 or self.recording is None:
+            return
+        orders: list = [None] * self.store.world
+        dist.all_gather_object(orders, list(self.recording))
+        ref = orders[0]
+        for r, order in enumerate(orders[1:], start=1):
+            if order == ref:
+                continue
+            k = next(
+                (i for i, (a, b) in enumerate(zip(ref, order)) if a != b), min(len(ref), len(order))
+            )
+            mine, theirs = (
+                self.store.slots[o[k]].label if k < len(o) else "nothing" for o in (ref, order)
+            )
+            raise RankMismatchError(
+                f"ranks gathered stage-3 params in different orders in the first step: at "
+                f"gather {k} rank 0 did the {mine}, rank {r} the {theirs}. Modules "
+                "called depending on the data (Mixture-of-Experts experts) must be fetched "
+                "whole: mark their block with zero_offload.utils.set_z3_leaf_modules or the "
+                "zero_optimization.leaf_module config"
+            )
 
     def _reset_grads(self) -> None:
         self.grad_pending[:] = self.grad_count

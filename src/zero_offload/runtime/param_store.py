@@ -85,11 +85,15 @@ class Slot:
         "event",
         "persistent",
         "trainable",
+        "label",
     )
 
     def __init__(self, index: int, group: FlatGroup, bucket, trainable: bool) -> None:
         self.index, self.group, self.bucket, self.trainable = index, group, bucket, trainable
         self.params = [group.params[i] for i in bucket.params]
+        names = [group.names[i] for i in bucket.params]
+        more = f" and {len(names) - 2} more" if len(names) > 2 else ""
+        self.label = f"stage-3 gather of {', '.join(names[:2])}{more}"
         # (offset inside the bucket, numel, shape) of each param's full view
         self.views = [
             (group.layout.offsets[i] - bucket.start, p.ds_numel, p.ds_shape)
@@ -199,7 +203,9 @@ class ParamStore:
             buf = torch.empty(b.numel, dtype=slot.group.dtype, device=self.device)
             own = self._own_slice(slot, buf)
             own.copy_(src, non_blocking=st.cuda)
-            slot.work = dist.all_gather(buf, own, async_op=self.world > 1 and not st.cuda)
+            slot.work = dist.all_gather(
+                buf, own, async_op=self.world > 1 and not st.cuda, what=slot.label
+            )
             slot.event = st.record(st.fetch)
         slot.buf = buf
         slot.status = ZeroParamStatus.INFLIGHT
