@@ -105,6 +105,50 @@ def test_resealed_metadata_still_loads(saved, tmp_path):
     assert eng.load_checkpoint(str(root))[0] is not None
 
 
+# Layout edits that keep every shard's size (numels [1, 8, 8, 64], align 16, one rank: 96
+# elements either way), so only a check of the layout itself can see them.
+_LAYOUT_EDITS = {
+    "bucket reordered": ("bucket_params", [[2, 1, 0], [3]]),
+    "bucket boundary moved": ("bucket_params", [[0, 1], [2, 3]]),
+    "buckets merged": ("bucket_params", [[0, 1, 2, 3]]),
+    "first param alone": ("bucket_params", [[0], [1, 2, 3]]),
+    "param twice": ("bucket_params", [[0, 1, 1], [3]]),
+    "empty bucket": ("bucket_params", [[0, 1, 2], [], [3]]),
+    "align": ("align", 8),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(_LAYOUT_EDITS))
+@pytest.mark.parametrize("reader", ["load_checkpoint", "export"])
+def test_resealed_layout_that_does_not_match_the_rank_files_is_refused(
+    saved, tmp_path, edit, reader
+):
+    """meta.json edited and re-sealed (its digest recomputed): the layout it describes must still
+    be the one the rank files were written under, or shards would be read at wrong offsets."""
+    from zero_offload.checkpoint import get_fp32_state_dict_from_zero_checkpoint
+
+    root = tmp_path / "ck"
+    shutil.copytree(saved, root)
+    path = root / TAG / "meta.json"
+    meta = json.loads(path.read_text())
+    group = meta["groups"][0]
+    assert group["numels"] == [1, 8, 8, 64] and group["bucket_params"] == [[0, 1, 2], [3]]
+    key, value = _LAYOUT_EDITS[edit]
+    group[key] = value
+    path.write_bytes(sealed_meta_bytes(meta))
+    with pytest.raises(CheckpointError) as info:
+        if reader == "export":
+            get_fp32_state_dict_from_zero_checkpoint(str(root))
+        else:
+            eng = h.engine(stage=2, offload=True)
+            try:
+                eng.load_checkpoint(str(root))
+            finally:
+                eng.destroy()
+    message = str(info.value)
+    assert str(path) in message and key in message and "groups[0]" in message, message
+
+
 @pytest.mark.parametrize("target", ["..", "../saved", "/etc", "a/b", ".hidden", "x\\y"])
 def test_latest_cannot_point_outside_the_folder(saved, tmp_path, target):
     root = tmp_path / "ck"

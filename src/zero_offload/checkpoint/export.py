@@ -21,6 +21,14 @@ from .tensor_file import DTYPES, Entry, write_file
 
 
 def _open(checkpoint_dir, tag) -> CheckpointReader:
+    from .deepspeed import is_deepspeed_checkpoint
+
+    if is_deepspeed_checkpoint(checkpoint_dir, tag):
+        raise CheckpointError(
+            f"{checkpoint_dir} is a DeepSpeed checkpoint, not this project's format; convert it "
+            f"once with: zero-offload convert-deepspeed {checkpoint_dir} CONVERTED_DIR, then "
+            "export CONVERTED_DIR"
+        )
     ckpt = CheckpointReader.open(Path(checkpoint_dir), tag)
     if ckpt is None:
         raise CheckpointNotFoundError(
@@ -53,7 +61,7 @@ def _entries(ckpt: CheckpointReader, dtype: torch.dtype, exclude_frozen: bool) -
                 except ValueError as e:
                     raise CheckpointError(f"{ckpt.path / 'meta.json'}: {e}") from None
                 for f, src, _, n in plans[target]:
-                    ckpt.require_tensor(f, shard_tensor(g.index, "master"), "F32", (g.shard_numel,))
+                    ckpt.require_shard(g, f, "master")
                     ranges.setdefault(f, []).append(
                         ckpt.tensor_range(f, shard_tensor(g.index, "master"), src, src + n)
                     )
@@ -74,6 +82,9 @@ def _entries(ckpt: CheckpointReader, dtype: torch.dtype, exclude_frozen: bool) -
             entries.append(Entry(key, out, info.shape, _model_reader(ckpt, target, out)))
     for f, r in ranges.items():
         ckpt.verify(f, r)
+    for f in ranges:  # each rank file read: written under meta.json's layout?
+        if f != MODEL_FILE:
+            ckpt.check_layout(f)
     return entries
 
 
@@ -127,13 +138,38 @@ def export_safetensors(
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.tmp")
     with _open(checkpoint_dir, tag) as ckpt:
-        write_file(tmp, _entries(ckpt, dtype, exclude_frozen_parameters), {"format": "pt"})
-    os.replace(tmp, out_path)
-    fsync_dir(out_path.parent)
+        entries = _entries(ckpt, dtype, exclude_frozen_parameters)
+        _make_parent(out_path)
+        tmp = out_path.with_name(f".{out_path.name}.tmp")
+        try:
+            write_file(tmp, entries, {"format": "pt"})
+            os.replace(tmp, out_path)
+            fsync_dir(out_path.parent)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise CheckpointError(
+                f"{out_path}: cannot write the export ({e.strerror or e}); expected a writable "
+                "file path whose folder exists or can be created"
+            ) from None
     return out_path
+
+
+def _make_parent(out_path: Path) -> None:
+    """Create ``out_path``'s folder, naming the path (and the file in the way) when it cannot."""
+    try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        blocker = next((p for p in [out_path.parent, *out_path.parent.parents] if p.exists()), None)
+        why = (
+            f"{blocker} is a file, not a folder"
+            if blocker is not None and not blocker.is_dir()
+            else (e.strerror or str(e))
+        )
+        raise CheckpointError(
+            f"{out_path}: cannot create its folder: {why}; expected an output path whose "
+            "parents are folders (or do not exist yet)"
+        ) from None
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(

@@ -128,6 +128,36 @@ def sealed_meta_bytes(meta: dict) -> bytes:
     return json.dumps(sealed, indent=1).encode("utf-8")
 
 
+# The fields of a meta.json group that say where each param lies in the rank files' shards.
+LAYOUT_FIELDS = (
+    "names",
+    "shapes",
+    "numels",
+    "bucket_params",
+    "align",
+    "layout_world_size",
+    "sharded",
+)
+LAYOUT_KEY = "layout_sha256"  # in a rank file's RANK_META_KEY JSON: per group, per field
+
+
+def layout_digests(groups: list) -> list[dict[str, str]]:
+    """Per param group, the SHA-256 of each layout field as meta.json records it. Every rank
+    file records these, so a meta.json whose layout was changed (and re-sealed) after the rank
+    files were written is refused rather than read at the wrong offsets."""
+    out = []
+    for g in groups:
+        out.append(
+            {
+                k: hashlib.sha256(
+                    json.dumps(g.get(k), sort_keys=True, separators=(",", ":")).encode("utf-8")
+                ).hexdigest()
+                for k in LAYOUT_FIELDS
+            }
+        )
+    return out
+
+
 def check_meta_digest(meta: dict, where: str) -> None:
     recorded = require(meta, META_DIGEST_KEY, where)
     if recorded != meta_digest(meta):

@@ -120,7 +120,7 @@ def _plan_groups(engine, ckpt: CheckpointReader, plan: LoadPlan) -> None:
             raise CheckpointError(f"{where}: param group {g.index}: {e}") from None
         for f in sorted({old.files[r.source] for r in reads}):
             for kind in SHARD_KINDS:
-                ckpt.require_tensor(f, shard_tensor(g.index, kind), "F32", (old.shard_numel,))
+                ckpt.require_shard(old, f, kind)
         for r in reads:
             f = old.files[r.source]
             for kind in SHARD_KINDS:
@@ -174,4 +174,7 @@ def make_plan(
                 )
     for name, ranges in plan.ranges.items():
         ckpt.verify(name, ranges)
+    for name in plan.ranges:  # each rank file read: written under meta.json's layout?
+        if name != MODEL_FILE:
+            ckpt.check_layout(name)
     return plan

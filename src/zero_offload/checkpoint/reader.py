@@ -5,6 +5,7 @@ unpickled)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -17,14 +18,19 @@ from ..runtime.layout import FlatLayout, layout_from_buckets
 from . import atomic
 from .format import (
     FORMAT,
+    LAYOUT_FIELDS,
+    LAYOUT_KEY,
     META_FILE,
+    RANK_META_KEY,
     READABLE_VERSIONS,
     CheckpointError,
     CheckpointNotFoundError,
     check_meta_digest,
     check_tag,
+    layout_digests,
     read_json,
     require,
+    shard_tensor,
 )
 from .reslice import Piece, SourceIndex, shard_pieces, source_segments
 from .tensor_file import Header, check_digest_schema, read_header, verify
@@ -79,6 +85,7 @@ class CheckpointReader:
         for key in ("world_size", "files", "model", "groups", "counters", "ranks"):
             require(self.meta, key, where)
         self._headers: dict[str, Header] = {}
+        self._layout_checked: set[str] = set()
         self._handles: dict[str, object] = {}
         self._slices: dict[tuple[str, str], object] = {}
 
@@ -153,6 +160,50 @@ class CheckpointReader:
             )
         return info
 
+    def require_shard(self, group: GroupMeta, name: str, kind: str) -> None:
+        """``name`` holds ``group``'s ``kind`` shard with the size meta.json's layout implies."""
+        tensor = shard_tensor(group.index, kind)
+        info = self.header(name).tensors.get(tensor)
+        if info is None:
+            raise CheckpointError(f"{self.path / name}: tensor {tensor!r} is missing")
+        if info.dtype != "F32" or info.shape != (group.shard_numel,):
+            raise CheckpointError(
+                f"{self.path / name}: tensor {tensor!r} is {info.dtype} {list(info.shape)}, but "
+                f"{self.path / META_FILE} groups[{group.index}] (numels, bucket_params, align, "
+                f"layout_world_size, sharded) describes F32 [{group.shard_numel}]: the layout in "
+                "meta.json is not the one this file was written under"
+            )
+
+    def check_layout(self, name: str) -> None:
+        """Rank file ``name`` was written under the layout meta.json describes: it records a
+        digest of each group's layout fields (rank files of older versions do not, and are not
+        checked). Call after ``verify`` has checked ``name``'s header."""
+        if name in self._layout_checked:
+            return
+        try:
+            info = json.loads(self.header(name).metadata.get(RANK_META_KEY, "{}"))
+        except ValueError as e:
+            raise CheckpointError(f"{self.path / name}: rank metadata is not JSON ({e})") from None
+        recorded = info.get(LAYOUT_KEY) if isinstance(info, dict) else None
+        if recorded is not None:
+            described = layout_digests(self.meta["groups"])
+            if not isinstance(recorded, list) or len(recorded) != len(described):
+                raise CheckpointError(
+                    f"{self.path / META_FILE} groups: {len(described)} param groups, but "
+                    f"{self.path / name} was written with "
+                    f"{len(recorded) if isinstance(recorded, list) else 'no'} groups"
+                )
+            for gi, (got, want) in enumerate(zip(recorded, described)):
+                for key in LAYOUT_FIELDS:
+                    if not isinstance(got, dict) or got.get(key) != want[key]:
+                        raise CheckpointError(
+                            f"{self.path / META_FILE} groups[{gi}].{key}: not the one "
+                            f"{self.path / name} was written under (the metadata was edited "
+                            "and re-sealed, or belongs to other rank files); refusing to read "
+                            "the shards at the wrong offsets"
+                        )
+        self._layout_checked.add(name)
+
     def verify(self, name: str, ranges: Iterable[tuple[int, int]] | None) -> None:
         """Checksum the blocks holding the header and ``ranges`` (the whole file when None)."""
         header = self.header(name)
@@ -210,12 +261,9 @@ class CheckpointReader:
                 names = [str(n) for n in require(g, "names", w)]
                 shapes = [tuple(int(d) for d in s) for s in require(g, "shapes", w)]
                 numels = [int(n) for n in require(g, "numels", w)]
-                layout = layout_from_buckets(
-                    numels,
-                    [[int(i) for i in b] for b in require(g, "bucket_params", w)],
-                    int(require(g, "layout_world_size", w)),
-                    int(require(g, "align", w)),
-                )
+                buckets = [[int(i) for i in b] for b in require(g, "bucket_params", w)]
+                world = int(require(g, "layout_world_size", w))
+                align = int(require(g, "align", w))
                 sharded = bool(require(g, "sharded", w))
             except (TypeError, ValueError, IndexError) as e:
                 raise CheckpointError(f"{w}: malformed ({e})") from None
@@ -223,8 +271,23 @@ class CheckpointReader:
                 len(names) != len(shapes)
                 or len(names) != len(numels)
                 or any(_numel(s) != n for s, n in zip(shapes, numels))
+                or any(d < 0 for s in shapes for d in s)
             ):
                 raise CheckpointError(f"{w}: names, shapes and numels disagree")
+            if world < 1 or align < 1:
+                raise CheckpointError(
+                    f"{w}: layout_world_size and align must be >= 1, got {world} and {align}"
+                )
+            if any(not b for b in buckets) or [i for b in buckets for i in b] != list(
+                range(len(numels))
+            ):
+                shown = str(buckets) if len(str(buckets)) <= 80 else str(buckets)[:77] + "..."
+                raise CheckpointError(
+                    f"{w}.bucket_params: {shown} must split params 0..{len(numels) - 1} into "
+                    "non-empty buckets of consecutive params, in order (as every layout is "
+                    "built); the metadata was edited or damaged"
+                )
+            layout = layout_from_buckets(numels, buckets, world, align)
             files = list(rank_files[: layout.world_size]) if sharded else [rank_files[0]]
             if len(files) != (layout.world_size if sharded else 1):
                 raise CheckpointError(

@@ -21,6 +21,7 @@ from .collective import agree_on_tag, failed_ranks
 from .format import (
     FORMAT,
     FORMAT_VERSION,
+    LAYOUT_KEY,
     META_FILE,
     MODEL_FILE,
     RANK_META_KEY,
@@ -28,6 +29,7 @@ from .format import (
     CheckpointError,
     check_tag,
     json_value,
+    layout_digests,
     rank_file,
     read_json,
     sealed_meta_bytes,
@@ -121,7 +123,7 @@ def _common_meta(engine, tag: str, client_state) -> dict:
     }
 
 
-def _write_rank_file(engine, stage: Path) -> dict:
+def _write_rank_file(engine, stage: Path, groups: list) -> dict:
     """This rank's master shard and optimizer state (stage 0: rank 0 alone, every rank holds the
     same) and its RNG states."""
     entries = []
@@ -130,7 +132,12 @@ def _write_rank_file(engine, stage: Path) -> dict:
             entries += [Entry.of(shard_tensor(gi, k), getattr(so, k)) for k in SHARD_KINDS]
     rng_json, rng_tensors = rng.capture(engine.device)
     entries += [Entry.of(k, v) for k, v in rng_tensors.items()]
-    info = {"rank": engine.global_rank, "world_size": engine.world_size, "rng": rng_json}
+    info = {
+        "rank": engine.global_rank,
+        "world_size": engine.world_size,
+        "rng": rng_json,
+        LAYOUT_KEY: layout_digests(groups),  # the layout meta.json must describe
+    }
     path = stage / rank_file(engine.global_rank)
     with writing(path):
         return write_file(path, entries, {RANK_META_KEY: json.dumps(info)})
@@ -204,7 +211,7 @@ def save_checkpoint(
         # stage 3: full params in host memory, gathered one module at a time (a collective,
         # entered first so that every rank reaches it)
         with engine.params_on_host():
-            digests = {rank_file(rank): _write_rank_file(engine, stage)}
+            digests = {rank_file(rank): _write_rank_file(engine, stage, common["groups"])}
             model = None
             if rank == 0:
                 digests[MODEL_FILE], model = _write_model_file(

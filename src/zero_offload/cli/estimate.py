@@ -6,17 +6,48 @@ device)."""
 from __future__ import annotations
 
 import argparse
+import math
+
+
+def _param_count(text: str) -> int:
+    """``--params``: a finite count >= 1, written as an integer or a float (1.5e9)."""
+    try:
+        value = int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+    try:
+        finite = value is not None and math.isfinite(value)  # float(value): an int past 1e308
+    except OverflowError:
+        finite = False
+    if not finite or value < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a finite parameter count >= 1 (e.g. 1.5e9), got {text!r}"
+        )
+    return int(value)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", type=float, help="parameter count, e.g. 1.5e9")
+    p.add_argument("--params", type=_param_count, help="parameter count, e.g. 1.5e9")
     p.add_argument("--model", choices=["gpt2"], help="count the parameters of a model instead")
-    p.add_argument("--num-layers", type=int, default=48)
-    p.add_argument("--hidden-size", type=int, default=1600)
-    p.add_argument("--num-attention-heads", type=int, default=16)
-    p.add_argument("--seq-length", type=int, default=1024)
-    p.add_argument("--vocab-size", type=int, default=50257)
-    p.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (default 1)")
+    p.add_argument("--num-layers", type=_positive_int, default=48)
+    p.add_argument("--hidden-size", type=_positive_int, default=1600)
+    p.add_argument("--num-attention-heads", type=_positive_int, default=16)
+    p.add_argument("--seq-length", type=_positive_int, default=1024)
+    p.add_argument("--vocab-size", type=_positive_int, default=50257)
+    p.add_argument("--gpus", type=_positive_int, default=1, help="data-parallel ranks (default 1)")
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="show only this stage")
     p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default="fp16")
 
@@ -25,10 +56,19 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..runtime.memory import per_param_table
+    from .errors import report
 
     if args.model == "gpt2":
         from ..models.gpt2 import GPT2Config, num_parameters
 
+        if args.hidden_size % args.num_attention_heads:
+            return report(
+                "estimate",
+                ValueError(
+                    f"--hidden-size {args.hidden_size} must be divisible by "
+                    f"--num-attention-heads {args.num_attention_heads}"
+                ),
+            )
         cfg = GPT2Config(
             num_layers=args.num_layers,
             hidden_size=args.hidden_size,
@@ -37,14 +77,22 @@ def run(args: argparse.Namespace) -> int:
             vocab_size=args.vocab_size,
         )
         numel = num_parameters(cfg)
+        if numel > 1e300:  # past what the GB columns (floats) can show
+            return report(
+                "estimate",
+                ValueError(
+                    f"the GPT-2 of --num-layers {args.num_layers}, --hidden-size "
+                    f"{args.hidden_size}, --vocab-size {args.vocab_size}, --seq-length "
+                    f"{args.seq_length} has about 1e{len(str(numel)) - 1} params, too many to "
+                    "estimate; give sizes of a real model"
+                ),
+            )
         what = f"GPT-2 {args.num_layers}x{args.hidden_size} ({numel / 1e9:.3f}B params)"
-    elif args.params:
-        numel = int(args.params)
+    elif args.params is not None:
+        numel = args.params
         what = f"{numel / 1e9:.3f}B params"
     else:
         raise SystemExit("estimate: give --params N or --model gpt2 (with its size flags)")
-    if args.gpus < 1:
-        raise SystemExit(f"estimate: --gpus must be >= 1, got {args.gpus}")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     print(
         f"model-state memory for {what}, {args.dtype} training with Adam, {args.gpus} rank(s); "

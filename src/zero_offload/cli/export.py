@@ -51,9 +51,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=dtype,
             exclude_frozen_parameters=args.exclude_frozen_parameters,
         )
-    except (
-        CheckpointError
-    ) as e:  # missing, damaged or mismatched checkpoint: the message says which
+    except (CheckpointError, OSError) as e:  # missing, damaged or mismatched: it says which
         print(f"export: {e}", file=sys.stderr)
         return 1
     header = read_header(out)

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import ConfigError
+from .fields import INT64_MAX
 from .models import ZeroOffloadConfig
 
 log = logging.getLogger("zero_offload")
@@ -27,21 +29,24 @@ class _AutoSize:
     spellings: tuple[str, ...]  # every JSON key that sets it
     size: Callable[[int], int]  # from the hidden size
     stage3_only: bool  # no effect below stage 3, so not filled there (as Hugging Face does)
+    rule: str  # ``size`` as written in messages
 
 
 _AUTO_SIZES = (
-    _AutoSize("reduce_bucket_size", ("reduce_bucket_size",), lambda h: h * h, False),
+    _AutoSize("reduce_bucket_size", ("reduce_bucket_size",), lambda h: h * h, False, "h*h"),
     _AutoSize(
         "stage3_prefetch_bucket_size",
         ("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
         lambda h: int(0.9 * h * h),
         True,
+        "int(0.9*h*h)",
     ),
     _AutoSize(
         "stage3_param_persistence_threshold",
         ("stage3_param_persistence_threshold", "param_persistence_threshold"),
         lambda h: 10 * h,
         True,
+        "10*h",
     ),
 )
 
@@ -94,7 +99,23 @@ def resolve_auto_sizes(config: ZeroOffloadConfig, module: Any) -> dict[str, int]
             stacklevel=2,
         )
         return {}
-    chosen = {a.name: a.size(hidden) for a in wanted}
+    chosen, problems = {}, []
+    for a in wanted:
+        try:
+            value = a.size(hidden)
+        except OverflowError:  # int(0.9 * h * h) past a float's range
+            value = None
+        if value is None or value > INT64_MAX:
+            key = next(k for k in a.spellings if f"{SECTION}.{k}" in config.auto_keys)
+            problems.append(
+                f'{SECTION}.{key}: "auto" is {a.rule} for the model\'s hidden_size h={hidden}, '
+                f"which is past 2**63 - 1 (a size must fit in a signed 64-bit integer); set "
+                f"{key} to a number"
+            )
+        else:
+            chosen[a.name] = value
+    if problems:
+        raise ConfigError(problems)
     for name, value in chosen.items():
         setattr(zero, name, value)
     log.info(

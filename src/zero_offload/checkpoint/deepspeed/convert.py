@@ -24,6 +24,7 @@ from .. import atomic
 from ..format import (
     FORMAT,
     FORMAT_VERSION,
+    LAYOUT_KEY,
     META_FILE,
     MODEL_FILE,
     RANK_META_KEY,
@@ -31,6 +32,7 @@ from ..format import (
     CheckpointError,
     check_tag,
     json_value,
+    layout_digests,
     rank_file,
     sealed_meta_bytes,
     shard_tensor,
@@ -114,11 +116,12 @@ def convert_deepspeed_checkpoint(
     missing = sorted(trainable - set(ds.module))
     if missing:
         raise CheckpointError(
-            f"{ds.path}: trainable params missing from the module state: {missing}"
+            f"{ds.model_file}: module: expected the model's state dict with every trainable "
+            f"param of param_shapes; missing: {missing}"
         )
     stage_dir = atomic.prepare_staging(root, out_tag)
     try:
-        rank_info = {"rank": 0, "world_size": 1, "rng": {}}
+        rank_info = {"rank": 0, "world_size": 1, "rng": {}, LAYOUT_KEY: layout_digests(groups)}
         files = {
             rank_file(0): write_file(
                 stage_dir / rank_file(0), shard_entries, {RANK_META_KEY: json.dumps(rank_info)}
@@ -133,7 +136,7 @@ def convert_deepspeed_checkpoint(
         )
         from ... import __version__
 
-        gas = int(ds.config.get("gradient_accumulation_steps", 1) or 1)
+        gas = ds.grad_accum
         meta = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,

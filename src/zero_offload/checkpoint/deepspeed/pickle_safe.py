@@ -54,21 +54,55 @@ _ALLOWLIST: list[tuple[Any, str]] = [
 ]
 
 
+_EXPECTED = (
+    "expected a dict saved by torch.save (DeepSpeed's .pt format) holding only tensors, plain "
+    "containers and the allowlisted DeepSpeed types"
+)
+
+
+def _core(message: str) -> str:
+    """The one informative line of torch's weights-only error (it wraps it in advice)."""
+    text = message.split("Check the documentation of torch.load")[0]
+    if "WeightsUnpickler error:" in text:
+        text = text.rsplit("WeightsUnpickler error:", 1)[1]
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        return lines[0] if lines else ""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
 def load_deepspeed_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """``torch.load(path, weights_only=True)`` with DeepSpeed's few objects allowed as data."""
     try:
         with torch.serialization.safe_globals(_ALLOWLIST):
             data = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        core = _core(str(exc)) or type(exc).__name__
+        if "GLOBAL" in core:  # torch's advice to allowlist it is not for this reader
+            core = core.split(". Please use")[0]
+            raise CheckpointError(
+                f"{path}: holds a pickled object outside the allowlist of DeepSpeed checkpoint "
+                f"types, so it was not loaded (no code from it ran): {core}"
+            ) from None
         raise CheckpointError(
-            f"{path}: holds a pickled object outside the allowlist of DeepSpeed checkpoint "
-            f"types, so it was not loaded (no code from it ran): {first}"
+            f"{path}: not a DeepSpeed checkpoint file: {_EXPECTED}; it could not be unpickled "
+            f"safely, so nothing in it ran ({core})"
         ) from None
-    except (OSError, RuntimeError, EOFError) as exc:
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file is missing") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{path}: is a folder; {_EXPECTED}") from None
+    except PermissionError as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc.strerror})") from None
+    except Exception as exc:  # noqa: BLE001 - bytes that are not a pickle fail in many ways
+        detail = _core(str(exc)) or "no detail"
         raise CheckpointError(
-            f"{path}: cannot be read as a DeepSpeed checkpoint file: {exc}"
+            f"{path}: not a DeepSpeed checkpoint file (damaged, or another kind of file): "
+            f"{_EXPECTED} ({type(exc).__name__}: {detail})"
         ) from None
     if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a dict, got {type(data).__name__}")
+        raise CheckpointError(
+            f"{path}: holds a {type(data).__name__}, not a DeepSpeed checkpoint: expected a dict "
+            "(DeepSpeed saves each .pt file as a dict of its state)"
+        )
     return data

@@ -21,6 +21,7 @@ Where DeepSpeed keeps each piece (0.19):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..format import CheckpointError
+from ..format import CheckpointError, check_tag, read_text
 from .pickle_safe import load_deepspeed_file
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
@@ -50,6 +51,7 @@ class DSGroup:
 @dataclass
 class DSCheckpoint:
     path: Path
+    model_file: Path  # the model states file: module, param_shapes, counters, ds_config
     stage: int
     world_size: int
     module: dict[str, torch.Tensor]
@@ -60,6 +62,67 @@ class DSCheckpoint:
     config: dict
     loss_scale: dict | None = None
     client_state: dict = field(default_factory=dict)
+    grad_accum: int = 1  # ds_config's gradient_accumulation_steps
+
+
+# What indexing into a file of the wrong structure raises (a list where a dict belongs, a key
+# missing, a string where a tensor belongs): each becomes an error naming the file.
+_MALFORMED = (
+    KeyError,
+    IndexError,
+    TypeError,
+    AttributeError,
+    ValueError,
+    RuntimeError,
+    OverflowError,
+    StopIteration,
+)
+
+
+def _brief(value: Any) -> str:
+    """``value`` for a one-line message: its type and a short repr."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    text = " ".join(repr(value).split())
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+@contextlib.contextmanager
+def _expect(where: Path, what: str):
+    """Reading ``what`` from ``where``: a piece that is not what DeepSpeed writes becomes one
+    error naming the file and what was expected, not a bare KeyError or TypeError."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except _MALFORMED as exc:
+        if isinstance(exc, KeyError) and exc.args:
+            got = f"key {exc.args[0]!r} is missing"
+        else:
+            lines = str(exc).strip().splitlines()
+            got = f"{type(exc).__name__}: {lines[0] if lines else 'no detail'}"
+        raise CheckpointError(
+            f"{where}: not the structure DeepSpeed writes: expected {what} ({got})"
+        ) from None
+
+
+def _shape(value: Any, where: Path, what: str) -> tuple[int, ...]:
+    if isinstance(value, list | tuple) and all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value
+    ):
+        return tuple(value)
+    raise CheckpointError(
+        f"{where}: {what}: expected a shape (a list of non-negative integers), got {_brief(value)}"
+    )
+
+
+def _dict(value: Any, where: Path, key: str, what: str) -> dict:
+    """``value`` (the file's ``key``) when it is a dict with string keys (None reads as empty)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise CheckpointError(f"{where}: {key}: expected {what}, got {_brief(value)}")
+    return value
 
 
 def tag_dir(src: Path, tag: str | None) -> Path:
@@ -71,7 +134,15 @@ def tag_dir(src: Path, tag: str | None) -> Path:
         latest = src / "latest"
         if not latest.is_file():
             raise CheckpointError(f"{src}: no 'latest' file and no *_model_states.pt; pass a tag")
-        tag = latest.read_text().strip()
+        tag = read_text(latest).strip()
+        try:  # ``latest`` may only name a folder of its own save_dir (no "..", "/", absolute)
+            check_tag(tag)
+        except CheckpointError as e:
+            raise CheckpointError(
+                f"{latest}: {e}; DeepSpeed's 'latest' must name a tag folder inside {src}"
+            ) from None
+    else:
+        check_tag(str(tag))
     path = src / tag
     if not any(path.glob("*_model_states.pt")):
         raise CheckpointError(f"{path}: no DeepSpeed *_model_states.pt files here")
@@ -95,11 +166,29 @@ def _int(x: Any) -> int:
     return int(x.item()) if isinstance(x, torch.Tensor) else int(x)
 
 
+def _number(x: Any, key: str) -> float:
+    if isinstance(x, torch.Tensor) and x.numel() == 1:
+        x = x.item()
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        raise TypeError(f"param group {key!r} is {_brief(x)}, not a number")
+    return float(x)
+
+
 def _hyper(group: dict) -> dict[str, Any]:
-    keep = ("lr", "betas", "eps", "weight_decay", "bias_correction")
-    out = {k: group[k] for k in keep if k in group}
-    if "betas" in out:
-        out["betas"] = [float(b) for b in out["betas"]]
+    """The Adam hyperparameters of an optimizer param group, as numbers (raises TypeError or
+    ValueError for a group that is not a dict of them; callers name the file)."""
+    if not isinstance(group, dict):
+        raise TypeError(f"a param group is {_brief(group)}, not a dict")
+    out: dict[str, Any] = {
+        k: _number(group[k], k) for k in ("lr", "eps", "weight_decay") if k in group
+    }
+    if "betas" in group:
+        betas = [_number(b, "betas") for b in group["betas"]]
+        if len(betas) != 2:
+            raise ValueError(f"param group 'betas' has {len(betas)} values, not 2")
+        out["betas"] = betas
+    if "bias_correction" in group:
+        out["bias_correction"] = bool(group["bias_correction"])
     return out
 
 
@@ -110,6 +199,13 @@ def _stage0_names(model_states: dict, where: Path) -> list[list[tuple[str, tuple
     opt, module = model_states.get("optimizer"), model_states.get("module") or {}
     if not isinstance(opt, dict) or "param_groups" not in opt:
         raise CheckpointError(f"{where}: no 'param_shapes' and no optimizer state to name params")
+    with _expect(
+        where, "stage 0's plain optimizer state under 'optimizer' ('state', 'param_groups')"
+    ):
+        return _stage0_match(opt, module, model_states, where)
+
+
+def _stage0_match(opt: dict, module: dict, model_states: dict, where: Path):
     frozen = set(model_states.get("frozen_param_shapes") or {})
     keys = [
         k
@@ -146,9 +242,18 @@ def _shapes(model_states: dict, where: Path) -> list[list[tuple[str, tuple[int, 
     shapes = model_states.get("param_shapes")
     if shapes is None and model_states.get("optimizer") is not None:
         return _stage0_names(model_states, where)
-    if not isinstance(shapes, list):
+    if shapes is None:
         raise CheckpointError(f"{where}: no 'param_shapes' (not a DeepSpeed checkpoint of 0.4+?)")
-    return [[(n, tuple(s)) for n, s in g.items()] for g in shapes]
+    if not isinstance(shapes, list):
+        raise CheckpointError(
+            f"{where}: param_shapes: expected a list with one dict (param name -> shape) per "
+            f"param group, got {_brief(shapes)}"
+        )
+    out = []
+    for gi, g in enumerate(shapes):
+        g = _dict(g, where, f"param_shapes[{gi}]", "a dict of param name -> shape")
+        out.append([(n, _shape(s, where, f"param_shapes[{gi}][{n!r}]")) for n, s in g.items()])
+    return out
 
 
 def read_deepspeed(src: Path, tag: str | None = None) -> DSCheckpoint:
@@ -160,23 +265,56 @@ def read_deepspeed(src: Path, tag: str | None = None) -> DSCheckpoint:
     if not ms_path.is_file():
         raise CheckpointError(f"{path}: {MODEL_STATES} is missing")
     ms = load_deepspeed_file(ms_path)
+    state_dict = "the model's state dict (a dict of name -> tensor)"
+    module = {
+        k: v
+        for k, v in _dict(ms.get("module"), ms_path, "module", state_dict).items()
+        if isinstance(v, torch.Tensor)
+    }
     shapes = _shapes(ms, ms_path)
-    module = {k: v for k, v in (ms.get("module") or {}).items() if isinstance(v, torch.Tensor)}
-    frozen_shapes = {n: tuple(s) for n, s in (ms.get("frozen_param_shapes") or {}).items()}
+    frozen_shapes = {
+        n: _shape(s, ms_path, f"frozen_param_shapes[{n!r}]")
+        for n, s in _dict(
+            ms.get("frozen_param_shapes"), ms_path, "frozen_param_shapes", "a dict of name -> shape"
+        ).items()
+    }
     frozen = list(frozen_shapes)
     if stage3:  # every rank's model states hold its fragment of each frozen param
-        per_rank = [ms] + [load_deepspeed_file(f) for f in model_files[1:]]
+        per_rank = [(ms_path, ms)] + [(f, load_deepspeed_file(f)) for f in model_files[1:]]
         for name, shape in frozen_shapes.items():
-            pieces = [r["frozen_param_fragments"][name].reshape(-1) for r in per_rank]
+            part = math.ceil(math.prod(shape) / len(per_rank))  # each rank's padded fragment
+            pieces = []
+            for f, r in per_rank:
+                what = f"frozen_param_fragments[{name!r}]: a tensor of {part} elements"
+                frags = _dict(
+                    r.get("frozen_param_fragments"),
+                    f,
+                    "frozen_param_fragments",
+                    "a dict of name -> tensor",
+                )
+                with _expect(f, what):
+                    piece = frags[name].reshape(-1)
+                    if piece.numel() != part:
+                        raise ValueError(f"it has {piece.numel()} elements")
+                pieces.append(piece)
             module[name] = torch.cat(pieces)[: math.prod(shape)].reshape(shape)
     else:
-        for name, t in (ms.get("frozen_param_fragments") or {}).items():
+        fragments = _dict(
+            ms.get("frozen_param_fragments"), ms_path, "frozen_param_fragments", state_dict
+        )
+        for name, t in fragments.items():
+            if not isinstance(t, torch.Tensor):
+                raise CheckpointError(
+                    f"{ms_path}: 'frozen_param_fragments'[{name!r}]: expected a tensor, got "
+                    f"{_brief(t)}"
+                )
             module.setdefault(name, t)
-    counters = {
-        "global_steps": _int(ms.get("global_steps", 0)),
-        "global_samples": _int(ms.get("global_samples", 0)),
-        "skipped_steps": _int(ms.get("skipped_steps", 0)),
-    }
+    with _expect(ms_path, "integer counters 'global_steps', 'global_samples', 'skipped_steps'"):
+        counters = {
+            "global_steps": _int(ms.get("global_steps", 0)),
+            "global_samples": _int(ms.get("global_samples", 0)),
+            "skipped_steps": _int(ms.get("skipped_steps", 0)),
+        }
     known = {
         "module",
         "buffer_names",
@@ -199,22 +337,35 @@ def read_deepspeed(src: Path, tag: str | None = None) -> DSCheckpoint:
         "checkpoint_parallel_dimensions",
     }
     client = {k: v for k, v in ms.items() if k not in known}
-    config = ms.get("ds_config") or {}
-    stage = (
-        int((config.get("zero_optimization") or {}).get("stage", 0))
-        if isinstance(config, dict)
-        else 0
-    )
+    config = ms.get("ds_config")
+    stage, grad_accum = 0, 1
+    if isinstance(config, dict):
+        with _expect(
+            ms_path,
+            "'ds_config' to be DeepSpeed's config: an integer zero_optimization.stage and "
+            "gradient_accumulation_steps",
+        ):
+            stage = int((config.get("zero_optimization") or {}).get("stage", 0))
+            grad_accum = int(config.get("gradient_accumulation_steps", 1) or 1)
+            if grad_accum < 1:
+                raise ValueError(f"gradient_accumulation_steps is {grad_accum}, not >= 1")
     if optim_files:
-        osds = [load_deepspeed_file(f).get("optimizer_state_dict") for f in optim_files]
-        if any(not isinstance(o, dict) for o in osds):
-            raise CheckpointError(f"{path}: an optim_states file has no 'optimizer_state_dict'")
-        zstage = _int(osds[0].get("zero_stage", stage))
+        osds = []
+        for f in optim_files:
+            osd = load_deepspeed_file(f).get("optimizer_state_dict")
+            if not isinstance(osd, dict):
+                raise CheckpointError(
+                    f"{f}: optimizer_state_dict: expected a dict (DeepSpeed's ZeRO optimizer "
+                    f"state), got {_brief(osd)}"
+                )
+            osds.append(osd)
+        with _expect(optim_files[0], "an integer 'zero_stage' in 'optimizer_state_dict'"):
+            zstage = _int(osds[0].get("zero_stage", stage))
         if stage3 or zstage == 3:
-            groups = _stage3_groups(osds, shapes, path)
+            groups = _stage3_groups(osds, shapes, path, optim_files)
             stage = 3
         else:
-            groups = _partitioned_groups(osds, shapes, path)
+            groups = _partitioned_groups(osds, shapes, path, optim_files)
         loss_scale = _loss_scale(osds[0])
     else:
         groups = _stage0_groups(ms, shapes, module, ms_path)
@@ -226,6 +377,7 @@ def read_deepspeed(src: Path, tag: str | None = None) -> DSCheckpoint:
                 module[name] = g.master[name].to(dtype)
     return DSCheckpoint(
         path=path,
+        model_file=ms_path,
         stage=stage,
         world_size=len(optim_files) or 1,
         module=module,
@@ -236,6 +388,7 @@ def read_deepspeed(src: Path, tag: str | None = None) -> DSCheckpoint:
         config=config if isinstance(config, dict) else {},
         loss_scale=loss_scale,
         client_state=client,
+        grad_accum=grad_accum,
     )
 
 
@@ -255,7 +408,7 @@ def _loss_scale(osd: dict) -> dict | None:
     return {"cur_scale": scaler.get("cur_scale"), "dynamic": bool(osd.get("dynamic_loss_scale"))}
 
 
-def _partitioned_groups(osds: list[dict], shapes, where: Path) -> list[DSGroup]:
+def _partitioned_groups(osds: list[dict], shapes, where: Path, files: list[Path]) -> list[DSGroup]:
     groups = []
     for gi, params in enumerate(shapes):
         kinds: dict[str, dict[str, list[torch.Tensor]]] = {
@@ -265,7 +418,11 @@ def _partitioned_groups(osds: list[dict], shapes, where: Path) -> list[DSGroup]:
         }
         step, hyper = 0, {}
         for rank, osd in enumerate(osds):
-            try:
+            with _expect(
+                files[rank],
+                f"param group {gi}'s flat fp32 partition ('single_partition_of_fp32_groups'), "
+                "its Adam state ('base_optimizer_state') and 'param_slice_mappings'",
+            ):
                 flat = {
                     "master": osd["single_partition_of_fp32_groups"][gi],
                     "exp_avg": osd["base_optimizer_state"]["state"][gi]["exp_avg"],
@@ -274,38 +431,52 @@ def _partitioned_groups(osds: list[dict], shapes, where: Path) -> list[DSGroup]:
                 step = _int(osd["base_optimizer_state"]["state"][gi]["step"])
                 hyper = _hyper(osd["base_optimizer_state"]["param_groups"][gi])
                 mapping = osd["param_slice_mappings"][gi]
-            except (KeyError, IndexError, TypeError) as exc:
-                raise CheckpointError(f"{where}: rank {rank} group {gi}: missing {exc}") from None
-            for name, addr in mapping.items():
-                start, numel = int(addr.get("start")), int(addr.get("numel"))
                 for kind, t in flat.items():
-                    kinds[kind].setdefault(name, []).append(t[start : start + numel].float())
+                    if not isinstance(t, torch.Tensor) or t.dim() != 1:
+                        raise TypeError(f"{kind} of group {gi} is {_brief(t)}, not a 1-D tensor")
+                for name, addr in mapping.items():
+                    start, numel = int(addr.get("start")), int(addr.get("numel"))
+                    if start < 0 or numel < 0 or start + numel > flat["master"].numel():
+                        raise ValueError(
+                            f"{name!r} at [{start}, {start + numel}) lies outside the "
+                            f"{flat['master'].numel()} elements of the partition"
+                        )
+                    for kind, t in flat.items():
+                        kinds[kind].setdefault(name, []).append(t[start : start + numel].float())
         groups.append(_assemble(params, kinds, step, hyper, where, gi))
     return groups
 
 
-def _stage3_groups(osds: list[dict], shapes, where: Path) -> list[DSGroup]:
+def _stage3_groups(osds: list[dict], shapes, where: Path, files: list[Path]) -> list[DSGroup]:
     world = len(osds)
-    flats = {}
-    try:
-        flats["master"] = [
-            torch.cat([t.float().reshape(-1) for t in o["fp32_flat_groups"]]) for o in osds
-        ]
-        inner = [o["optimizer_state_dict"] for o in osds]
-        for kind in ("exp_avg", "exp_avg_sq"):
-            flats[kind] = [
-                torch.cat([s[kind].float().reshape(-1) for _, s in sorted(i["state"].items())])
-                for i in inner
-            ]
-        first = next(iter(inner[0]["state"].values()))
-        step = _int(first["step"])
-        # One sub-group per param group (DeepSpeed's default sub_group_size holds a whole group).
-        inner_groups = inner[0]["param_groups"]
-        hypers = [_hyper(inner_groups[min(gi, len(inner_groups) - 1)]) for gi in range(len(shapes))]
-    except (KeyError, IndexError, TypeError, StopIteration) as exc:
-        raise CheckpointError(
-            f"{where}: stage-3 optimizer state incomplete: missing {exc}"
-        ) from None
+    flats: dict[str, list[torch.Tensor]] = {"master": [], "exp_avg": [], "exp_avg_sq": []}
+    for rank, o in enumerate(osds):
+        with _expect(
+            files[rank],
+            "stage 3's flat fp32 partitions ('fp32_flat_groups') and the inner optimizer's "
+            "state ('optimizer_state_dict': 'state' with exp_avg, exp_avg_sq, step; "
+            "'param_groups')",
+        ):
+            flats["master"].append(
+                torch.cat([t.float().reshape(-1) for t in o["fp32_flat_groups"]])
+            )
+            inner = o["optimizer_state_dict"]
+            for kind in ("exp_avg", "exp_avg_sq"):
+                flats[kind].append(
+                    torch.cat(
+                        [s[kind].float().reshape(-1) for _, s in sorted(inner["state"].items())]
+                    )
+                )
+            if rank == 0:
+                first = next(iter(inner["state"].values()))
+                step = _int(first["step"])
+                # One sub-group per param group (DeepSpeed's default sub_group_size holds a
+                # whole group).
+                inner_groups = inner["param_groups"]
+                hypers = [
+                    _hyper(inner_groups[min(gi, len(inner_groups) - 1)])
+                    for gi in range(len(shapes))
+                ]
     groups, offset = [], 0
     for gi, params in enumerate(shapes):
         kinds: dict[str, dict[str, list[torch.Tensor]]] = {
@@ -330,6 +501,15 @@ def _stage0_groups(ms: dict, shapes, module: dict, where: Path) -> list[DSGroup]
             f"{where}: no ZeRO optim_states files and no plain optimizer state under 'optimizer'; "
             "this DeepSpeed optimizer (e.g. fp16 at stage 0) is not supported by the converter"
         )
+    with _expect(
+        where,
+        "the plain optimizer's 'state' and 'param_groups' under 'optimizer', one per "
+        "'param_shapes' group, and each param under 'module'",
+    ):
+        return _stage0_state(opt, shapes, module, where)
+
+
+def _stage0_state(opt: dict, shapes, module: dict, where: Path) -> list[DSGroup]:
     groups = []
     for gi, params in enumerate(shapes):
         pg = opt["param_groups"][gi]
@@ -362,7 +542,8 @@ def _assemble(params, kinds, step: int, hyper: dict, where: Path, gi: int) -> DS
     for name, shape in params:
         numel = math.prod(shape)
         for kind, pieces in kinds.items():
-            got = torch.cat(pieces.get(name, [])) if pieces.get(name) else torch.empty(0)
+            with _expect(where, f"group {gi} param {name!r}'s {kind} pieces to be 1-D tensors"):
+                got = torch.cat(pieces.get(name, [])) if pieces.get(name) else torch.empty(0)
             if got.numel() < numel:
                 raise CheckpointError(
                     f"{where}: group {gi} param {name!r}: {kind} has {got.numel()} of {numel} elements"
