@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
         if args.model is not None:
             from .train_hf import hf_job
 
-            job = hf_job(args)
+            job = hf_job(args, ds_config)
         else:
             job = gpt2_job(args)
         engine, _, _, _ = zero_offload.initialize(

@@ -42,7 +42,9 @@ def check_hf_arguments(args: argparse.Namespace) -> None:
         )
 
 
-def hf_job(args: argparse.Namespace) -> Job:
+def hf_job(args: argparse.Namespace, ds_config: dict | None = None) -> Job:
+    """``ds_config``: the run's config; at stage 3 the model is loaded straight into its
+    partitions, at stages 0-2 in the training dtype (never a whole fp32 copy per rank)."""
     import torch
 
     from zero_offload.data import TokenBlockDataset, split_heldout
@@ -54,7 +56,8 @@ def hf_job(args: argparse.Namespace) -> Job:
         targets = tuple(t for t in (args.lora_targets or "").split(",") if t) or None
         spec = LoraSpec(args.lora_r, args.lora_alpha, args.lora_dropout, targets)
     torch.manual_seed(args.seed)  # LoRA's initial adapters: the same on every rank
-    hf_model = load_causal_lm(args.model)
+    dtype, zero3 = _load_plan(ds_config)
+    hf_model = load_causal_lm(args.model, dtype, zero3)
     config = hf_model.config
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     seq = args.seq_length or min(DEFAULT_SEQ_LENGTH, limit or DEFAULT_SEQ_LENGTH)
@@ -65,8 +68,9 @@ def hf_job(args: argparse.Namespace) -> Job:
     if spec is not None:
         hf_model = apply_lora(hf_model, spec)
     model = CausalLMLoss(hf_model)
-    total = sum(p.numel() for p in hf_model.parameters())
-    trainable = sum(p.numel() for p in hf_model.parameters() if p.requires_grad)
+    numel = lambda p: getattr(p, "ds_numel", p.numel())  # noqa: E731 (stage 3: partitioned)
+    total = sum(numel(p) for p in hf_model.parameters())
+    trainable = sum(numel(p) for p in hf_model.parameters() if p.requires_grad)
     kind = getattr(config, "model_type", type(hf_model).__name__)
     lora_text = f", LoRA r={spec.r}: {trainable / 1e6:.3f}M trainable" if spec else ""
 
@@ -99,3 +103,20 @@ def hf_job(args: argparse.Namespace) -> Job:
         notes=[note],
         finish=finish,
     )
+
+
+def _load_plan(ds_config: dict | None):
+    """(training dtype, the config for zero.Init at stage 3 else None)."""
+    import torch
+
+    if ds_config is None:
+        return torch.float32, None
+    import warnings
+
+    from zero_offload.config import load_config
+    from zero_offload.runtime import dist
+
+    with warnings.catch_warnings():  # initialize() reports the config's warnings once
+        warnings.simplefilter("ignore")
+        cfg = load_config(ds_config, world_size=dist.world_size())
+    return cfg.dtype, (ds_config if cfg.zero_optimization.stage == 3 else None)

@@ -26,10 +26,20 @@ class CausalLMLoss(torch.nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
 
 
-def load_causal_lm(path: str | os.PathLike[str]) -> torch.nn.Module:
-    """``AutoModelForCausalLM.from_pretrained(path)`` from a local folder only (config.json and
-    weights, as ``save_pretrained`` writes them), in fp32: the engine casts params to the
-    training dtype and keeps buffers in theirs."""
+def load_causal_lm(
+    path: str | os.PathLike[str],
+    dtype: torch.dtype = torch.float32,
+    zero3_config: dict | None = None,
+) -> torch.nn.Module:
+    """A local Hugging Face causal LM folder (config.json and safetensors, as
+    ``save_pretrained`` writes them), loaded as this rank will hold it:
+
+    - ``zero3_config`` None (stages 0-2): ``from_pretrained`` in the training ``dtype``; the
+      engine keeps the model in that dtype anyway, so no rank holds an fp32 copy of a 16-bit
+      model (buffers keep their own dtype, as the engine keeps them);
+    - ``zero3_config`` given (stage 3): the model is built under ``zero.Init`` with that config,
+      each module partitioned as it is constructed, then each rank reads only its own chunks of
+      the weights from the memory-mapped files (``partitioned_load``)."""
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
@@ -38,10 +48,24 @@ def load_causal_lm(path: str | os.PathLike[str]) -> torch.nn.Module:
         )
     transformers = require_transformers()
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(folder), local_files_only=True, dtype=torch.float32
-        )
+        if zero3_config is None:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                str(folder), local_files_only=True, dtype=dtype
+            )
+        else:
+            model = _load_partitioned(transformers, folder, dtype, zero3_config)
     except (OSError, ValueError) as exc:
         raise ValueError(f"--model {path}: cannot load a causal LM: {exc}") from None
     model.config.use_cache = False
+    return model
+
+
+def _load_partitioned(transformers, folder: Path, dtype: torch.dtype, ds_config: dict):
+    from ..zero import Init
+    from .partitioned_load import stream_into
+
+    config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    with Init(config_dict_or_path=ds_config, dtype=dtype):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    stream_into(model, folder)
     return model
