@@ -81,3 +81,26 @@ def run_ranks(world: int, fn, *args, timeout: float = 1200):
     if any(p.exitcode != 0 for p in procs):
         raise AssertionError(f"rank exit codes {[p.exitcode for p in procs]}")
     return out
+
+
+def answer_of(world: int, target, rank: int = 0, limit: float = 900) -> str:
+    """Spawn ``world`` processes running ``target(rank, port, queue)``, each free to put
+    ``(rank, message)`` on the queue and ``os._exit``; return ``rank``'s message, then kill
+    them all. For runs whose ranks end in a failure (a frozen peer, a timeout) rather than in
+    an orderly teardown; ``limit`` seconds is a hang guard only."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=target, args=(r, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got, t0 = {}, time.monotonic()
+    while rank not in got and time.monotonic() - t0 < limit:
+        if not queue.empty():
+            r, msg = queue.get()
+            got[r] = msg
+        time.sleep(0.05)
+    for p in procs:
+        p.kill()
+        p.join()
+    return got.get(rank, f"no answer from rank {rank}")

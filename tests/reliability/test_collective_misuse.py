@@ -9,8 +9,7 @@ import os
 import time
 
 import torch
-import torch.multiprocessing as mp
-from distributed import _free_port, run_ranks
+from distributed import answer_of, run_ranks
 from parity import engine_config
 
 
@@ -75,21 +74,6 @@ def _rank(rank: int, port: int, queue) -> None:
 
 
 def test_a_gather_only_one_rank_enters_names_its_params():
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got, t0 = {}, time.monotonic()
-    while 0 not in got and time.monotonic() - t0 < 900:  # a hang guard only
-        if not queue.empty():
-            rank, msg = queue.get()
-            got[rank] = msg
-        time.sleep(0.05)
-    for p in procs:
-        p.kill()
-        p.join()
-    msg = got.get(0, "no answer from rank 0")
+    msg = answer_of(2, _rank)
     assert msg.startswith("CollectiveError: collective all_gather (stage-3 gather of left."), msg
     assert "left.weight" in msg, msg

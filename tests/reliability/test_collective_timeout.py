@@ -8,8 +8,7 @@ import os
 import time
 
 import pytest
-import torch.multiprocessing as mp
-from distributed import _free_port
+from distributed import _free_port, answer_of
 
 from zero_offload.runtime.dist import as_timeout
 
@@ -42,23 +41,7 @@ def _rank(rank: int, port: int, queue) -> None:
 
 
 def test_frozen_rank_times_out_naming_collective_and_step():
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, queue)) for r in range(2)]
-    t0 = time.monotonic()
-    for p in procs:
-        p.start()
-    got = {}
-    while 0 not in got and time.monotonic() - t0 < 900:  # a hang guard only
-        if not queue.empty():
-            rank, msg = queue.get()
-            got[rank] = msg
-        time.sleep(0.05)
-    for p in procs:
-        p.kill()
-        p.join()
-    msg = got.get(0, "no answer from rank 0")
+    msg = answer_of(2, _rank)
     assert msg.startswith("CollectiveError"), msg
     assert "at engine step 2" in msg and "rank 0 of 2" in msg, msg
     assert any(f"collective {c}" in msg for c in ("reduce_scatter", "all_reduce")), msg
