@@ -259,10 +259,28 @@ def save_16bit_model(
     save_dir,
     save_filename: str = "model.safetensors",
     exclude_frozen_parameters: bool = False,
+    max_shard_size: int | str | None = None,
 ) -> str | bool:
     """Write the module's 16-bit weights (its state dict as trained, tied names each present) to
     ``<save_dir>/<save_filename>`` from rank 0; safetensors unless the name ends in .bin/.pt/.pth
-    (then ``torch.save`` of a plain tensor dict). A collective: every rank calls it."""
+    (then ``torch.save`` of a plain tensor dict). A collective: every rank calls it.
+
+    Streamed: rank 0 writes one tensor at a time; at stage 3 one module's params are gathered at
+    a time (every rank takes part), so no rank holds the whole model (a .bin/.pt file is one
+    ``torch.save``: rank 0 holds its tensors, the other ranks one module's). With
+    ``max_shard_size`` (Hugging Face's syntax: ``"5GB"``, ``"500MB"``, bytes) a model larger
+    than that is written in Hugging Face's sharded layout (``<stem>-0000k-of-0000n.safetensors``
+    and ``<save_filename>.index.json``, whose path is returned). Returns the path written, or
+    False when stage 3 is not allowed to gather (below)."""
+    from .sharded import (
+        consolidated_state_dict,
+        export_items,
+        index_name,
+        parse_size,
+        plan_shards,
+        state_dict_items,
+    )
+
     engine.flush_delayed_update()  # all ranks: the pending update is gathered into every param
     path = Path(save_dir) / save_filename
     zc = engine.config.zero_optimization
@@ -275,26 +293,28 @@ def save_16bit_model(
             path,
         )
         return False
-    with engine.params_on_host():
-        return _save_16bit(engine, path, exclude_frozen_parameters)
-
-
-def _save_16bit(engine, path: Path, exclude_frozen_parameters: bool) -> str:
-    err: BaseException | None = None
-    if engine.global_rank == 0:
-        try:
-            sd = module_state(engine.module, exclude_frozen=exclude_frozen_parameters)
-            path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix in (".bin", ".pt", ".pth"):
+        sd = consolidated_state_dict(engine, exclude_frozen_parameters)
+        err: BaseException | None = None
+        if engine.global_rank == 0:
             tmp = path.with_name(f".{path.name}.tmp")
-            if path.suffix in (".bin", ".pt", ".pth"):
-                # Clones: saving views would write the whole flat buffer once per param.
-                torch.save({k: v.detach().to("cpu", copy=True) for k, v in sd.items()}, tmp)
-                atomic.fsync_file(tmp)
-            else:
-                write_file(tmp, [Entry.of(k, t) for k, t in sd.items()], {"format": "pt"})
-            os.replace(tmp, path)
-            atomic.fsync_dir(path.parent)
-        except Exception as e:
-            err = e
-    _agree(engine, err, "16-bit model save")
-    return str(path)
+            try:
+                with writing(path):
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    torch.save(sd, tmp)
+                    atomic.fsync_file(tmp)
+                    os.replace(tmp, path)
+                    atomic.fsync_dir(path.parent)
+            except Exception as e:
+                tmp.unlink(missing_ok=True)
+                err = e
+        del sd
+        _agree(engine, err, "16-bit model save")
+        return str(path)
+    items = state_dict_items(engine.module, exclude_frozen_parameters, tied="all")
+    sharded = (
+        max_shard_size is not None
+        and len(plan_shards([it.spec for it in items], parse_size(max_shard_size))) > 1
+    )
+    export_items(engine, items, path.parent, max_shard_size, weights_name=path.name)
+    return str(path.parent / index_name(path.name)) if sharded else str(path)

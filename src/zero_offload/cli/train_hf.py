@@ -75,13 +75,11 @@ def hf_job(args: argparse.Namespace, ds_config: dict | None = None) -> Job:
     lora_text = f", LoRA r={spec.r}: {trainable / 1e6:.3f}M trainable" if spec else ""
 
     def finish(engine, folder) -> list[str]:
-        from zero_offload.hf import export_pretrained
+        from zero_offload.hf.export import save_pretrained_streamed
 
-        engine.flush_delayed_update()
-        with engine.params_on_host():  # stage 3: a collective binding full copies on every rank
-            if engine.global_rank != 0:
-                return []
-            return export_pretrained(hf_model, os.path.join(folder.path, EXPORT_DIR))
+        # Every rank: at stage 3 each module's params are gathered in turn (a collective) and
+        # rank 0 writes them, sharded as save_pretrained does; no rank holds the whole model.
+        return save_pretrained_streamed(engine, hf_model, os.path.join(folder.path, EXPORT_DIR))
 
     return Job(
         model=model,
