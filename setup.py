@@ -15,6 +15,61 @@ import os
 import sys
 
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+
+# The DeepSpeed opt-in (README, "Hugging Face Trainer, Accelerate, TRL"): a .pth file at the top
+# of site-packages, run by the interpreter at start-up. It imports zero_offload's hook only when
+# ZERO_OFFLOAD_AS_DEEPSPEED is set (the hook turns the opt-in on when the value is true), so
+# without the variable it costs one environment lookup and imports nothing.
+PTH_NAME = "zero_offload_as_deepspeed.pth"
+PTH_LINE = (
+    "import os; 'ZERO_OFFLOAD_AS_DEEPSPEED' in os.environ and "
+    "__import__('zero_offload._as_deepspeed_hook')\n"
+)
+
+
+class build_py_with_pth(build_py):
+    """A regular wheel (``pip install .``): the .pth at the root of the build, so at the root
+    of site-packages once installed."""
+
+    def run(self):
+        super().run()
+        if not getattr(self, "editable_mode", False):
+            target = os.path.join(self.build_lib, PTH_NAME)
+            with open(target, "w", encoding="utf-8") as f:
+                f.write(PTH_LINE)
+            self._pth_outputs = [target]
+
+    def get_outputs(self, include_bytecode=True):
+        return [*super().get_outputs(include_bytecode), *getattr(self, "_pth_outputs", [])]
+
+
+cmdclass = {"build_py": build_py_with_pth}
+
+try:  # an editable install (``pip install -e .``, PEP 660) writes its own wheel: add the .pth
+    from setuptools.command.editable_wheel import editable_wheel
+
+    class editable_wheel_with_pth(editable_wheel):
+        def _select_strategy(self, name, tag, build_lib):
+            strategy = super()._select_strategy(name, tag, build_lib)
+
+            class WithPth:
+                def __enter__(self):
+                    strategy.__enter__()
+                    return self
+
+                def __exit__(self, *exc):
+                    return strategy.__exit__(*exc)
+
+                def __call__(self, wheel, files, mapping):
+                    strategy(wheel, files, mapping)
+                    wheel.writestr(PTH_NAME, PTH_LINE.encode("utf-8"))
+
+            return WithPth()
+
+    cmdclass["editable_wheel"] = editable_wheel_with_pth
+except ImportError:  # setuptools < 64: no PEP 660 editable installs
+    pass
 
 CSRC = "src/zero_offload/csrc"
 
@@ -58,4 +113,4 @@ host_adam = Extension(
     optional=True,
 )
 
-setup(ext_modules=[host_adam])
+setup(ext_modules=[host_adam], cmdclass=cmdclass)

@@ -1,5 +1,6 @@
-"""``zero-offload env``: report the package, torch, devices, distributed backends and the
-active host update kernel (its ISA, SIMD width and thread count)."""
+"""``zero-offload env``: report the package, torch, devices, distributed backends, the
+active host update kernel (its ISA, SIMD width and thread count) and the DeepSpeed opt-in
+(``ZERO_OFFLOAD_AS_DEEPSPEED``: active or not, and whether a real DeepSpeed is installed)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,9 @@ def collect() -> dict:
     except Exception as exc:  # e.g. a bad ZERO_OFFLOAD_KERNEL value
         info["host_adam"] = {"error": f"{type(exc).__name__}: {exc}"}
     info["torch_threads"] = torch.get_num_threads()
+    from zero_offload._as_deepspeed import status
+
+    info["deepspeed_opt_in"] = status()
     return info
 
 
@@ -108,5 +112,25 @@ def run(args: argparse.Namespace) -> int:
         )
         lines.append(f"  SIMD width      {k['simd_width']} fp32 lanes")
         lines.append(f"  threads         {k['threads']} (cores available / LOCAL_WORLD_SIZE)")
+    ds = info["deepspeed_opt_in"]
+    real = ds["real_deepspeed"]
+    lines.append(
+        "deepspeed opt-in  "
+        + (
+            f"active ({ds['source']}): 'import deepspeed' is zero_offload, version "
+            f"{ds['reported_version']}"
+            if ds["active"]
+            else "off (set ZERO_OFFLOAD_AS_DEEPSPEED=1 to use zero_offload as deepspeed)"
+        )
+    )
+    lines.append(
+        "  real DeepSpeed  "
+        + (
+            f"{real['version']} at {real['location']}"
+            + (" (shadowed by the opt-in)" if ds["active"] else "")
+            if real
+            else "not installed"
+        )
+    )
     print("\n".join(lines))
     return 0

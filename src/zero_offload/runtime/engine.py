@@ -24,6 +24,7 @@ from . import dist, guards
 from .backward_scope import ENGINE, PLAIN, BackwardScope, in_backward
 from .consistency import synchronize_start
 from .engine_api import DeepSpeedEngineAPI
+from .engine_compat import DeepSpeedCompatAPI
 from .fetch_schedule import FetchSchedule
 from .flat_group import FlatGroup
 from .grad_shard import GradShard
@@ -43,7 +44,7 @@ from .zero_optimizer import ZeroOptimizer
 log = logging.getLogger("zero_offload")
 
 
-class ZeroOffloadEngine(DeepSpeedEngineAPI, torch.nn.Module):
+class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module):
     def __init__(
         self,
         module: torch.nn.Module,

@@ -32,6 +32,33 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.flat_groups = groups
         self.shards = shards
 
+    @property
+    def overflow(self) -> bool:
+        """DeepSpeed's ``optimizer.overflow``: the latest ``engine.step()`` was an accumulation
+        boundary whose update was skipped (inf/NaN gradients). accelerate reads it as
+        ``step_was_skipped`` (the Trainer then leaves its LR scheduler alone)."""
+        engine = self._engine()
+        return bool(engine is not None and engine._step_overflowed())
+
+    def __getattr__(self, name: str):
+        """A DeepSpeed ZeRO optimizer attribute this one lacks (``parameter_offload``,
+        ``module``, ...: DeepSpeed internals some libraries reach for) fails by its DeepSpeed
+        name; still an AttributeError, so ``hasattr`` answers False."""
+        if name.startswith("_"):
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        from .._as_deepspeed import DeepSpeedNotProvidedError
+
+        raise DeepSpeedNotProvidedError(
+            f"engine.optimizer.{name}", " (DeepSpeed's ZeRO optimizer internals)"
+        )
+
+    def _engine(self):
+        for g in self.flat_groups:
+            for p in g.params:
+                link = getattr(p, "_zero_offload", None)  # (engine weakref, group, index)
+                return link[0]() if link is not None else None
+        return None
+
     def step(self, closure=None):  # noqa: D401
         raise RuntimeError(
             "call engine.step(), not optimizer.step(): the engine reduces gradients first"

@@ -1,0 +1,76 @@
+"""``deepspeed.accelerator.get_accelerator()``: the device zero_offload's engine uses (CUDA, or
+the CPU on a machine without a GPU, with gloo, or with ZERO_OFFLOAD_DEVICE=cpu), with the
+methods of DeepSpeed's accelerator object that the Hugging Face libraries call. Any other
+method raises ``DeepSpeedNotProvidedError`` naming it."""
+
+from __future__ import annotations
+
+import torch
+
+from ...runtime import dist as _rt
+from .._common import DeepSpeedNotProvidedError, not_provided_getattr
+
+__all__ = ["get_accelerator"]
+__getattr__ = not_provided_getattr(__name__)
+
+
+class ZeroOffloadAccelerator:
+    """The parts of DeepSpeed's ``DeepSpeedAccelerator`` in use, over ``torch``."""
+
+    @property
+    def _name(self) -> str:
+        return _rt.default_device().type
+
+    def device_name(self, device_index=None) -> str:
+        name = self._name
+        if name == "cpu" or device_index is None:
+            return name
+        return f"{name}:{int(device_index)}"
+
+    def current_device(self) -> int:
+        device = _rt.default_device()
+        return device.index if device.index is not None else 0
+
+    def current_device_name(self) -> str:
+        return str(_rt.default_device())
+
+    def device(self, device_index=None) -> torch.device:
+        return torch.device(self.device_name(device_index))
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count() if self._name == "cuda" else 1
+
+    def is_available(self) -> bool:
+        return True
+
+    def communication_backend_name(self) -> str:
+        return "nccl" if self._name == "cuda" else "gloo"
+
+    def synchronize(self, device_index=None) -> None:
+        if self._name == "cuda":
+            torch.cuda.synchronize(device_index)
+
+    def empty_cache(self) -> None:
+        if self._name == "cuda":
+            torch.cuda.empty_cache()
+
+    def is_bf16_supported(self) -> bool:
+        return torch.cuda.is_bf16_supported() if self._name == "cuda" else True
+
+    def is_fp16_supported(self) -> bool:
+        return True
+
+    def on_accelerator(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == self._name
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise DeepSpeedNotProvidedError(f"deepspeed.accelerator.get_accelerator().{name}")
+
+
+_ACCELERATOR = ZeroOffloadAccelerator()
+
+
+def get_accelerator() -> ZeroOffloadAccelerator:
+    return _ACCELERATOR

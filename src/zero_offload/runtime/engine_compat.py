@@ -1,0 +1,90 @@
+"""DeepSpeed engine methods the Hugging Face libraries call, as a mixin of the engine.
+
+transformers' ``Trainer`` and accelerate use a few more of DeepSpeed's engine names than a
+training loop does: ``zero_gather_16bit_weights_on_model_save()`` and
+``_zero3_consolidated_16bit_state_dict()`` (``Trainer.save_model`` /
+``Accelerator.get_state_dict`` at stage 3), ``zero_optimization_partition_weights()``,
+``engine.config.get(...)`` (DeepSpeed's ``engine.config`` is the config dict) and
+``optimizer.overflow`` (accelerate's ``step_was_skipped``). Each is DeepSpeed's name and meaning
+over state the engine already has.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..checkpoint.module_state import _identity, module_state
+from ..config.models import ZeroOffloadConfig
+
+
+class DeepSpeedCompatAPI:
+    """Mixed into ZeroOffloadEngine; uses its ``config``, ``stage``, counters and param store."""
+
+    def zero_optimization_partition_weights(self) -> bool:
+        """ZeRO stage 3: the 16-bit params are partitioned."""
+        return self.stage == 3
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """``zero_optimization.stage3_gather_16bit_weights_on_model_save``: whether a stage-3
+        model save may gather the whole model (``save_16bit_model``, ``Trainer.save_model``)."""
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def _zero3_consolidated_16bit_state_dict(
+        self, exclude_frozen_parameters: bool = False
+    ) -> dict[str, torch.Tensor] | None:
+        """DeepSpeed's: the module's whole state dict (params in the training dtype, persistent
+        buffers) on the CPU on rank 0, None on the other ranks. Every tensor has its own storage
+        (a tied param is one tensor under each of its names). A collective: every rank calls
+        it. Stage 3 only (below it ``module.state_dict()`` is whole already)."""
+        if not self.zero_optimization_partition_weights():
+            raise ValueError("this function requires ZeRO-3 mode")
+        self.flush_delayed_update()
+        with self.params_on_host():
+            if self.global_rank != 0:
+                return None
+            sd = module_state(self.module, exclude_frozen=exclude_frozen_parameters)
+            copies: dict[tuple, torch.Tensor] = {}
+            out = {}
+            for k, v in sd.items():
+                key = _identity(v)
+                if key not in copies:  # params are views of one host copy per slot: split them
+                    copies[key] = v.detach().to("cpu", copy=True)
+                out[k] = copies[key]
+            return out
+
+    def _step_overflowed(self) -> bool:
+        """Whether the latest ``step()`` was an accumulation boundary whose update was skipped
+        for inf/NaN gradients (``optimizer.overflow``)."""
+        counts = self._before_step_counts
+        if counts is None:
+            return False
+        steps, skipped = counts
+        return self.global_steps > steps and self.skipped_steps > skipped
+
+
+# ---- engine.config as DeepSpeed's config dict ---------------------------------------------------
+# DeepSpeed's ``engine.config`` is the config dict it was given; callers read it with ``.get``
+# and ``[]`` (transformers: ``engine.config.get("zero_optimization", {}).get("stage")``). The
+# typed config answers the same questions from its resolved settings (``to_dict()``: every key,
+# defaults filled in). Installed unless the config class defines them itself.
+def _config_get(self, key: str, default: Any = None) -> Any:
+    return self.to_dict().get(key, default)
+
+
+def _config_getitem(self, key: str) -> Any:
+    return self.to_dict()[key]
+
+
+def _config_contains(self, key: object) -> bool:
+    return key in self.to_dict()
+
+
+for _name, _fn in (
+    ("get", _config_get),
+    ("__getitem__", _config_getitem),
+    ("__contains__", _config_contains),
+):
+    if _name not in ZeroOffloadConfig.__dict__:
+        setattr(ZeroOffloadConfig, _name, _fn)
