@@ -194,3 +194,15 @@ def test_unwrap_model_for_generation_gathers_once():
     assert torch.equal(out, plain.generate(ids, **kwargs))
     assert all(p.numel() == 0 for p in hf.parameters())  # released after the block
     engine.destroy()
+
+
+def test_save_16bit_model_in_the_sharded_layout(tmp_path):
+    import json
+
+    engine, model = _engine(2)
+    assert engine.save_16bit_model(tmp_path, max_shard_size="2KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    files = set(index["weight_map"].values())
+    assert len(files) > 1 and all((tmp_path / f).is_file() for f in files)
+    assert set(index["weight_map"]) == set(model.state_dict())
+    engine.destroy()

@@ -550,10 +550,14 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         save_dir,
         save_filename: str = "model.safetensors",
         exclude_frozen_parameters: bool = False,
+        max_shard_size: int | str | None = None,
     ):
+        """DeepSpeed's; ``max_shard_size`` (this project's): Hugging Face's sharded layout."""
         from ..checkpoint import save_16bit_model
 
-        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+        return save_16bit_model(
+            self, save_dir, save_filename, exclude_frozen_parameters, max_shard_size
+        )
 
     def empty_partition_cache(self) -> None:
         """Stage 3: free every gathered param, persistent ones too (the next forward gathers

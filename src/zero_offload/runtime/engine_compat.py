@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.module_state import _identity, module_state
 from ..config.models import ZeroOffloadConfig
 
 
@@ -40,19 +39,11 @@ class DeepSpeedCompatAPI:
         it. Stage 3 only (below it ``module.state_dict()`` is whole already)."""
         if not self.zero_optimization_partition_weights():
             raise ValueError("this function requires ZeRO-3 mode")
+        from ..checkpoint.sharded import consolidated_state_dict
+
         self.flush_delayed_update()
-        with self.params_on_host():
-            if self.global_rank != 0:
-                return None
-            sd = module_state(self.module, exclude_frozen=exclude_frozen_parameters)
-            copies: dict[tuple, torch.Tensor] = {}
-            out = {}
-            for k, v in sd.items():
-                key = _identity(v)
-                if key not in copies:  # params are views of one host copy per slot: split them
-                    copies[key] = v.detach().to("cpu", copy=True)
-                out[k] = copies[key]
-            return out
+        # Streamed: the other ranks hold one gathered slot at a time, never the whole model.
+        return consolidated_state_dict(self, exclude_frozen_parameters)
 
     def _step_overflowed(self) -> bool:
         """Whether the latest ``step()`` was an accumulation boundary whose update was skipped
