@@ -19,7 +19,7 @@ if SPEC["opt_in"] == "call":
 
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
-from accelerate.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler  # noqa: E402
+from accelerate.utils import DeepSpeedPlugin  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from transformers import AutoModelForCausalLM, get_constant_schedule  # noqa: E402
 
@@ -45,6 +45,9 @@ def main() -> None:
     loader = DataLoader(data, batch_size=SPEC["micro"], shuffle=False)
     config_optimizer = ds is not None and "optimizer" in ds.deepspeed_config
     if config_optimizer:
+        # Only with DeepSpeed available (the opt-in): accelerate defines them only then.
+        from accelerate.utils import DummyOptim, DummyScheduler
+
         optimizer = DummyOptim(model.parameters(), lr=LR)
         scheduler = DummyScheduler(optimizer, lr_scheduler_callable=get_constant_schedule)
     else:
