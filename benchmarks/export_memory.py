@@ -24,46 +24,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 GIB = 2**30
 
 
-def _status() -> tuple[int, int]:
-    rss = anon = 0
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1]) * 1024
-            elif line.startswith("RssAnon:"):
-                anon = int(line.split()[1]) * 1024
-    return rss, anon
-
-
-class Sampler:
-    def __init__(self, interval: float = 0.005) -> None:
-        self.interval = interval
-        self.peak = _status()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            rss, anon = _status()
-            self.peak = (max(self.peak[0], rss), max(self.peak[1], anon))
-            time.sleep(self.interval)
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        rss, anon = _status()
-        self.peak = (max(self.peak[0], rss), max(self.peak[1], anon))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from checkpoint_io import PeakMemory  # noqa: E402
 
 
 # ---- the checkpoint ----------------------------------------------------------------------------
@@ -137,9 +105,8 @@ def child(mode: str, ckpt: str, out: str) -> None:
     from zero_offload.cli.main import main as cli
 
     gc.collect()
-    base = _status()
     t0 = time.perf_counter()
-    with Sampler() as s:
+    with PeakMemory() as s:
         if mode == "legacy":
             _legacy_export(ckpt, Path(out) / "model.safetensors")
         else:
@@ -159,8 +126,8 @@ def child(mode: str, ckpt: str, out: str) -> None:
             {
                 "mode": mode,
                 "seconds": seconds,
-                "base_rss": base[0],
-                "base_anon": base[1],
+                "base_rss": s.base[0],
+                "base_anon": s.base[1],
                 "peak_rss": s.peak[0],
                 "peak_anon": s.peak[1],
                 "maxrss": maxrss,
