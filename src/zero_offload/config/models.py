@@ -198,6 +198,18 @@ class ZeroOffloadConfig(Section):
         :func:`zero_offload.config.auto_sizes.resolve_auto_sizes` fills the size ones)."""
         return self._auto_keys
 
+    # DeepSpeed's engine.config is a dict: transformers reads
+    # ``engine.config.get("zero_optimization", {}).get("stage")`` on every save. The typed
+    # config answers from its resolved settings (every key, defaults filled in).
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.to_dict().get(key, default)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_dict()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.to_dict()
+
     def to_dict(self) -> dict[str, Any]:
         """Every setting, resolved, as plain JSON values (for logs and checkpoint metadata).
         ``load_config(cfg.to_dict(), cfg.world_size)`` gives an equal config."""

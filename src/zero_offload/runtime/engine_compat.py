@@ -11,11 +11,7 @@ over state the engine already has.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-
-from ..config.models import ZeroOffloadConfig
 
 
 class DeepSpeedCompatAPI:
@@ -53,29 +49,3 @@ class DeepSpeedCompatAPI:
             return False
         steps, skipped = counts
         return self.global_steps > steps and self.skipped_steps > skipped
-
-
-# ---- engine.config as DeepSpeed's config dict ---------------------------------------------------
-# DeepSpeed's ``engine.config`` is the config dict it was given; callers read it with ``.get``
-# and ``[]`` (transformers: ``engine.config.get("zero_optimization", {}).get("stage")``). The
-# typed config answers the same questions from its resolved settings (``to_dict()``: every key,
-# defaults filled in). Installed unless the config class defines them itself.
-def _config_get(self, key: str, default: Any = None) -> Any:
-    return self.to_dict().get(key, default)
-
-
-def _config_getitem(self, key: str) -> Any:
-    return self.to_dict()[key]
-
-
-def _config_contains(self, key: object) -> bool:
-    return key in self.to_dict()
-
-
-for _name, _fn in (
-    ("get", _config_get),
-    ("__getitem__", _config_getitem),
-    ("__contains__", _config_contains),
-):
-    if _name not in ZeroOffloadConfig.__dict__:
-        setattr(ZeroOffloadConfig, _name, _fn)

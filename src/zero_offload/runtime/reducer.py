@@ -82,9 +82,9 @@ class Reducer:
         self.scope = scope
         self._reset()
         self.handles = []
+        self._scaling = False  # the pre-hooks below exist (registered at the first need)
         for g in groups:
             for i, p in enumerate(g.params):
-                self.handles.append(p.register_hook(self._scale))
                 self.handles.append(p.register_post_accumulate_grad_hook(self._hook(g.index, i)))
         scope.on_end(self._finish_backward, self._reset)
 
@@ -102,6 +102,11 @@ class Reducer:
         """Called by the engine's backward prologue."""
         self.first, self.last, self.grad_factor = first, last, grad_factor
         self.reducing = self.stage == 2 or last
+        if grad_factor != 1.0 and not self._scaling:  # a plain loss.backward() with GAS > 1
+            self._scaling = True
+            for g in self.groups:
+                for p in g.params:
+                    self.handles.append(p.register_hook(self._scale))
 
     def _scale(self, grad: torch.Tensor) -> torch.Tensor | None:
         return None if self.grad_factor == 1.0 else grad * self.grad_factor
