@@ -163,6 +163,7 @@ def run_engine(
     with zero_offload.zero.Init(enabled=init):  # init: partitioned as it is built
         model = make_model()
     engine, _, _, _ = zero_offload.initialize(model=model, config=copy.deepcopy(cfg))
+    assert_partitioned_if_asked(model, cfg)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     grads, losses = [], []
     for x, y in batches(steps, world, gas, micro):
@@ -247,3 +248,10 @@ def run_cases(cases: list[dict]) -> list[dict]:
             }
         )
     return out
+
+
+def assert_partitioned_if_asked(model: torch.nn.Module, cfg: dict) -> None:
+    """A stage-3 config with persistence threshold 0 really partitioned every param."""
+    zc = cfg.get("zero_optimization", {})
+    if zc.get("stage") == 3 and zc.get("stage3_param_persistence_threshold") == 0:
+        assert all(p.numel() == 0 < p.ds_numel for p in model.parameters())

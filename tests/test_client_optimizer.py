@@ -15,7 +15,13 @@ import logging
 import pytest
 import torch
 from distributed import run_ranks
-from parity import batches, displacement_err, engine_config, make_model
+from parity import (
+    assert_partitioned_if_asked,
+    batches,
+    displacement_err,
+    engine_config,
+    make_model,
+)
 
 import zero_offload
 from zero_offload.checkpoint import CheckpointError
@@ -93,6 +99,7 @@ def _train(kind: str, stage: int, offload: bool, world: int = 1, rank: int = 0):
     engine, *_ = zero_offload.initialize(
         model=model, optimizer=client, config=_config(stage, offload)
     )
+    assert_partitioned_if_asked(model, _config(stage, offload))
     for x, y in batches(STEPS, world, GAS, MICRO):
         for k in range(GAS):
             lo = (k * world + rank) * MICRO

@@ -8,7 +8,13 @@ import copy
 
 import pytest
 import torch
-from parity import batches, displacement_err, engine_config, make_model
+from parity import (
+    assert_partitioned_if_asked,
+    batches,
+    displacement_err,
+    engine_config,
+    make_model,
+)
 from safetensors import safe_open
 
 import zero_offload
@@ -26,6 +32,7 @@ def _engine(stage: int, offload: bool = False, gas: int = 1, seed: int = 0, **ze
         offload_param=offload and stage == 3,
     )  # fmt: skip
     engine, *_ = zero_offload.initialize(model=model, config=cfg)
+    assert_partitioned_if_asked(model, cfg)
     return engine, model
 
 

@@ -9,7 +9,15 @@ import copy
 import pytest
 import torch
 from distributed import run_ranks
-from parity import LR, WD, batches, displacement_err, engine_config, make_model
+from parity import (
+    LR,
+    WD,
+    assert_partitioned_if_asked,
+    batches,
+    displacement_err,
+    engine_config,
+    make_model,
+)
 
 import zero_offload
 from zero_offload.config import ConfigError
@@ -63,6 +71,7 @@ def _unmanaged(stage: int, offload: bool, world: int = 1, rank: int = 0):
     engine, *_ = zero_offload.initialize(
         model=model, config=_config(stage, offload, managed_gradient_accumulation=False)
     )
+    assert_partitioned_if_asked(model, _config(stage, offload))
     x, y = _micro_batches(world)
     k, applied = 0, []
     for count in COUNTS:
