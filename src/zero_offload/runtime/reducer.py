@@ -17,7 +17,8 @@ first while its bucket has not been reduced, and is an error once it has: it wou
 
 The backward's start and end are the ``BackwardScope``'s (the end of the outermost graph task).
 A plain ``loss.backward()`` carries no 1/GAS in its loss, so the scope's prologue sets
-``grad_factor`` and a pre-hook on each param scales the gradient before it accumulates.
+``grad_factor`` and a pre-hook on each param (registered at the first such backward) scales
+the gradient before it accumulates.
 
 With ``overlap_comm`` the collective of a bucket runs while backward continues (on the reduce
 stream under CUDA; as an async work handle on gloo: one bucket reducing while the next fills); without it each
