@@ -1,12 +1,14 @@
-"""Build script for the optional C++ host Adam kernel (zero_offload._host_adam).
+"""Build script for the optional C++ extensions: the host Adam kernel (zero_offload._host_adam)
+and the NVMe offload I/O engine (zero_offload._aio).
 
-Project metadata lives in pyproject.toml; this file only declares the extension. The module is
-a plain CPython C-API extension (no torch headers, no pybind11), so a wheel does not depend on
-the torch ABI and nothing is JIT-compiled at the first optimizer step. It is built for the
+Project metadata lives in pyproject.toml; this file only declares the extensions. Both are
+plain CPython C-API extensions (no torch headers, no pybind11), so a wheel does not depend on
+the torch ABI and nothing is JIT-compiled at the first optimizer step. The kernel is built for the
 baseline ISA (no -march=native): the AVX2 and AVX-512 variants are enabled per function with
-target attributes and chosen at import time from the CPU's features. The extension is optional:
-if it fails to build, the install still succeeds and zero_offload.kernels.host_adam falls back to
-its pure-PyTorch reference implementation (with a warning).
+target attributes and chosen at import time from the CPU's features. The extensions are optional:
+if one fails to build, the install still succeeds and zero_offload.kernels.host_adam falls back to
+its pure-PyTorch reference implementation, zero_offload.nvme.aio to a Python thread pool (each
+with a warning).
 """
 
 from __future__ import annotations
@@ -113,4 +115,22 @@ host_adam = Extension(
     optional=True,
 )
 
-setup(ext_modules=[host_adam], cmdclass=cmdclass)
+ext_modules = [host_adam]
+
+# The NVMe offload I/O engine (zero_offload.nvme.aio): pread/pwrite on POSIX threads, outside the
+# GIL. Optional like _host_adam: without it, zero_offload.nvme.aio runs the same requests on a
+# Python thread pool (with a warning). POSIX only.
+if sys.platform != "win32":
+    ext_modules.append(
+        Extension(
+            "zero_offload._aio",
+            sources=[os.path.join(CSRC, "aio.cpp")],
+            include_dirs=[CSRC],
+            language="c++",
+            extra_compile_args=extra_compile_args,
+            extra_link_args=["-pthread"],
+            optional=True,
+        )
+    )
+
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -94,14 +94,14 @@ def reference(steps: int, world: int, gas: int, micro: int, clip: float):
 
 def engine_config(
     stage: int,
-    offload: bool,
+    offload: bool | str,
     gas: int,
     micro: int,
     clip: float,
     overlap: bool,
     dtype: str = "fp32",
     bucket: int = 100,
-    offload_param: bool = False,
+    offload_param: bool | str = False,
     zero_extra: dict | None = None,
     **offload_extra,
 ) -> dict:
@@ -112,10 +112,19 @@ def engine_config(
         "overlap_comm": overlap,
         **(zero_extra or {}),
     }
+    # offload / offload_param: True means "cpu"; a string names the device ("nvme" takes the
+    # nvme_path of offload_extra).
+    nvme_path = offload_extra.pop("nvme_path", None)
     if offload:
-        zero["offload_optimizer"] = {"device": "cpu", **offload_extra}
+        device = offload if isinstance(offload, str) else "cpu"
+        zero["offload_optimizer"] = {"device": device, **offload_extra}
+        if device == "nvme":
+            zero["offload_optimizer"]["nvme_path"] = nvme_path
     if offload_param:
-        zero["offload_param"] = {"device": "cpu"}
+        device = offload_param if isinstance(offload_param, str) else "cpu"
+        zero["offload_param"] = {"device": device}
+        if device == "nvme":
+            zero["offload_param"]["nvme_path"] = nvme_path
     cfg = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,

@@ -530,14 +530,15 @@ def test_config_object_source_is_reresolved_for_a_new_world_size() -> None:
                 "train_batch_size": 1,
                 "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}},
             },
-            'zero_optimization.offload_optimizer.device: "nvme" offload is not built',
+            'zero_optimization.offload_optimizer.nvme_path: required with device "nvme": must be '
+            "a local directory",
         ),
         (
             {
                 "train_batch_size": 1,
                 "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}},
             },
-            'zero_optimization.offload_optimizer.device: allowed: "none", "cpu"; got "gpu"',
+            'zero_optimization.offload_optimizer.device: allowed: "none", "cpu", "nvme"; got "gpu"',
         ),
         (
             {"train_batch_size": 1, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}},

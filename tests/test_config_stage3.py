@@ -224,17 +224,21 @@ def test_offload_param_cpu_needs_stage3(stage: int) -> None:
     assert f"needs zero_optimization.stage 3 (stage is {stage})" in text
 
 
-def test_offload_param_nvme_is_not_built() -> None:
-    text = problems({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}})
-    assert (
-        text
-        == 'zero_optimization.offload_param.device: "nvme" offload is not built; use "cpu" or "none"'
+def test_offload_param_nvme_at_stage3() -> None:
+    zc = load({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}})
+    zc3 = zc.zero_optimization
+    assert (zc3.offload_param_device, zc3.offload_params, zc3.param_nvme_path) == (
+        "nvme",
+        True,
+        "/x",
     )
+    text = problems({"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "/x"}})
+    assert text.startswith('zero_optimization.offload_param.device: "nvme" parameter offload')
 
 
 def test_offload_param_bad_device_and_sizes() -> None:
     assert problems({"stage": 3, "offload_param": {"device": "gpu"}}) == (
-        'zero_optimization.offload_param.device: allowed: "none", "cpu"; got "gpu"'
+        'zero_optimization.offload_param.device: allowed: "none", "cpu", "nvme"; got "gpu"'
     )
     for key in ("buffer_count", "buffer_size", "max_in_cpu"):
         text = problems({"stage": 3, "offload_param": {key: -1}})

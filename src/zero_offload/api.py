@@ -92,7 +92,13 @@ def initialize(
             cfg.optimizer.type,
         )
     groups, adamw, client = _param_groups(model, model_parameters, optimizer, cfg)
-    if client is not None and cfg.zero_optimization.offload_device == "cpu":
+    if client is not None and cfg.zero_optimization.offload_device == "nvme":
+        raise ConfigError(
+            'zero_optimization.offload_optimizer.device: "nvme" streams the built-in Adam(W) '
+            f"update chunk by chunk; the client optimizer {type(client).__name__} keeps its own "
+            "state in memory: use device \"cpu\", or an 'optimizer' config block / torch Adam(W)"
+        )
+    if client is not None and cfg.zero_optimization.offload:
         oc = cfg.zero_optimization.offload_optimizer
         if oc.delayed_update:
             raise ConfigError(

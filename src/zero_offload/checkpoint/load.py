@@ -42,21 +42,17 @@ def _apply(
         for g, so, gp, old in zip(engine.groups, engine.shard_opts, plan.groups, saved):
             for f, src, dst, n in gp.reads:
                 for kind in SHARD_KINDS:
-                    getattr(so, kind)[dst : dst + n].copy_(
-                        ckpt.read_slice(f, shard_tensor(g.index, kind), src, src + n)
-                    )
+                    piece = ckpt.read_slice(f, shard_tensor(g.index, kind), src, src + n)
+                    so.state.write(kind, dst, piece)
             for lo, hi in gp.padding:
                 for kind in SHARD_KINDS:
-                    getattr(so, kind)[lo:hi].zero_()
+                    so.state.write(kind, lo, torch.zeros(hi - lo, dtype=torch.float32))
             so.step_count = old.step_count
             _restore_hyper(g.hyper, old.hyper)
-            for s in so.segs:  # the 16-bit params are the master's cast, as after a step
-                so.home.own(s).copy_(so.master[s.shard_start : s.shard_start + s.numel])
-            so.home.publish()
+            so.params_from_master()  # the 16-bit params are the master's cast, as after a step
     else:
         for so in engine.shard_opts:  # master from the loaded 16-bit weights
-            for s in so.segs:
-                so.master[s.shard_start : s.shard_start + s.numel].copy_(so.home.own(s))
+            so.master_from_params()
     if not module_only:
         meta = ckpt.meta
         for k, v in meta["counters"].items():

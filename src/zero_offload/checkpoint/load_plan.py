@@ -130,7 +130,7 @@ def _plan_groups(engine, ckpt: CheckpointReader, plan: LoadPlan) -> None:
         plan.groups.append(
             GroupPlan(
                 [(old.files[r.source], r.src, r.dst, r.numel) for r in reads],
-                gaps(so.master.numel(), wanted),
+                gaps(so.state.numel, wanted),
             )
         )
 

@@ -129,7 +129,7 @@ def _write_rank_file(engine, stage: Path, groups: list) -> dict:
     entries = []
     if engine.stage >= 1 or engine.global_rank == 0:
         for gi, so in enumerate(engine.shard_opts):
-            entries += [Entry.of(shard_tensor(gi, k), getattr(so, k)) for k in SHARD_KINDS]
+            entries += [_state_entry(shard_tensor(gi, k), so, k) for k in SHARD_KINDS]
     rng_json, rng_tensors = rng.capture(engine.device)
     entries += [Entry.of(k, v) for k, v in rng_tensors.items()]
     info = {
@@ -141,6 +141,20 @@ def _write_rank_file(engine, stage: Path, groups: list) -> dict:
     path = stage / rank_file(engine.global_rank)
     with writing(path):
         return write_file(path, entries, {RANK_META_KEY: json.dumps(info)})
+
+
+def _state_entry(name: str, so, kind: str) -> Entry:
+    """One kind of a group's optimizer state: the tensor, or streamed chunk by chunk from an
+    NVMe state (host memory: one chunk at a time)."""
+    state = so.state
+    if hasattr(state, kind):
+        return Entry.of(name, getattr(state, kind))
+    return Entry(
+        name,
+        torch.float32,
+        (state.numel,),
+        lambda: (state.read(kind, lo, hi) for lo, hi in so.chunks),
+    )
 
 
 def _write_model_file(engine, stage: Path, exclude_frozen: bool) -> tuple[dict, dict]:

@@ -57,12 +57,13 @@ def dtype_name(dtype: torch.dtype, where: str) -> str:
 @dataclass(frozen=True)
 class Entry:
     """One tensor to write. ``source`` is the tensor, or a function producing it when its turn
-    comes (the export streams tensors it assembles one at a time)."""
+    comes (the export streams tensors it assembles one at a time), or producing its flattened
+    contents as consecutive pieces (an NVMe optimizer state, read chunk by chunk)."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    source: torch.Tensor | Callable[[], torch.Tensor]
+    source: torch.Tensor | Callable[[], torch.Tensor | Iterable[torch.Tensor]]
 
     @staticmethod
     def of(name: str, t: torch.Tensor) -> Entry:
@@ -177,13 +178,22 @@ def write_file(
         emit(memoryview(_header(entries, metadata)))
         for e in entries:
             t = e.source() if callable(e.source) else e.source
-            if t.dtype != e.dtype or tuple(t.shape) != e.shape:
+            pieces = [t] if isinstance(t, torch.Tensor) else t
+            written = 0
+            for piece in pieces:
+                if piece.dtype != e.dtype or (t is piece and tuple(t.shape) != e.shape):
+                    raise CheckpointError(
+                        f"{path.name}: tensor {e.name!r} is {piece.dtype} "
+                        f"{tuple(piece.shape)}, announced as {e.dtype} {e.shape}"
+                    )
+                written += piece.numel() * piece.element_size()
+                for mv in _chunks(piece, chunk_bytes):
+                    emit(mv)
+            if written != e.nbytes:
                 raise CheckpointError(
-                    f"{path.name}: tensor {e.name!r} is {t.dtype} {tuple(t.shape)}, "
-                    f"announced as {e.dtype} {e.shape}"
+                    f"{path.name}: tensor {e.name!r} streamed {written} bytes, announced "
+                    f"{e.nbytes} ({e.dtype} {e.shape})"
                 )
-            for mv in _chunks(t, chunk_bytes):
-                emit(mv)
         digest = hasher.finish()
         f.flush()
         os.fsync(f.fileno())

@@ -1,9 +1,15 @@
 """Typed DeepSpeed-style configuration: ``load_config(source, world_size)`` -> ZeroOffloadConfig."""
 
+from .aio import AioConfig
 from .auto import AutoValueWarning
 from .auto_sizes import resolve_auto_sizes
 from .batch import BatchSizes, resolve_batch_sizes
-from .errors import ConfigError, DeepSpeedConfigError, NotImplementedSettingWarning
+from .errors import (
+    ConfigError,
+    DeepSpeedConfigError,
+    NotImplementedSettingWarning,
+    SettingSpellingWarning,
+)
 from .json_text import parse_json_text, read_json_file
 from .load import ConfigSource, load_config
 from .models import ZeroOffloadConfig
@@ -22,6 +28,7 @@ from .zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 __all__ = [
     "AdamParams",
+    "AioConfig",
     "AutoValueWarning",
     "BF16Config",
     "BatchSizes",
@@ -34,6 +41,7 @@ __all__ = [
     "OffloadParamConfig",
     "OptimizerConfig",
     "SchedulerConfig",
+    "SettingSpellingWarning",
     "WarmupCosineLRConfig",
     "WarmupCosineLRParams",
     "WarmupDecayLRConfig",

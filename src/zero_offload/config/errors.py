@@ -40,6 +40,11 @@ class NotImplementedSettingWarning(UserWarning):
     """A DeepSpeed setting the config accepts but this project does not act on."""
 
 
+class SettingSpellingWarning(UserWarning):
+    """Two spellings of one setting given with different values; the message names both keys
+    and the value used."""
+
+
 def json_repr(value: Any) -> str:
     """The value as the user wrote it in JSON (``true``, ``"cpu"``, ``5e-05``)."""
     try:

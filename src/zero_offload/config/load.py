@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .auto import AutoValueWarning, auto_report
-from .errors import ConfigError, NotImplementedSettingWarning
+from .errors import ConfigError, NotImplementedSettingWarning, SettingSpellingWarning
 from .finite import non_finite_numbers
 from .json_text import read_json_file
 from .keys import describe_errors, prepare
@@ -68,8 +68,10 @@ def load_config(
 
     Raises ConfigError listing every problem, one per line, each naming its key path. Warns
     once (NotImplementedSettingWarning) listing the DeepSpeed settings accepted but ignored,
-    and once (AutoValueWarning) listing each ``"auto"`` key nothing could fill, with the
-    default chosen. ``config.auto_keys`` lists every ``"auto"`` key path given.
+    once (AutoValueWarning) listing each ``"auto"`` key nothing could fill, with the
+    default chosen, and once (SettingSpellingWarning, with an NVMe offload only) when
+    ``aio.thread_count`` and ``aio.intra_op_parallelism`` disagree. ``config.auto_keys`` lists
+    every ``"auto"`` key path given.
     """
     if isinstance(source, ZeroOffloadConfig):
         if source.world_size == world_size and micro_batch_size is None:
@@ -126,6 +128,9 @@ def load_config(
         *config.non_default_unimplemented(),
         *_unused_nvme_paths(config),
     ]
+    conflict = config.aio.spelling_conflict() if config.zero_optimization.uses_nvme else None
+    if conflict:  # the aio section is read only with an NVMe offload
+        warnings.warn(f"{origin}: {conflict}", SettingSpellingWarning, stacklevel=2)
     if unimplemented:
         warnings.warn(
             f"{origin}: accepted but not implemented (no effect): {', '.join(unimplemented)}",

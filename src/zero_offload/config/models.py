@@ -13,6 +13,7 @@ import torch
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from .aio import AioConfig
 from .batch import resolve_batch_sizes
 from .errors import ConfigError, json_repr
 from .fields import DEFAULT_ONLY, Bool, Float, Int, Section, rule_error
@@ -28,7 +29,6 @@ from .zero import ZeroConfig
 TOP_LEVEL_NOT_IMPLEMENTED = frozenset(
     {
         "activation_checkpointing",
-        "aio",
         "allgather_size",  # read only with "zero_optimization": true (config/load.py)
         "amp",
         "autotuning",
@@ -90,6 +90,8 @@ class ZeroOffloadConfig(Section):
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    # Read only with an NVMe offload (zero_optimization.*.device "nvme").
+    aio: AioConfig = Field(default_factory=AioConfig)
     gradient_clipping: Float = Field(1.0, ge=0.0)  # DeepSpeed >= 0.16 default; 0 disables
     steps_per_print: Int | None = Field(None, ge=1)  # None (DeepSpeed default): no step log
     wall_clock_breakdown: Bool = False
@@ -114,6 +116,11 @@ class ZeroOffloadConfig(Section):
     @classmethod
     def _allreduce_op(cls, value: Any) -> Any:
         return allreduce_op(value)
+
+    @field_validator("aio", mode="before")
+    @classmethod
+    def _aio(cls, value: Any) -> Any:
+        return {} if value is None else value  # DeepSpeed reads "aio": null as its defaults
 
     @field_validator("scheduler", mode="before")
     @classmethod

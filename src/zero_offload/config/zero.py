@@ -1,6 +1,7 @@
 """``zero_optimization`` section: DeepSpeed's ZeRO stage 0/1/2/3 keys and defaults, optimizer
-offload and (stage 3) parameter offload to the host CPU. NVMe offload is not built: its device
-value is an error; keys that would only tune what is not built are warnings.
+offload and (stage 3) parameter offload to the host CPU or to NVMe (ZeRO-Infinity: ``"device":
+"nvme"`` with ``nvme_path``, a local directory; the top-level ``aio`` section, :mod:`.aio`, tunes
+its reads and writes). Keys that would only tune what is not built are warnings.
 """
 
 from __future__ import annotations
@@ -67,12 +68,27 @@ ZERO_NOT_IMPLEMENTED = frozenset(
 )
 
 
-def _not_nvme(value: Any) -> Any:
-    if value == "nvme":
-        raise ValueError('"nvme" offload is not built; use "cpu" or "none"')
-    if value not in ("none", "cpu"):
-        raise ValueError(f'allowed: "none", "cpu"; got {json_repr(value)}')
+# DeepSpeed's OffloadDeviceEnum values.
+OffloadDevice = Literal["none", "cpu", "nvme"]
+OFFLOAD_DEVICES: tuple[str, ...] = ("none", "cpu", "nvme")
+
+
+def _offload_device(value: Any) -> Any:
+    if not isinstance(value, str) or value not in OFFLOAD_DEVICES:
+        allowed = ", ".join(json_repr(d) for d in OFFLOAD_DEVICES)
+        raise ValueError(f"allowed: {allowed}; got {json_repr(value)}")
     return value
+
+
+def _nvme_path_rule(path: str | None, what: str) -> None:
+    """With ``device: "nvme"``, ``nvme_path`` must be given (DeepSpeed fails later without it)."""
+    if path is None or not path.strip():
+        got = "" if path is None else f" (got {json_repr(path)})"
+        raise rule_error(
+            "nvme_path",
+            f'required with device "nvme": must be a local directory (ideally on an NVMe '
+            f"drive) to swap {what} to{got}",
+        )
 
 
 class OffloadOptimizerConfig(Section):
@@ -85,7 +101,7 @@ class OffloadOptimizerConfig(Section):
         {"super_offload", "cpuadam_cores_perc", "convert_grad_on_cpu"}
     )
 
-    device: Literal["none", "cpu"] = "none"
+    device: OffloadDevice = "none"
     nvme_path: Str | None = None
     buffer_count: DsInt = Field(4, ge=0)
     pin_memory: Bool = True
@@ -100,16 +116,29 @@ class OffloadOptimizerConfig(Section):
     @field_validator("device", mode="before")
     @classmethod
     def _device(cls, value: Any) -> Any:
-        return _not_nvme(value)
+        return _offload_device(value)
+
+    @model_validator(mode="after")
+    def _nvme(self) -> OffloadOptimizerConfig:
+        if self.device == "nvme":
+            _nvme_path_rule(self.nvme_path, "the optimizer state")
+            if self.buffer_count < 2:
+                raise rule_error(
+                    "buffer_count",
+                    f'must be >= 2 with device "nvme" (got {self.buffer_count}): the streamed '
+                    "update reads chunk k+1 while chunk k updates",
+                )
+        return self
 
 
 class OffloadParamConfig(Section):
     """``offload_param`` (stage 3): with ``device: "cpu"`` each rank's 16-bit param shard lives in
-    host memory (pinned when ``pin_memory`` and CUDA) and is fetched to the device to run.
-    ``buffer_count``, ``buffer_size`` and ``max_in_cpu`` size DeepSpeed's NVMe buffers; they are
-    validated and kept for compatibility."""
+    host memory (pinned when ``pin_memory`` and CUDA) and is fetched to the device to run; with
+    ``device: "nvme"`` it lives in a swap file under ``nvme_path`` and is read into host buffers
+    to be fetched. ``buffer_count``, ``buffer_size`` (elements) and ``max_in_cpu`` (elements)
+    size those host buffers, as in DeepSpeed."""
 
-    device: Literal["none", "cpu"] = "none"
+    device: OffloadDevice = "none"
     nvme_path: Str | None = None
     buffer_count: DsInt = Field(5, ge=0)
     buffer_size: DsInt = Field(100_000_000, ge=0)
@@ -119,7 +148,13 @@ class OffloadParamConfig(Section):
     @field_validator("device", mode="before")
     @classmethod
     def _device(cls, value: Any) -> Any:
-        return _not_nvme(value)
+        return _offload_device(value)
+
+    @model_validator(mode="after")
+    def _nvme(self) -> OffloadParamConfig:
+        if self.device == "nvme":
+            _nvme_path_rule(self.nvme_path, "the 16-bit parameter shard")
+        return self
 
 
 class ZeroConfig(Section):
@@ -219,11 +254,11 @@ class ZeroConfig(Section):
         if self.overlap_comm is None:
             self.overlap_comm = self.stage == 3  # DeepSpeed overlaps by default at stage 3 only
         offload = self.offload_optimizer
-        if offload is not None and offload.device == "cpu" and self.stage == 0:
+        if offload is not None and offload.device != "none" and self.stage == 0:
             raise rule_error(
                 "offload_optimizer.device",
-                '"cpu" needs zero_optimization.stage 1, 2 or 3 (stage is 0): the offloaded '
-                "optimizer updates this rank's partition",
+                f"{json_repr(offload.device)} needs zero_optimization.stage 1, 2 or 3 (stage is "
+                "0): the offloaded optimizer updates this rank's partition",
             )
         if offload is not None and offload.ratio < 1.0:
             raise rule_error(
@@ -231,14 +266,16 @@ class ZeroConfig(Section):
                 "partial offload (ratio < 1.0) is not built; use 1.0",
             )
         if offload is not None and offload.delayed_update and offload.device != "cpu":
+            why = '; "nvme" is not supported with it' if offload.device == "nvme" else ""
             raise rule_error(
-                "offload_optimizer.delayed_update", 'needs offload_optimizer.device "cpu"'
+                "offload_optimizer.delayed_update", f'needs offload_optimizer.device "cpu"{why}'
             )
         if self.offload_params and self.stage != 3:
             raise rule_error(
                 param_key,
-                f'"cpu" parameter offload needs zero_optimization.stage 3 (stage is '
-                f"{self.stage}): only stage 3 partitions the 16-bit params",
+                f"{json_repr(self.offload_param_device)} parameter offload needs "
+                f"zero_optimization.stage 3 (stage is {self.stage}): only stage 3 partitions the "
+                "16-bit params",
             )
         return self
 
@@ -254,24 +291,46 @@ class ZeroConfig(Section):
         return out
 
     @property
-    def offload_device(self) -> str:
-        """The optimizer offload device: "cpu" when the optimizer runs on the host, else "none"."""
+    def offload_device(self) -> OffloadDevice:
+        """``offload_optimizer.device``: "none" (the update runs on the device), "cpu" (master
+        shard and optimizer state in host memory) or "nvme" (in swap files under
+        :attr:`optimizer_nvme_path`, streamed through host buffers)."""
         return self.offload_optimizer.device if self.offload_optimizer is not None else "none"
 
     @property
     def offload(self) -> bool:
-        """Whether the master shard, optimizer state and update live on the host."""
-        return self.offload_device == "cpu"
+        """Whether the optimizer update runs on the host: device "cpu" or "nvme"."""
+        return self.offload_device != "none"
 
     @property
-    def offload_param_device(self) -> str:
-        """Where the 16-bit param shard lives between uses (stage 3): "cpu" or "none"."""
+    def offload_param_device(self) -> OffloadDevice:
+        """Where the 16-bit param shard lives between uses (stage 3): "none" (the device), "cpu"
+        (host memory) or "nvme" (a swap file under :attr:`param_nvme_path`)."""
         return self.offload_param.device if self.offload_param is not None else "none"
 
     @property
     def offload_params(self) -> bool:
-        """Whether the 16-bit param shard lives in host memory (stage 3 parameter offload)."""
-        return self.offload_param_device == "cpu"
+        """Whether the 16-bit param shard lives off the device (stage 3): device "cpu" or
+        "nvme"."""
+        return self.offload_param_device != "none"
+
+    @property
+    def optimizer_nvme_path(self) -> str | None:
+        """``offload_optimizer.nvme_path`` when the optimizer offload device is "nvme", else
+        None (a path given for another device is ignored, with a warning at load)."""
+        oc = self.offload_optimizer
+        return oc.nvme_path if oc is not None and oc.device == "nvme" else None
+
+    @property
+    def param_nvme_path(self) -> str | None:
+        """``offload_param.nvme_path`` when the param offload device is "nvme", else None."""
+        pc = self.offload_param
+        return pc.nvme_path if pc is not None and pc.device == "nvme" else None
+
+    @property
+    def uses_nvme(self) -> bool:
+        """Whether anything (optimizer state or params) is offloaded to NVMe."""
+        return "nvme" in (self.offload_device, self.offload_param_device)
 
 
 def _checked(model: type[Section], name: str, key: str, value: Any) -> Any:

@@ -19,6 +19,7 @@ import torch
 
 from ..config.auto_sizes import resolve_auto_sizes
 from ..config.runtime_keys import DTYPES
+from ..nvme.aio import AioEngine
 from ..utils.z3_leaf_module import apply_leaf_config
 from . import dist, guards
 from .backward_scope import ENGINE, PLAIN, BackwardScope, in_backward
@@ -36,8 +37,10 @@ from .overflow import OverflowMonitor
 from .param_home import FlatHome
 from .param_store import ParamStore, ShardHome, Stage3Policy
 from .partition_units import move_buffers, unit_ids, unit_layout
+from .placement import Placement, run_name
 from .reducer import Reducer
-from .shard_optimizer import ShardOptimizer
+from .shard_optimizer import ShardOptimizer, UpdatePolicy
+from .state_build import build_nvme_params, build_states
 from .streams import Streams
 from .zero_optimizer import ZeroOptimizer
 
@@ -79,7 +82,10 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         resolve_auto_sizes(config, module)  # "auto" bucket sizes from the model's hidden size
         zc = config.zero_optimization
         self.stage = zc.stage
-        self.offload = zc.offload_device == "cpu"
+        self.placement = Placement.from_config(config, self.device, dist.rank(), run_name())
+        nvme = self.placement.nvme
+        self.aio = AioEngine(nvme.aio) if nvme is not None else None
+        self.offload = self.placement.host_update
         oc = zc.offload_optimizer if self.offload else None
         self.delayed = bool(oc is not None and oc.delayed_update)
         self.delayed_after = int(oc.delayed_update_after) if self.delayed else 0
@@ -106,11 +112,9 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             cast_params_(module, self.device, self.dtype)  # buffers keep their own dtype
         synchronize_start(module, config)  # same config and rank 0's weights before any layout
         self.streams = Streams(self.device)
-        pin = bool(oc is not None and oc.pin_memory and self.device.type == "cuda")
         names = {id(p): n for n, p in module.named_parameters()}
         order = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
         n_total = len(order)
-        sharded = self.stage >= 1
         self._executor = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zero-offload-host-update")
             if self.delayed
@@ -155,51 +159,9 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
                 Stage3Policy.from_config(zc),
                 self.streams,
                 self.device,
+                build_nvme_params(store_groups, self.placement, self.aio, dist.local_world_size()),
             )
-        self.grad_shards, self.shard_opts = [], []
-        for gi, g in enumerate(self.groups):
-            gs = GradShard(
-                g,
-                min(self.stage, 2),  # stage 3 reduces gradients exactly as stage 2
-                self.offload,
-                self._gas,
-                self.streams,
-                pin,
-                host_buffers=2 if self.delayed else 1,
-                accum_dtype=self.grad_accum_dtype,
-            )
-            home = (
-                ShardHome(self.param_store, gi)
-                if partitioned
-                else FlatHome(
-                    g,
-                    self.streams,
-                    sharded,
-                    int(zc.allgather_bucket_size),
-                    bool(zc.allgather_partitions),
-                )
-            )
-            so = ShardOptimizer(
-                g,
-                gs,
-                home,
-                sharded,
-                self.offload,
-                adamw,
-                self.streams,
-                pin,
-                oc.threads if oc is not None else None,
-                self._executor,
-                # sub_group_size: the update's unit of work (host chunks pipelined with uploads)
-                chunk_numel=min(int(zc.sub_group_size), 1 << 22),
-                client=client,
-            )
-            if partitioned:
-                self.param_store.masters[gi] = so.master
-            for i, p in enumerate(g.params):
-                p._zero_offload = (weakref.ref(self), gi, i)
-            self.grad_shards.append(gs)
-            self.shard_opts.append(so)
+        self._build_updates(adamw, client)
         pos = {pid: n_total - 1 - i for pid, i in order.items()}
         self._loss_scaled = False  # engine.scale(loss) was called since the last backward
         self._bw_last = False  # the running backward ends the accumulation window
@@ -240,6 +202,52 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         self._times: dict[str, float] = {}
         if self.global_rank == 0:
             self._log_memory()
+
+    def _build_updates(self, adamw: bool, client: torch.optim.Optimizer | None) -> None:
+        """Per trainable group: its grad shard, its param home, its optimizer state (placed by
+        ``self.placement``) and the shard optimizer that updates them."""
+        zc, place = self.config.zero_optimization, self.placement
+        sharded, partitioned = self.stage >= 1, self.stage == 3
+        if client is not None and place.optimizer == "nvme":
+            raise ValueError(
+                f"a client optimizer ({type(client).__name__}) keeps its own state in memory; "
+                'zero_optimization.offload_optimizer.device "nvme" streams the built-in '
+                'Adam(W) state only: use "cpu", or an "optimizer" config block'
+            )
+        states = build_states(
+            self.groups, sharded, place, self.aio, dist.local_world_size(), client is None
+        )
+        policy = UpdatePolicy(sharded, adamw, place)
+        self.grad_shards, self.shard_opts = [], []
+        for gi, (g, state) in enumerate(zip(self.groups, states)):
+            gs = GradShard(
+                g,
+                min(self.stage, 2),  # stage 3 reduces gradients exactly as stage 2
+                self.offload,
+                self._gas,
+                self.streams,
+                place.pin,
+                host_buffers=2 if self.delayed else 1,
+                accum_dtype=self.grad_accum_dtype,
+            )
+            home = (
+                ShardHome(self.param_store, gi)
+                if partitioned
+                else FlatHome(
+                    g,
+                    self.streams,
+                    sharded,
+                    int(zc.allgather_bucket_size),
+                    bool(zc.allgather_partitions),
+                )
+            )
+            so = ShardOptimizer(g, gs, home, state, policy, self.streams, self._executor, client)
+            if partitioned:
+                self.param_store.masters[gi] = so.state
+            for i, p in enumerate(g.params):
+                p._zero_offload = (weakref.ref(self), gi, i)
+            self.grad_shards.append(gs)
+            self.shard_opts.append(so)
 
     # ---- DeepSpeed API -------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
@@ -449,7 +457,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         have, want = self.memory_report(), self.expected_memory()
         lines = [
             f"model-state memory per rank (stage {self.stage}, world {self.world_size}, "
-            f"offload {'cpu' if self.offload else 'none'}):"
+            f"optimizer on {self.placement.optimizer}, params on {self.placement.params}):"
         ]
         for k in sorted(set(have) | set(want)):
             lines.append(
@@ -603,7 +611,16 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             self.fetch_schedule.remove()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        self._discard_swap_files()
         for g in self.groups:
             for p in g.params:
                 if hasattr(p, "_zero_offload"):
                     del p._zero_offload
+
+    def _discard_swap_files(self) -> None:
+        """NVMe swap files are scratch: gone with the engine (a checkpoint holds the state)."""
+        swapped = self.param_store.swapped.values() if self.param_store is not None else ()
+        for owner in [so.state for so in self.shard_opts] + list(swapped):
+            close = getattr(owner, "close", None)
+            if close is not None:
+                close()

@@ -174,6 +174,8 @@ class FetchSchedule:
                 store.start(slot.index)
             ahead += slot.numel
             j += 1
+        if store.read_depth:  # NVMe: start reading the own slices of the slots after those
+            store.read_ahead(replay[j : j + store.read_depth])
 
     def add_external(self, m: torch.nn.Module, i: int) -> None:
         if id(m) in self.need_sets and i not in self.need_sets[id(m)]:

@@ -18,21 +18,29 @@ import torch
 
 from . import dist
 from .flat_group import FlatGroup
-from .layout import Segment
 from .streams import Streams
 
 
 class ParamHome(Protocol):
-    on_host: bool  # the 16-bit values live in host memory (stage 3 with offload_param)
+    """Addressed in the shard index space (the master shard's coordinates)."""
 
-    def own(self, seg: Segment) -> torch.Tensor: ...
+    on_host: bool  # the 16-bit values live in host memory (stage 3 with offload_param "cpu")
+    on_nvme: bool  # they live in a swap file (offload_param "nvme"): written chunk by chunk
+
+    def read(self, lo: int, hi: int) -> torch.Tensor:
+        """The 16-bit values of shard elements [lo, hi) (a view where they are contiguous)."""
+        ...
+
+    def write(self, lo: int, src: torch.Tensor, non_blocking: bool = False) -> None:
+        """Shard elements [lo, lo + src.numel()) take ``src`` (cast to the home's dtype)."""
+        ...
 
     def host_shard(self) -> torch.Tensor | None:
         """The whole host-resident 16-bit shard, which the host update may write in place."""
         ...
 
     def prepare_write(self) -> None:
-        """Before the update writes ``own`` slices: nothing may still be reading them."""
+        """Before the update writes: nothing may still be reading the values it replaces."""
         ...
 
     def publish(self) -> None: ...
@@ -40,6 +48,7 @@ class ParamHome(Protocol):
 
 class FlatHome:
     on_host = False
+    on_nvme = False
 
     def __init__(
         self,
@@ -52,9 +61,26 @@ class FlatHome:
         self.group, self.streams, self.sharded = group, streams, sharded
         self.allgather_bucket_size = max(1, int(allgather_bucket_size))
         self.allgather_partitions = allgather_partitions
+        self.segs = group.segments(sharded)
 
-    def own(self, seg: Segment) -> torch.Tensor:
-        return self.group.flat[seg.flat_start : seg.flat_start + seg.numel]
+    def _pieces(self, lo: int, hi: int):
+        """(flat start, offset in [lo, hi), numel) of each segment piece of shard [lo, hi)."""
+        for s in self.segs:
+            a, b = max(lo, s.shard_start), min(hi, s.shard_start + s.numel)
+            if a < b:
+                yield s.flat_start + a - s.shard_start, a - lo, b - a
+
+    def read(self, lo: int, hi: int) -> torch.Tensor:
+        flat = self.group.flat
+        parts = [flat[f : f + n] for f, _, n in self._pieces(lo, hi)]
+        if len(parts) <= 1:
+            return parts[0] if parts else flat[:0]
+        return torch.cat(parts)
+
+    def write(self, lo: int, src: torch.Tensor, non_blocking: bool = False) -> None:
+        flat = self.group.flat
+        for f, at, n in self._pieces(lo, lo + src.numel()):
+            flat[f : f + n].copy_(src[at : at + n], non_blocking=non_blocking)
 
     def host_shard(self) -> None:
         return None

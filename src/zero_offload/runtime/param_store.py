@@ -34,11 +34,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..nvme.param_shard import NvmeParams, NvmeParamShard
 from . import dist
 from .flat_group import FlatGroup
 from .init_partition import InitShard, full_value, next_ds_id
 from .labels import FETCH, label
-from .layout import Segment
+from .shard_state import ShardState
 from .status import ZeroParamStatus
 from .streams import Streams, alloc_host
 
@@ -115,14 +116,21 @@ class ParamStore:
         policy: Stage3Policy,
         streams: Streams,
         device: torch.device,
+        nvme: NvmeParams | None = None,
     ) -> None:
+        """``nvme``: the param shards live in swap files (``offload_param`` "nvme")."""
         self.groups, self.policy, self.streams, self.device = groups, policy, streams, device
         self.rank, self.world = dist.rank(), dist.world_size()
         pin = policy.pin_memory and device.type == "cuda"
-        self.shards: list[torch.Tensor] = []
+        self.nvme = nvme
+        self.read_depth = nvme.depth if nvme is not None else 0  # slots read ahead (NVMe)
+        # Per group: the shard tensor (device or host memory), or None when it is on NVMe
+        self.shards: list[torch.Tensor | None] = []
+        self.swapped: dict[int, NvmeParamShard] = {}  # group index -> its NVMe shard
         self.slots: list[Slot] = []
         self.group_slots: list[list[int]] = []
-        self.masters: dict[int, torch.Tensor] = {}  # group index -> fp32 master shard (trainable)
+        # group index -> the optimizer state (fp32 master shard, shard_state.py) of a trainable one
+        self.masters: dict[int, ShardState] = {}
         # Applies any pending (delayed) update to the shards and masters; the engine sets it.
         # Invariant: called before a write_back's slots are fetched, so no host pass writes the
         # masters concurrently and no staged update lands on the written values afterwards.
@@ -132,14 +140,15 @@ class ParamStore:
         for gi, g in enumerate(groups):
             assert g.index == gi, "store groups are indexed by position"
             numel = g.layout.shard_numel
-            shard = (
-                alloc_host(numel, g.dtype, pin)
-                if policy.offload_param
-                else torch.empty(numel, dtype=g.dtype, device=device)
-            )
-            shard.zero_()  # padding stays zero
+            if nvme is not None:  # the file is preallocated zeros: padding stays zero
+                self.swapped[gi] = nvme.shard(f"group{gi}", numel, g.dtype, pin)
+                shard = None
+            elif policy.offload_param:
+                shard = alloc_host(numel, g.dtype, pin).zero_()  # padding stays zero
+            else:
+                shard = torch.zeros(numel, dtype=g.dtype, device=device)
             self.shards.append(shard)
-            self._partition(g, shard)
+            self._partition(g)
             ids = []
             for b in g.layout.buckets:
                 slot = Slot(len(self.slots), g, b, trainable[gi])
@@ -159,7 +168,7 @@ class ParamStore:
         self.schedule = None  # the FetchSchedule acting on this store, once built
 
     # ---- construction --------------------------------------------------------------------------
-    def _partition(self, g: FlatGroup, shard: torch.Tensor) -> None:
+    def _partition(self, g: FlatGroup) -> None:
         """Copy this rank's ranges of every param into the shard, one param at a time, then empty
         the params and give them DeepSpeed's attributes."""
         layout, r = g.layout, self.rank
@@ -172,11 +181,17 @@ class ParamStore:
                 lo, hi = max(off, lo_own), min(off + n, lo_own + b.slice_numel)
                 value = full_value(p)
                 shape = tuple(value.shape)
-                dst = shard[
-                    b.shard_start + max(lo - lo_own, 0) : b.shard_start + max(hi - lo_own, 0)
-                ]
-                if hi > lo:
-                    dst.copy_(value.reshape(-1)[lo - off : hi - off])
+                start = b.shard_start + max(lo - lo_own, 0)
+                piece = value.reshape(-1)[lo - off : hi - off] if hi > lo else value[:0]
+                self.shard_write(g.index, start, piece.reshape(-1))
+                n_own = max(hi - lo, 0)
+                shard = self.shards[g.index]
+                # DeepSpeed's ds_tensor: this rank's piece (on NVMe: its size only, no memory)
+                dst = (
+                    shard[start : start + n_own]
+                    if shard is not None
+                    else torch.empty(n_own, dtype=g.dtype, device="meta")
+                )
                 for attr in ("_z3_init", "ds_tensor"):
                     if hasattr(p, attr):
                         delattr(p, attr)
@@ -196,7 +211,7 @@ class ParamStore:
         if slot.status is not ZeroParamStatus.NOT_AVAILABLE:
             return
         b = slot.bucket
-        src = self._shard_slice(slot)
+        src = self._read_own(slot)
         st = self.streams
         st.wait(st.fetch, None)  # the own slice may be rewritten only after compute is done
         with label(FETCH), st.use(st.fetch):
@@ -281,10 +296,36 @@ class ParamStore:
         for i in self.group_slots[gi]:
             self.release(i, force=True)
 
-    def _shard_slice(self, slot: Slot) -> torch.Tensor:
+    # ---- the param shards, wherever they live --------------------------------------------------
+    def shard_read(self, gi: int, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of group ``gi``'s param shard: a view, or read from NVMe."""
+        shard = self.shards[gi]
+        return shard[lo:hi] if shard is not None else self.swapped[gi].read(lo, hi)
+
+    def shard_write(self, gi: int, lo: int, src: torch.Tensor, non_blocking: bool = False) -> None:
+        """Elements [lo, lo + src.numel()) of group ``gi``'s param shard take ``src``."""
+        shard = self.shards[gi]
+        if shard is None:
+            self.swapped[gi].write(lo, src)
+        else:
+            shard[lo : lo + src.numel()].copy_(src, non_blocking=non_blocking)
+
+    def read_ahead(self, ids) -> None:
+        """NVMe: start reading the own slices of slots ``ids`` (the next ones to be fetched)."""
+        for i in ids:
+            slot = self.slots[i]
+            nv = self.swapped.get(slot.group.index)
+            if nv is not None and slot.status is ZeroParamStatus.NOT_AVAILABLE:
+                b = slot.bucket
+                nv.read_ahead(b.shard_start, b.shard_start + b.slice_numel)
+
+    def _read_own(self, slot: Slot) -> torch.Tensor:
         """This rank's piece of the slot in its param shard."""
         b = slot.bucket
-        return self.shards[slot.group.index][b.shard_start : b.shard_start + b.slice_numel]
+        return self.shard_read(slot.group.index, b.shard_start, b.shard_start + b.slice_numel)
+
+    def _write_own(self, slot: Slot, src: torch.Tensor) -> None:
+        self.shard_write(slot.group.index, slot.bucket.shard_start, src)
 
     def _own_slice(self, slot: Slot, buf: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full bucket buffer (where its shard goes in the all-gather)."""
@@ -317,11 +358,10 @@ class ParamStore:
                 self.wait(i)
                 dist.broadcast(slot.buf, src=src_rank)
                 own = self._own_slice(slot, slot.buf)
-                self._shard_slice(slot).copy_(own)
-                master = self.masters.get(slot.group.index)
-                if master is not None:
-                    b = slot.bucket
-                    master[b.shard_start : b.shard_start + b.slice_numel].copy_(own)
+                self._write_own(slot, own)
+                state = self.masters.get(slot.group.index)
+                if state is not None:
+                    state.write("master", slot.bucket.shard_start, own)
 
     def _adopt_replaced_data(self, ids) -> None:
         problems = []
@@ -362,7 +402,8 @@ class ParamStore:
         (its even chunk as ``ds_tensor``), so the model stays partitioned without the store and a
         later engine lays it out again. A collective (one slot gathered at a time)."""
         self.quiesce()
-        where = self.shards[0].device if self.shards else self.device
+        where = self.device if self.shards and self.shards[0] is None else None
+        where = where or (self.shards[0].device if self.shards else self.device)
         for slot in self.slots:
             self.wait(slot.index)
             for p, (off, n, shape) in zip(slot.params, slot.views):
@@ -397,7 +438,7 @@ class ParamStore:
             yield
             if write_back:
                 for slot, host in zip(self.slots, copies):
-                    self._shard_slice(slot).copy_(self._own_slice(slot, host))
+                    self._write_own(slot, self._own_slice(slot, host))
                     if slot.status is ZeroParamStatus.AVAILABLE:
                         slot.buf.copy_(host)
         finally:
@@ -415,11 +456,14 @@ class ParamStore:
 
     # ---- reporting -----------------------------------------------------------------------------
     def nbytes(self) -> dict[str, int]:
-        where = "host" if self.policy.offload_param else "device"
+        where = "nvme" if self.swapped else "host" if self.policy.offload_param else "device"
         out: dict[str, int] = {}
-        for gi, shard in enumerate(self.shards):
+        for gi, g in enumerate(self.groups):
             key = f"{where}.param_shard" if self.trainable(gi) else f"{where}.frozen_param_shard"
-            out[key] = out.get(key, 0) + shard.numel() * shard.element_size()
+            out[key] = out.get(key, 0) + g.layout.shard_numel * g.dtype.itemsize
+        for nv in self.swapped.values():
+            for k, v in nv.nbytes().items():
+                out[k] = out.get(k, 0) + v
         if self.live:
             esize = self.groups[0].dtype.itemsize if self.groups else 0
             out["device.gathered_params"] = self.live * esize
@@ -434,10 +478,14 @@ class ShardHome:
 
     def __init__(self, store: ParamStore, gi: int) -> None:
         self.store, self.gi = store, gi
-        self.on_host = store.policy.offload_param
+        self.on_nvme = gi in store.swapped
+        self.on_host = store.policy.offload_param and not self.on_nvme
 
-    def own(self, seg: Segment) -> torch.Tensor:
-        return self.store.shards[self.gi][seg.shard_start : seg.shard_start + seg.numel]
+    def read(self, lo: int, hi: int) -> torch.Tensor:
+        return self.store.shard_read(self.gi, lo, hi)
+
+    def write(self, lo: int, src: torch.Tensor, non_blocking: bool = False) -> None:
+        self.store.shard_write(self.gi, lo, src, non_blocking)
 
     def host_shard(self) -> torch.Tensor | None:
         return self.store.shards[self.gi] if self.on_host else None

@@ -4,6 +4,9 @@ placement "device": master, exp_avg, exp_avg_sq on the accelerator; the step is 
 Adam(W) over this rank's segments. placement "host": they live in host memory and the step is the
 host kernel, one pass per element (16-bit grad in -> fp32 state updated -> 16-bit param out into a
 staging buffer), run chunk by chunk so chunk k travels host-to-device while chunk k+1 computes.
+placement "nvme": the same kernel over the same chunks, each read from the rank's swap file into
+a pool buffer ahead of its turn and written back behind it (``nvme/optimizer_state.py``); the
+state (``shard_state.py``) hides where the chunk came from.
 
 Either way the updated 16-bit slices land in the param home (param_home.py): this rank's slices
 of the flat buffer, all-gathered per bucket (stages 0-2), or its param shard (stage 3). When the
@@ -21,6 +24,7 @@ of step t+1 overlap the host update of step t and run on params one step old.
 from __future__ import annotations
 
 import concurrent.futures
+from dataclasses import dataclass
 
 import torch
 
@@ -30,7 +34,18 @@ from .flat_group import FlatGroup
 from .grad_shard import GradShard
 from .labels import HOST_UPDATE, PARAM_H2D, label
 from .param_home import ParamHome
+from .placement import Placement
+from .shard_state import ShardState
 from .streams import Streams, alloc_host
+
+
+@dataclass(frozen=True)
+class UpdatePolicy:
+    """What the update of one group needs to know besides its buffers."""
+
+    sharded: bool  # stages 1-3: this rank updates its partition only
+    adamw: bool
+    placement: Placement
 
 
 class ShardOptimizer:
@@ -39,48 +54,42 @@ class ShardOptimizer:
         group: FlatGroup,
         grad_shard: GradShard,
         home: ParamHome,
-        sharded: bool,
-        host: bool,
-        adamw: bool,
+        state: ShardState,
+        policy: UpdatePolicy,
         streams: Streams,
-        pin: bool,
-        threads: int | None,
         executor: concurrent.futures.Executor | None = None,
-        chunk_numel: int = 1 << 22,
         client: torch.optim.Optimizer | None = None,
     ) -> None:
-        self.group, self.grads, self.home = group, grad_shard, home
-        self.sharded, self.host = sharded, host
-        self.adamw, self.streams, self.threads = adamw, streams, threads
-        self.segs = group.segments(sharded)
-        numel = group.shard_numel(sharded)
-        where = torch.device("cpu") if host else group.device
-        self.master = torch.empty(numel, dtype=torch.float32, device=where)
-        for s in self.segs:
-            self.master[s.shard_start : s.shard_start + s.numel].copy_(home.own(s))
-        self.client = ClientUpdate(client, group.hyper, self.master) if client else None
-        # A client optimizer keeps its own state: no Adam moments (empty, never read).
-        adam_numel = 0 if self.client else numel
-        self.exp_avg = torch.zeros(adam_numel, dtype=torch.float32, device=where)
-        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        """``state``: the master shard and moments, built for ``policy.placement.optimizer`` and
+        still empty; they are filled here from the param home's 16-bit values."""
+        self.group, self.grads, self.home, self.state = group, grad_shard, home, state
+        place = policy.placement
+        self.sharded, self.host = policy.sharded, place.host_update
+        self.adamw, self.streams, self.threads = policy.adamw, streams, place.threads
+        self.nvme = place.optimizer == "nvme"
+        self.segs = group.segments(self.sharded)
+        numel = group.shard_numel(self.sharded)
+        # Chunks: contiguous ranges of the shard index space, the host update's unit of work
+        # (an NVMe state's record); the param home maps one onto the segments it covers.
+        self.chunks = [(lo, min(lo + place.chunk, numel)) for lo in range(0, numel, place.chunk)]
+        self.master_from_params()
+        self.client = ClientUpdate(client, group.hyper, state.master) if client else None
         self.step_count = 0
         # 16-bit staging for the trip up; fp32 training uploads straight from the master. A host
         # home is written in place by the kernel, except with the delayed update: the next
         # forward gathers from the home while the worker computes, so the worker writes a
         # separate staging buffer that ``flush`` copies over.
         lowp = group.dtype != torch.float32
-        in_place = home.host_shard() if host and lowp and executor is None else None
+        in_place = home.host_shard() if self.host and lowp and executor is None else None
+        # A home on NVMe takes each chunk as it is computed: one chunk of staging suffices.
+        self.staging_per_chunk = self.host and lowp and home.on_nvme and executor is None
+        staged = place.chunk if self.staging_per_chunk else numel
         self.staging = (
             in_place
             if in_place is not None
-            else (alloc_host(numel, group.dtype, pin) if host and lowp else None)
+            else (alloc_host(staged, group.dtype, place.pin) if self.host and lowp else None)
         )
         self.staging_is_home = in_place is not None
-        self.chunks = [
-            (s, lo, min(lo + chunk_numel, s.numel))
-            for s in self.segs
-            for lo in range(0, s.numel, chunk_numel)
-        ]
         # One worker thread per engine, shared by its groups: their host passes run one after
         # another with the kernel's full thread count instead of oversubscribing the cores.
         self.executor = executor
@@ -88,6 +97,39 @@ class ShardOptimizer:
         # CUDA: event after the last uploads from ``staging``; the host pass rewrites staging
         # only once they have read it (a delayed pass starts right after flush's uploads).
         self._uploaded = None
+
+    @property
+    def master(self) -> torch.Tensor:
+        """The fp32 master shard as one tensor (device or host placement only; an NVMe state
+        is read through ``state.read``)."""
+        return self.state.master
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        return self.state.exp_avg
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        return self.state.exp_avg_sq
+
+    def master_from_params(self) -> None:
+        """The master becomes the param home's 16-bit values (padding: zero)."""
+
+        def fill(lo: int, hi: int, out: torch.Tensor) -> None:
+            out.copy_(self.home.read(lo, hi))
+
+        if self.nvme:
+            self.state.fill(fill)
+        else:
+            for lo, hi in self.chunks:
+                fill(lo, hi, self.state.master[lo:hi])
+
+    def params_from_master(self) -> None:
+        """The param home becomes the master's cast, as after a step (checkpoint load)."""
+        self.state.update(
+            self.chunks, lambda lo, hi, v: self.home.write(lo, v["master"]), write=False
+        )
+        self.home.publish()
 
     def _hyper(self) -> dict:
         h = self.group.hyper
@@ -106,12 +148,16 @@ class ShardOptimizer:
         self.flush()
         self.home.prepare_write()
         self.step_count += 1
-        if self.client is not None:
-            self._client_step(factor)
-        elif self.host:
-            self._host_pass(self.grads.host_grad(), factor, self._hyper(), upload=True)
-        else:
-            self._device_step(factor)
+        try:
+            if self.client is not None:
+                self._client_step(factor)
+            elif self.host:
+                self._host_pass(self.grads.host_grad(), factor, self._hyper(), upload=True)
+            else:
+                self._device_step(factor)
+        except BaseException:
+            self.step_count -= 1  # nothing committed (an NVMe state keeps its last step)
+            raise
         self.home.publish()
 
     def _client_step(self, factor: float) -> None:
@@ -123,16 +169,16 @@ class ShardOptimizer:
             grads = self.grads.device_grads()
         self.client.step([(s.shard_start, g) for s, g in zip(self.segs, grads)], factor)
         if not self.host:
-            views = [self.master[s.shard_start : s.shard_start + s.numel] for s in self.segs]
-            torch._foreach_copy_([self.home.own(s) for s in self.segs], views)
+            for lo, hi in self.chunks:
+                self.home.write(lo, self.master[lo:hi])
             return
         if self._uploaded is not None:  # the previous async uploads still read staging
             self._uploaded.synchronize()
         self.streams.wait(self.streams.h2d, None)
-        if self.staging is not None:  # 16-bit cast (in place when staging is the host home)
-            self.staging.copy_(self.master)
-        for c in self.chunks:
-            self._upload(c)
+        for lo, hi in self.chunks:
+            if self.staging is not None:  # 16-bit cast (in place when staging is the host home)
+                self._staged(lo, hi).copy_(self.master[lo:hi])
+            self._upload(lo, hi, self.master[lo:hi])
         self._uploaded = self.streams.record(self.streams.h2d)
 
     def launch(self, factor: float) -> None:
@@ -153,8 +199,8 @@ class ShardOptimizer:
         pending.result()  # re-raises a failure of the host pass here, on the main thread
         self.home.prepare_write()
         self.streams.wait(self.streams.h2d, None)
-        for c in self.chunks:
-            self._upload(c)
+        for lo, hi in self.chunks:
+            self._upload(lo, hi, self.master[lo:hi])
         self._uploaded = self.streams.record(self.streams.h2d)
         self.home.publish()
 
@@ -164,7 +210,7 @@ class ShardOptimizer:
         grads = [g if g.dtype == torch.float32 else g.float() for g in self.grads.device_grads()]
         torch._foreach_mul_(grads, factor)  # fp32 grads are this rank's own, consumed here
         views = lambda t: [t[s.shard_start : s.shard_start + s.numel] for s in self.segs]  # noqa: E731
-        p, m, v = views(self.master), views(self.exp_avg), views(self.exp_avg_sq)
+        p, m, v = views(self.master), views(self.state.exp_avg), views(self.state.exp_avg_sq)
         if self.group.hyper.get("bias_correction", True):
             # One step tensor filled on the device, shared by every segment (the fused kernel
             # only reads it): no host-to-device copy per segment per step.
@@ -188,7 +234,8 @@ class ShardOptimizer:
             )
         else:
             _adam_no_bias_correction(p, grads, m, v, self.adamw, **h)
-        torch._foreach_copy_([self.home.own(s) for s in self.segs], p)
+        for s, v in zip(self.segs, p):
+            self.home.write(s.shard_start, v)
 
     # ---- host placement ------------------------------------------------------------------------
     def _host_pass(self, grad: torch.Tensor, factor: float, h: dict, upload: bool) -> None:
@@ -198,16 +245,16 @@ class ShardOptimizer:
             self._uploaded = None
         if upload:  # uploads overwrite params: only after the compute stream is done with them
             self.streams.wait(self.streams.h2d, None)
-        for c in self.chunks:
-            s, lo, hi = c
-            a, b = s.shard_start + lo, s.shard_start + hi
+
+        def body(lo: int, hi: int, v: dict[str, torch.Tensor]) -> None:
+            out = None if self.staging is None else self._staged(lo, hi)
             with label(HOST_UPDATE):
                 host_adam_step(
-                    self.master[a:b],
-                    self.exp_avg[a:b],
-                    self.exp_avg_sq[a:b],
-                    grad[a:b],
-                    None if self.staging is None else self.staging[a:b],
+                    v["master"],
+                    v["exp_avg"],
+                    v["exp_avg_sq"],
+                    grad[lo:hi],
+                    out,
                     step=self.step_count,
                     adamw=self.adamw,
                     bias_correction=bc,
@@ -216,28 +263,34 @@ class ShardOptimizer:
                     **h,
                 )
             if upload:  # chunk k travels while chunk k+1 computes
-                self._upload(c)
+                self._upload(lo, hi, v["master"])
+                if self.nvme and self.staging is None and self.streams.cuda:
+                    # fp32 uploads read the NVMe record buffer, which the next read reuses
+                    self.streams.h2d.synchronize()
+
+        self.state.update(self.chunks, body)
         if upload:
             self._uploaded = self.streams.record(self.streams.h2d)
 
-    def _upload(self, c) -> None:
+    def _upload(self, lo: int, hi: int, master: torch.Tensor) -> None:
+        """Shard range ``[lo, hi)`` to the param home: from staging (16-bit), or from
+        ``master``, that range of the fp32 master."""
         if self.staging_is_home:  # the kernel wrote the home itself
             return
-        s, lo, hi = c
-        src = (self.master if self.staging is None else self.staging)[
-            s.shard_start + lo : s.shard_start + hi
-        ]
-        dst = self.home.own(s)[lo:hi]
+        src = master if self.staging is None else self._staged(lo, hi)
         st = self.streams
         with label(PARAM_H2D), st.use(st.h2d):
-            dst.copy_(src, non_blocking=st.cuda)
+            self.home.write(lo, src, non_blocking=st.cuda)
+
+    def _staged(self, lo: int, hi: int) -> torch.Tensor:
+        """Where the 16-bit output of shard range [lo, hi) is staged."""
+        assert self.staging is not None
+        return self.staging[: hi - lo] if self.staging_per_chunk else self.staging[lo:hi]
 
     def nbytes(self) -> dict[str, int]:
-        where = "host" if self.host else "device"
-        state = (self.exp_avg.numel() + self.exp_avg_sq.numel()) * 4
+        out = self.state.nbytes()
         if self.client is not None:
-            state = self.client.state_nbytes()
-        out = {f"{where}.master_shard": self.master.numel() * 4, f"{where}.optimizer_state": state}
+            out[f"{self.state.where}.optimizer_state"] = self.client.state_nbytes()
         if self.staging is not None and not self.staging_is_home:
             out["host.param_staging"] = self.staging.numel() * self.staging.element_size()
         return out

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..nvme.state_range import StateRange
 from ..runtime import dist
 from ..runtime.status import ZeroParamStatus
 
@@ -138,16 +139,31 @@ def _state_tensor(engine, gi: int, key: str, fn: str) -> torch.Tensor:
     so = engine.shard_opts[gi]
     client = getattr(so, "client", None)
     if client is None:
-        state = {"exp_avg": so.exp_avg, "exp_avg_sq": so.exp_avg_sq}
-    else:
-        state = client.optimizer.state.get(client.param, {})
+        return (
+            _state_source(so.state, key)
+            if key in ("exp_avg", "exp_avg_sq")
+            else _no_key(fn, key, ["exp_avg", "exp_avg_sq"], False)
+        )
+    state = client.optimizer.state.get(client.param, {})
     found = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == so.master.shape}
     if key not in found:
-        raise ValueError(
-            f"{fn}: optim_state_key {key!r} is not in the optimizer state (keys: {sorted(found)}"
-            + ("; a client optimizer creates its state at its first step)" if client else ")")
-        )
+        _no_key(fn, key, sorted(found), True)
     return found[key]
+
+
+def _no_key(fn: str, key: str, keys: list[str], client: bool):
+    raise ValueError(
+        f"{fn}: optim_state_key {key!r} is not in the optimizer state (keys: {keys}"
+        + ("; a client optimizer creates its state at its first step)" if client else ")")
+    )
+
+
+def _state_source(state, kind: str):
+    """``kind`` of a shard state over the whole shard: the tensor, or for a state on NVMe a
+    range that reads and writes the swap file."""
+    if hasattr(state, kind):
+        return getattr(state, kind)
+    return StateRange(state, kind, 0, state.numel)
 
 
 def _settle(engine, writing: bool) -> None:
@@ -171,7 +187,7 @@ def _seg_views(engine, gi: int, what: str, key: str = "", fn: str = "") -> list[
             return gs.device_grads()
         t = gs.host_grad()
     elif what == "fp32":
-        t = engine.shard_opts[gi].master
+        t = _state_source(engine.shard_opts[gi].state, "master")
     else:
         t = _state_tensor(engine, gi, key, fn)
     return [t[s.shard_start : s.shard_start + s.numel] for s in segs]
@@ -226,7 +242,7 @@ def _write_16bit(w: _Where, flat: torch.Tensor | None, piece: torch.Tensor) -> N
         return
     store = e.param_store
     if w.local_numel:
-        store.shards[w.gi][w.in_shard()].copy_(piece)
+        store.shard_write(w.gi, w.in_shard().start, piece)
     i = w.param._z3_slot
     if store.slots[i].status is not ZeroParamStatus.AVAILABLE:
         return

@@ -1,0 +1,216 @@
+"""The master shard and Adam moments of one flat group in a swap file (``offload_optimizer``
+"nvme"): the state of ``runtime/shard_state.py`` with host memory bounded by a buffer pool.
+
+File layout: the shard index space is cut into chunks of ``chunk`` elements (the host update's
+unit, a multiple of 2048); chunk k has a *record* of three regions (master, exp_avg, exp_avg_sq),
+``chunk * 4`` bytes each, and two versions of it, at ``(2k + v) * record`` bytes. ``current[k]``
+is the version holding chunk k's committed state.
+
+Invariants:
+- an update reads every chunk's current version and writes the other one; only when every chunk
+  was updated and written does it flip ``current`` for all chunks at once. A failure anywhere in
+  a step (a read or write error, disk trouble, an exception in the kernel) leaves every chunk's
+  committed state as it was before the step: the master weights are never half-updated;
+- at most ``len(pool)`` records are in host memory (the pool's aligned, pinned-on-CUDA buffers);
+  the update reads chunk k+1 ahead while chunk k is computed and chunk k-1 written back;
+- every I/O is one record or one region: offsets and sizes are multiples of 4096 bytes, as
+  direct I/O needs.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ..runtime.shard_state import KINDS, Body, Chunk
+from .aio import ALIGN, AioEngine, SwapFile, aligned_empty
+from .errors import NvmeSwapError
+from .scratch import own_file
+
+
+class NvmeOptimizerState:
+    where = "nvme"
+
+    def __init__(
+        self,
+        folder: Path,
+        name: str,
+        numel: int,
+        chunk: int,
+        buffers: int,
+        aio: AioEngine,
+        pin: bool,
+    ) -> None:
+        assert chunk % (ALIGN // 2) == 0, "a chunk's regions must be whole 4096-byte blocks"
+        self.numel, self.chunk, self.aio = numel, chunk, aio
+        self.region = chunk * 4
+        self.record = len(KINDS) * self.region
+        self.nchunks = max(1, -(-numel // chunk))
+        folder.mkdir(parents=True, exist_ok=True)
+        self.file = SwapFile.create(folder / f"{name}.swp", 2 * self.nchunks * self.record)
+        self.current = [0] * self.nchunks
+        self.pool = [aligned_empty(self.record, pin) for _ in range(max(2, buffers))]
+        self._dirty: tuple[int, int] | None = None  # (chunk, kind) cached in pool[0] by write
+        self.close = own_file(self, self.file)  # scratch: removed with this object or at exit
+
+    # ---- addressing ----------------------------------------------------------------------------
+    def _offset(self, k: int, version: int, kind: int = 0) -> int:
+        return (2 * k + version) * self.record + kind * self.region
+
+    def _views(self, buf: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
+        f = buf.view(torch.float32)
+        per = self.chunk
+        return {kind: f[i * per : i * per + n] for i, kind in enumerate(KINDS)}
+
+    def _fail(self, what: str, k: int, err: OSError) -> NvmeSwapError:
+        lo = k * self.chunk
+        hi = min(lo + self.chunk, self.numel)
+        return NvmeSwapError(
+            f"{self.file.path}: {what} of optimizer-state chunk {k} (elements {lo}..{hi}) "
+            f"failed: {err}; the master weights and moments are those of the last completed "
+            "step (nothing of this step was committed)"
+        )
+
+    def check(self) -> None:
+        """The swap file is still there (an open file that was unlinked keeps working, but
+        something is deleting this run's scratch: stop before the next step depends on it)."""
+        try:
+            gone = os.fstat(self.file.fd).st_nlink == 0
+        except OSError as e:
+            raise NvmeSwapError(f"{self.file.path}: swap file unusable: {e}") from None
+        if gone:
+            raise NvmeSwapError(
+                f"{self.file.path}: the optimizer-state swap file was removed while the run used "
+                "it; keep nvme_path free of cleaners and restart from the last checkpoint"
+            )
+
+    # ---- the streamed update -------------------------------------------------------------------
+    def update(self, chunks: list[Chunk], body: Body, write: bool = True) -> None:
+        """``chunks`` must be this state's own chunks, in order (the caller's host-update plan).
+        ``write=False``: a read-only pass (nothing written back, nothing committed)."""
+        assert [lo for lo, _ in chunks] == [k * self.chunk for k in range(len(chunks))]
+        self.flush()
+        self.check()
+        n = len(chunks)
+        free = collections.deque(self.pool)
+        reads: dict[int, tuple[torch.Tensor, object]] = {}
+        writes: collections.deque = collections.deque()
+        ahead = len(self.pool) - 1  # one buffer computes, the rest read ahead or write behind
+
+        def take() -> torch.Tensor:
+            if not free:
+                k, buf, req = writes.popleft()
+                self._wait(req, "write", k)
+                free.append(buf)
+            return free.popleft()
+
+        nxt = 0
+        try:
+            for k, (lo, hi) in enumerate(chunks):
+                while nxt < n and nxt - k < ahead and (nxt == k or free):
+                    buf = take()
+                    off = self._offset(nxt, self.current[nxt])
+                    reads[nxt] = (buf, self.aio.read(self.file, off, buf))
+                    nxt += 1
+                buf, req = reads.pop(k)
+                self._wait(req, "read", k)
+                body(lo, hi, self._views(buf, hi - lo))
+                if not write:
+                    free.append(buf)
+                    continue
+                off = self._offset(k, 1 - self.current[k])
+                writes.append((k, buf, self.aio.write(self.file, off, buf)))
+            while writes:
+                k, buf, req = writes.popleft()
+                self._wait(req, "write", k)
+        finally:  # on failure: let every request finish before its buffer can be reused
+            for _, req in reads.values():
+                _quiet_wait(req)
+            for _, _, req in writes:
+                _quiet_wait(req)
+        if write:  # commit: every chunk's new version at once
+            self.current = [1 - v for v in self.current]
+
+    def _wait(self, req, what: str, k: int) -> None:
+        try:
+            req.wait()
+        except OSError as e:
+            raise self._fail(what, k, e) from e
+
+    # ---- element access (set-up, checkpoints, accessors) ---------------------------------------
+    def _regions(self, lo: int, hi: int):
+        """(chunk, start in chunk, end in chunk, start in the caller's range) covering [lo, hi)."""
+        pos = lo
+        while pos < hi:
+            k = pos // self.chunk
+            a = pos - k * self.chunk
+            b = min(hi - k * self.chunk, self.chunk)
+            yield k, a, b, pos - lo
+            pos = k * self.chunk + b
+
+    def read(self, kind: str, lo: int, hi: int) -> torch.Tensor:
+        self.flush()
+        out = torch.empty(hi - lo, dtype=torch.float32)
+        i = KINDS.index(kind)
+        buf = self.pool[0].view(torch.float32)[: self.chunk]
+        region = self.pool[0][: self.region]
+        for k, a, b, at in self._regions(lo, hi):
+            self._wait(
+                self.aio.read(self.file, self._offset(k, self.current[k], i), region), "read", k
+            )
+            out[at : at + b - a].copy_(buf[a:b])
+        return out
+
+    def write(self, kind: str, lo: int, src: torch.Tensor) -> None:
+        """Into the committed version (not a step): one region is cached in ``pool[0]`` and
+        written back when another region is touched or at ``flush`` (which every read, update
+        and fill runs first), so many small consecutive writes cost one read and one write."""
+        i = KINDS.index(kind)
+        src = src.detach().reshape(-1).to("cpu", torch.float32)
+        buf = self.pool[0].view(torch.float32)[: self.chunk]
+        for k, a, b, at in self._regions(lo, lo + src.numel()):
+            if self._dirty != (k, i):
+                self.flush()
+                off = self._offset(k, self.current[k], i)
+                self._wait(self.aio.read(self.file, off, self.pool[0][: self.region]), "read", k)
+                self._dirty = (k, i)
+            buf[a:b].copy_(src[at : at + b - a])
+
+    def flush(self) -> None:
+        """Write the cached region of ``write`` back, if any."""
+        if self._dirty is None:
+            return
+        (k, i), self._dirty = self._dirty, None
+        off = self._offset(k, self.current[k], i)
+        self._wait(self.aio.write(self.file, off, self.pool[0][: self.region]), "write", k)
+
+    def fill(self, master_of: Callable[[int, int, torch.Tensor], None]) -> None:
+        """Initial state, one chunk at a time: moments zero, ``master_of(lo, hi, out)`` writes
+        elements ``[lo, hi)`` of the master into ``out`` (fp32, host)."""
+        self._dirty = None  # every region is rewritten
+        buf = self.pool[0]
+        for k in range(self.nchunks):
+            lo = k * self.chunk
+            hi = min(lo + self.chunk, self.numel)
+            buf.zero_()
+            master_of(lo, hi, self._views(buf, hi - lo)["master"])
+            off = self._offset(k, self.current[k])
+            self._wait(self.aio.write(self.file, off, buf), "write", k)
+
+    def nbytes(self) -> dict[str, int]:
+        return {
+            "nvme.master_shard": self.numel * 4,
+            "nvme.optimizer_state": self.numel * 8,
+            "host.nvme_buffers": sum(b.numel() for b in self.pool),
+        }
+
+
+def _quiet_wait(req) -> None:
+    try:
+        req.wait()
+    except OSError:
+        pass  # the first error is the one reported

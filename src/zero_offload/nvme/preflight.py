@@ -1,0 +1,73 @@
+"""Checks of an ``nvme_path`` before the first step, so that a bad path is a config error naming
+its key at start-up, not an I/O error in the middle of a step."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from ..config.errors import ConfigError, json_repr
+
+GIB = 1 << 30
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+def check_nvme_path(key: str, path: str | os.PathLike[str], need_bytes: int) -> Path:
+    """``path`` resolved to an absolute path, once checked to be usable for swap files.
+
+    Invariants on return (at the time of the call):
+
+    - ``path`` exists and is a directory (symlinks followed);
+    - this process can create and remove a file in it (a uniquely named probe file, so ranks
+      checking one directory at once do not collide; it is removed before returning);
+    - its filesystem has at least ``need_bytes`` bytes free (``shutil.disk_usage``). Only this
+      caller's need is checked: callers sharing a filesystem each check their own share, and
+      space taken after the check is not reserved.
+
+    ``key`` is the config key the path came from (``zero_optimization.offload_optimizer.nvme_path``);
+    every failure raises :class:`~zero_offload.config.errors.ConfigError` naming it and the path,
+    and for space, the bytes needed and available in GiB. ``need_bytes`` must be >= 0.
+    """
+    if isinstance(need_bytes, bool) or not isinstance(need_bytes, int) or need_bytes < 0:
+        raise ValueError(f"check_nvme_path: need_bytes must be an int >= 0, got {need_bytes!r}")
+    given = os.fspath(path)
+    where = f"{key}: {json_repr(given)}"
+    fix = f"{key.rsplit('.', 1)[-1]} must be an existing, writable local directory"
+    if not given:
+        raise ConfigError(f"{key}: empty path; {fix}")
+    try:
+        resolved = Path(given).resolve()
+        is_dir = resolved.is_dir()
+        exists = is_dir or resolved.exists()
+    except OSError as exc:  # e.g. a parent directory this process may not search
+        raise ConfigError(f"{where} cannot be inspected ({exc.strerror or exc}); {fix}") from None
+    if not exists:
+        raise ConfigError(f"{where} does not exist; {fix} (create it first)")
+    if not is_dir:
+        raise ConfigError(f"{where} is not a directory; {fix}")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".zero_offload_probe_", dir=resolved)
+    except OSError as exc:
+        raise ConfigError(
+            f"{where} is not writable (could not create a file in it: {exc.strerror or exc}); {fix}"
+        ) from None
+    try:
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(
+            f"{where}: could not remove the probe file {json_repr(probe)} "
+            f"({exc.strerror or exc}); {fix}"
+        ) from None
+    free = shutil.disk_usage(resolved).free
+    if free < need_bytes:
+        raise ConfigError(
+            f"{where} has {_gib(free)} free, {_gib(need_bytes)} needed ({need_bytes} bytes) for "
+            "this rank's swap files; free space there or point the key at a larger local drive"
+        )
+    return resolved

@@ -1,0 +1,69 @@
+"""The master shard and Adam moments of one flat group, wherever they live.
+
+``MemoryState`` keeps them as tensors (device or host memory); ``nvme/optimizer_state.py`` keeps
+them in a swap file. Both answer the same three questions, so the update, checkpoints and the
+fragment accessors do not care which:
+
+- ``update(chunks, body, write=True)``: run ``body(lo, hi, views)`` over every chunk ``[lo, hi)``
+  of the shard index space, ``views`` mapping each kind to that chunk's fp32 tensor, updated in
+  place; the new values are the state once ``update`` returns (an NVMe state commits them all at
+  once). ``write=False`` promises ``body`` only reads;
+- ``read(kind, lo, hi)``: elements ``[lo, hi)`` of ``kind`` (a view for tensors in memory);
+- ``write(kind, lo, src)``: overwrite elements ``[lo, lo + len(src))`` of ``kind``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+Chunk = tuple[int, int]
+Body = Callable[[int, int, dict[str, torch.Tensor]], None]
+
+
+class ShardState(Protocol):
+    numel: int
+    where: str  # "device", "host" or "nvme": the prefix of its memory report
+
+    def update(self, chunks: list[Chunk], body: Body, write: bool = True) -> None: ...
+
+    def read(self, kind: str, lo: int, hi: int) -> torch.Tensor: ...
+
+    def write(self, kind: str, lo: int, src: torch.Tensor) -> None: ...
+
+    def nbytes(self) -> dict[str, int]: ...
+
+
+class MemoryState:
+    """fp32 tensors on ``device`` (the accelerator, or the host CPU with ``offload_optimizer``
+    "cpu"). ``moments=False`` (a client optimizer keeps its own state): empty moments."""
+
+    def __init__(self, numel: int, device: torch.device, where: str, moments: bool) -> None:
+        self.numel, self.where = numel, where
+        self.master = torch.empty(numel, dtype=torch.float32, device=device)
+        n = numel if moments else 0
+        self.exp_avg = torch.zeros(n, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+
+    def tensor(self, kind: str) -> torch.Tensor:
+        return getattr(self, kind)
+
+    def update(self, chunks: list[Chunk], body: Body, write: bool = True) -> None:
+        for lo, hi in chunks:
+            body(lo, hi, {k: self.tensor(k)[lo:hi] for k in KINDS})
+
+    def read(self, kind: str, lo: int, hi: int) -> torch.Tensor:
+        return self.tensor(kind)[lo:hi]
+
+    def write(self, kind: str, lo: int, src: torch.Tensor) -> None:
+        self.tensor(kind)[lo : lo + src.numel()].copy_(src)
+
+    def nbytes(self) -> dict[str, int]:
+        return {
+            f"{self.where}.master_shard": self.master.numel() * 4,
+            f"{self.where}.optimizer_state": (self.exp_avg.numel() + self.exp_avg_sq.numel()) * 4,
+        }

@@ -1,0 +1,342 @@
+"""NVMe offload (ZeRO-Infinity): optimizer state and (stage 3) the param shard in swap files.
+
+Parity: stages 1-3 with the optimizer on NVMe, stage 3 with the params on NVMe too, fp32 and
+bf16, GAS 2, clipping, 1 and 2 gloo ranks: within the parity tolerances of plain PyTorch, and
+bitwise equal to the same run with host offload (same kernel, same chunks). The streamed state
+equals an in-memory state over many chunks and every buffer count. Faults: a failed write or
+read, a full disk, a removed or truncated swap file: an error naming the file, the committed
+master weights unchanged, the last checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_ranks
+from parity import batches, engine_config, global_step, make_model, run_cases
+
+from zero_offload.config.errors import ConfigError
+from zero_offload.nvme.aio import AioEngine, AioPolicy
+from zero_offload.nvme.errors import NvmeSwapError
+from zero_offload.nvme.optimizer_state import NvmeOptimizerState
+from zero_offload.nvme.param_shard import NvmeParamShard
+from zero_offload.runtime.shard_state import KINDS, MemoryState
+
+GRAD_TOL, PARAM_TOL = 1e-5, 1e-3
+S3 = {"stage3_param_persistence_threshold": 0}
+
+
+def _cases(path: str, world: int) -> list[dict]:
+    out = []
+    setups = (
+        [(2, False), (3, False), (3, "nvme")]
+        if world > 1
+        else [(1, False), (2, False), (3, False), (3, "nvme")]
+    )
+    for stage, param in setups:
+        for dtype in ("fp32", "bf16") if world == 1 else ("bf16",):
+            for dev in ("cpu", "nvme"):
+                out.append(
+                    dict(
+                        stage=stage,
+                        offload=dev,
+                        offload_param=param if dev == "nvme" or not param else "cpu",
+                        gas=2,
+                        clip=0.05,
+                        overlap=False,
+                        dtype=dtype,
+                        nvme_path=path,
+                        zero_extra=S3 if stage == 3 else None,
+                    )
+                )
+    return out
+
+
+def _check(results: list[dict]) -> None:
+    for host, nvme in zip(results[::2], results[1::2]):
+        case = nvme["case"]
+        if case["dtype"] == "fp32":
+            assert nvme["grad_err"] < GRAD_TOL, case
+            assert nvme["param_err"] < PARAM_TOL, case
+        # The same kernel over the same chunks: NVMe changes where the state lives, not a bit.
+        for n, t in host["params"].items():
+            assert torch.equal(t, nvme["params"][n]), (case, n)
+        assert host["losses"] == nvme["losses"], case
+        assert any(k.startswith("nvme.") for k in nvme["memory"]), nvme["memory"]
+        assert not any(k.startswith("host.master") for k in nvme["memory"]), nvme["memory"]
+
+
+def test_parity_world1(tmp_path):
+    _check(run_cases(_cases(str(tmp_path), 1)))
+
+
+def test_parity_world2(tmp_path):
+    _check(run_ranks(2, run_cases, _cases(str(tmp_path), 2)))
+    assert not any(tmp_path.rglob("*.swp")), "swap files outlived their processes"
+
+
+# ---- the streamed state against the in-memory one ------------------------------------------------
+@pytest.mark.parametrize("buffers", [2, 3, 4, 6])
+def test_streamed_state_equals_memory(tmp_path, buffers):
+    numel, chunk = 5 * 2048 + 777, 2048
+    aio = AioEngine(AioPolicy(block_size=8192, threads=2))
+    nv = NvmeOptimizerState(tmp_path, "g", numel, chunk, buffers, aio, pin=False)
+    mem = MemoryState(numel, torch.device("cpu"), "host", moments=True)
+    init = torch.randn(numel)
+    nv.fill(lambda lo, hi, out: out.copy_(init[lo:hi]))
+    mem.master.copy_(init)
+    chunks = [(lo, min(lo + chunk, numel)) for lo in range(0, numel, chunk)]
+    for step in range(3):
+        g = torch.randn(numel)
+
+        def body(lo, hi, v, g=g, step=step):
+            v["exp_avg"].mul_(0.9).add_(g[lo:hi])
+            v["exp_avg_sq"].mul_(0.99).addcmul_(g[lo:hi], g[lo:hi])
+            v["master"].sub_(0.01 * (step + 1) * v["exp_avg"])
+
+        nv.update(chunks, body)
+        mem.update(chunks, body)
+    for kind in KINDS:
+        assert torch.equal(nv.read(kind, 0, numel), mem.read(kind, 0, numel)), kind
+        assert torch.equal(nv.read(kind, 3000, 7000), mem.read(kind, 3000, 7000)), kind
+    # element writes across chunk boundaries, cached and flushed by the next read
+    piece = torch.randn(4000)
+    nv.write("exp_avg", 1500, piece)
+    mem.write("exp_avg", 1500, piece)
+    assert torch.equal(nv.read("exp_avg", 0, numel), mem.read("exp_avg", 0, numel))
+    nv.close()
+    assert not nv.file.path.exists()
+
+
+def test_param_shard_reads_writes_and_cache(tmp_path):
+    aio = AioEngine(AioPolicy())
+    numel = 10_000
+    nv = NvmeParamShard(tmp_path, "p", numel, torch.bfloat16, aio, pin=False, max_in_cpu=3000)
+    ref = torch.randn(numel).bfloat16()
+    for lo in range(0, numel, 777):  # unaligned pieces: read-modify-write of covering blocks
+        nv.write(lo, ref[lo : lo + 777])
+    assert torch.equal(nv.read(0, numel), ref)
+    for lo, hi in [(5, 1000), (1000, 2999), (2999, 3000), (4000, 6500)]:
+        nv.read_ahead(lo, hi)
+    assert nv.cached <= 3000  # max_in_cpu bounds the cache
+    for lo, hi in [(5, 1000), (4000, 6500), (1000, 2999)]:
+        assert torch.equal(nv.read(lo, hi), ref[lo:hi])
+    nv.write(900, torch.zeros(200, dtype=torch.bfloat16))  # drops the cached slices it overlaps
+    ref[900:1100] = 0
+    assert torch.equal(nv.read(5, 1000), ref[5:1000])
+    nv.close()
+
+
+@pytest.mark.parametrize("fail_at", [("read", 4), ("write", 3), ("body", 2)])
+def test_failed_update_commits_nothing(tmp_path, fail_at):
+    """A failure at any chunk of a six-chunk update leaves every chunk's committed state."""
+    numel, chunk = 6 * 2048, 2048
+    aio = AioEngine(AioPolicy())
+    nv = NvmeOptimizerState(tmp_path, "g", numel, chunk, 3, aio, pin=False)
+    init = torch.randn(numel)
+    nv.fill(lambda lo, hi, out: out.copy_(init[lo:hi]))
+    chunks = [(lo, lo + chunk) for lo in range(0, numel, chunk)]
+    what, n = fail_at
+    calls = {"read": 0, "write": 0, "body": 0}
+    real = {"read": aio.read, "write": aio.write}
+
+    def io(op):
+        def call(f, offset, buf):
+            calls[op] += 1
+            return (
+                _Failing(errno.EIO) if op == what and calls[op] == n else real[op](f, offset, buf)
+            )
+
+        return call
+
+    aio.read, aio.write = io("read"), io("write")
+
+    def body(lo, hi, v):
+        calls["body"] += 1
+        if what == "body" and calls["body"] == n:
+            raise RuntimeError("kernel failed")
+        v["master"].add_(1.0)
+        v["exp_avg"].add_(1.0)
+
+    with pytest.raises((NvmeSwapError, RuntimeError)):
+        nv.update(chunks, body)
+    aio.read, aio.write = real["read"], real["write"]
+    assert torch.equal(nv.read("master", 0, numel), init)
+    assert torch.equal(nv.read("exp_avg", 0, numel), torch.zeros(numel))
+    nv.update(chunks, body)  # and the next update works from the committed state
+    assert torch.equal(nv.read("master", 0, numel), init + 1)
+    nv.close()
+
+
+# ---- engines: checkpoints, errors, faults ------------------------------------------------------
+def _engine(path: Path, optimizer: str = "nvme", param: str | bool = False, stage: int = 3, **zero):
+    import zero_offload
+
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = engine_config(
+        stage=stage,
+        offload=optimizer,
+        gas=1,
+        micro=2,
+        clip=0.05,
+        overlap=False,
+        offload_param=param,
+        nvme_path=str(path),
+        zero_extra={**(S3 if stage == 3 else {}), **zero},
+    )
+    engine, *_ = zero_offload.initialize(model=make_model(), config=copy.deepcopy(cfg))
+    return engine
+
+
+def _train(engine, steps: range) -> list[float]:
+    data = batches(max(steps) + 1, 1, 1, 2)
+    return [global_step(engine, *data[i]) for i in steps]
+
+
+def _master(engine) -> torch.Tensor:
+    return torch.cat([so.state.read("master", 0, so.state.numel).cpu() for so in engine.shard_opts])
+
+
+@pytest.mark.parametrize("param", [False, "nvme"])
+def test_checkpoint_moves_between_nvme_and_host(tmp_path, param):
+    """Saved from NVMe, resumed on the host, and the other way: bitwise the uninterrupted run."""
+    straight = _engine(tmp_path / "swap", "cpu")
+    full = _train(straight, range(4))
+    want = _master(straight)
+    straight.destroy()
+    for first, second in (("nvme", "cpu"), ("cpu", "nvme")):
+        a = _engine(tmp_path / "swap", first, param if first == "nvme" else False)
+        head = _train(a, range(2))
+        a.save_checkpoint(tmp_path / f"ck-{first}")
+        a.destroy()
+        b = _engine(tmp_path / "swap", second, param if second == "nvme" else False)
+        b.load_checkpoint(tmp_path / f"ck-{first}")
+        tail = _train(b, range(2, 4))
+        assert head + tail == full, (first, second)
+        assert torch.equal(_master(b), want), (first, second)
+        b.destroy()
+    assert not any((tmp_path / "swap").rglob("*.swp"))
+
+
+class _Failing:
+    """An aio request that fails like the disk would."""
+
+    def __init__(self, err: int) -> None:
+        self.err = err
+
+    def wait(self) -> None:
+        raise OSError(self.err, os.strerror(self.err))
+
+    def done(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("op", "err"), [("write", errno.ENOSPC), ("read", errno.EIO)])
+def test_io_error_mid_step_keeps_master_and_checkpoint(tmp_path, monkeypatch, op, err):
+    engine = _engine(tmp_path / "swap")
+    _train(engine, range(2))
+    engine.save_checkpoint(tmp_path / "ck")
+    before, steps = _master(engine), engine.shard_opts[0].step_count
+    calls = {"n": 0}
+    real = getattr(engine.aio, op)
+
+    def flaky(f, offset, buf):
+        calls["n"] += 1
+        return _Failing(err) if calls["n"] == 1 else real(f, offset, buf)
+
+    monkeypatch.setattr(engine.aio, op, flaky)
+    state = engine.shard_opts[0].state
+    with pytest.raises(NvmeSwapError, match=str(state.file.path).replace("\\", "\\\\")):
+        _train(engine, range(2, 3))
+    monkeypatch.undo()
+    assert torch.equal(_master(engine), before), "a failed step changed the committed master"
+    assert engine.shard_opts[0].step_count == steps
+    engine.destroy()
+    fresh = _engine(tmp_path / "swap")  # the last checkpoint loads and equals the state at save
+    fresh.load_checkpoint(tmp_path / "ck")
+    assert torch.equal(_master(fresh), before)
+    fresh.destroy()
+
+
+def test_removed_swap_file_is_named(tmp_path):
+    engine = _engine(tmp_path / "swap")
+    _train(engine, range(1))
+    path = engine.shard_opts[0].state.file.path
+    path.unlink()
+    with pytest.raises(NvmeSwapError, match="was removed while the run used it"):
+        _train(engine, range(1, 2))
+    engine.destroy()
+
+
+def test_truncated_swap_file_is_named(tmp_path):
+    engine = _engine(tmp_path / "swap")
+    _train(engine, range(1))
+    before = _master(engine)
+    f = engine.shard_opts[0].state.file
+    os.truncate(f.path, 4096)
+    with pytest.raises(NvmeSwapError, match=str(f.path)):
+        _train(engine, range(1, 2))
+    engine.destroy()
+    assert before.numel() > 0
+
+
+def test_param_swap_read_error_is_named(tmp_path, monkeypatch):
+    engine = _engine(tmp_path / "swap", "nvme", "nvme")
+    _train(engine, range(1))
+    shard = engine.param_store.swapped[0]
+    shard.cache.clear()
+    shard.cached = 0
+    monkeypatch.setattr(engine.aio, "read", lambda *a: _Failing(errno.EIO))
+    with pytest.raises(NvmeSwapError, match=r"param-shard .* failed"):
+        _train(engine, range(1, 2))
+    monkeypatch.undo()
+    engine.destroy()
+
+
+def test_bad_nvme_settings_fail_before_the_first_step(tmp_path):
+    import zero_offload
+
+    cfg = engine_config(
+        stage=2,
+        offload="nvme",
+        gas=1,
+        micro=2,
+        clip=0.0,
+        overlap=False,
+        nvme_path=str(tmp_path / "no"),
+    )
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.nvme_path.*does not exist"):
+        zero_offload.initialize(model=make_model(), config=cfg)
+    (tmp_path / "ok").mkdir()
+    with pytest.raises(ConfigError, match=r"offload_param\.buffer_size"):
+        cfg = engine_config(
+            stage=3,
+            offload="nvme",
+            gas=1,
+            micro=2,
+            clip=0.0,
+            overlap=False,
+            offload_param="nvme",
+            nvme_path=str(tmp_path / "ok"),
+            zero_extra=S3,
+        )
+        cfg["zero_optimization"]["offload_param"]["buffer_size"] = 10
+        zero_offload.initialize(model=make_model(), config=cfg)
+
+
+def test_param_nvme_keeps_params_partitioned_and_off_host(tmp_path):
+    engine = _engine(tmp_path / "swap", "nvme", "nvme", stage3_max_live_parameters=10**9)
+    model = engine.module
+    assert all(p.numel() == 0 < p.ds_numel for p in model.parameters())
+    assert all(s is None for s in engine.param_store.shards)
+    assert all(p.ds_tensor.device.type == "meta" for p in model.parameters())
+    report = engine.memory_report()
+    assert "nvme.param_shard" in report and "host.param_shard" not in report
+    _train(engine, range(2))
+    engine.destroy()
+    assert not any((tmp_path / "swap").rglob("*.swp"))
