@@ -59,9 +59,10 @@ class DeepSpeedNotProvidedError(AttributeError, NotImplementedError):
         super().__init__(
             f"{api}: zero_offload does not provide this DeepSpeed API (zero_offload "
             f"{_zero_offload_version()} implements DeepSpeed {DEEPSPEED_API_VERSION}'s ZeRO "
-            "stages 0-3 data parallelism with CPU offload: initialize and the engine, zero.Init, "
+            "stages 0-3 data parallelism with CPU and NVMe offload: initialize and the engine, "
+            "zero.Init, "
             "GatheredParameters, comm, ops.adam, checkpoints; not tensor, pipeline, sequence or "
-            f"expert parallelism, inference, NVMe offload or compression){hint}"
+            f"expert parallelism, inference or compression){hint}"
         )
 
 

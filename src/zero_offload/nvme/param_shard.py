@@ -65,8 +65,9 @@ class NvmeParamShard:
 
     # ---- reads ---------------------------------------------------------------------------------
     def read_ahead(self, lo: int, hi: int) -> None:
-        """Start reading [lo, hi) into the cache (no-op when cached or larger than the cache)."""
-        if (lo, hi) in self.cache or hi - lo > self.max_in_cpu or hi <= lo:
+        """Start reading [lo, hi) into the cache; a no-op when cached, or when it would not fit
+        beside what is cached (a guess never evicts a slice that may be used first)."""
+        if (lo, hi) in self.cache or hi <= lo or self.cached + hi - lo > self.max_in_cpu:
             return
         a, b = self._blocks(lo, hi)
         buf = aligned_empty(b - a, self.pin)

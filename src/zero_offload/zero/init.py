@@ -49,10 +49,12 @@ class Init:
         mpu=None,
         **_: object,
     ) -> None:
-        if remote_device not in (None, "cpu", "cuda", "none"):
+        # "nvme": the chunks stay in host memory until initialize() moves the param shard to
+        # its swap file (offload_param "nvme"), one param at a time.
+        if remote_device not in (None, "cpu", "cuda", "none", "nvme"):
             raise ValueError(
-                f'zero.Init: remote_device must be None, "cpu" or "cuda", got {remote_device!r}'
-                + (" (NVMe offload is not built)" if remote_device == "nvme" else "")
+                'zero.Init: remote_device must be None, "cpu", "cuda" or "nvme", got '
+                f"{remote_device!r}"
             )
         if mpu is not None:
             raise ValueError("zero.Init: 'mpu' (model parallelism) is not supported")

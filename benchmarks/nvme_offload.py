@@ -1,0 +1,296 @@
+"""NVMe offload, measured side by side in one run:
+
+1. ``disk``: the disk's sequential O_DIRECT bandwidth (one thread, 1 MiB blocks, like
+   ``dd oflag=direct``) and the aio engine's, on the same folder.
+2. ``update``: the streamed update path (read record k+1 / host Adam over record k / write k-1)
+   over an optimizer state of ``--update-m`` million elements, against the same kernel over the
+   same state in host memory. Its throughput is given as a share of the disk's sequential
+   read+write bandwidth measured in (1): moving 12 bytes/element in and 12 out takes at least
+   ``12 n / read_bw + 12 n / write_bw`` on a disk that serves one direction at a time.
+3. ``step``: a training step of a stage-3 model with the optimizer (and params) on NVMe against
+   the same model with host offload; median step times and the ratio.
+4. ``cap`` (needs root and a cgroup-v1 or v2 memory controller): the same stage-3 NVMe run in a
+   child process confined to a memory cap of (optimizer state bytes) / ``--cap-ratio``; it must
+   train, and its losses must equal the host-offload run's (which runs without the cap).
+
+Every timing is a median of repetitions; the CPU and the folder's filesystem are printed.
+
+    python benchmarks/nvme_offload.py --path /tmp/nvme-bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+GIB = 2**30
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def filesystem(path: Path) -> str:
+    best = ("?", "?")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fs = line.split()[:3]
+                if str(path.resolve()).startswith(mnt) and len(mnt) >= len(best[0]):
+                    best = (mnt, f"{fs} on {dev}")
+    except OSError:
+        pass
+    return best[1]
+
+
+# ---- 1. the disk ---------------------------------------------------------------------------------
+def disk(path: Path, gib: float, threads: int) -> dict:
+    from zero_offload.nvme.aio import AioPolicy, measure_disk_bandwidth
+
+    runs = [
+        measure_disk_bandwidth(path, int(gib * GIB), AioPolicy(threads=threads)) for _ in range(3)
+    ]
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k.endswith("gbps")}
+    return med | {"backend": runs[0]["backend"], "direct": runs[0]["direct"]}
+
+
+# ---- 2. the update path --------------------------------------------------------------------------
+def update(path: Path, million: float, reps: int, threads: int) -> dict:
+    from zero_offload.kernels.host_adam import host_adam_step
+    from zero_offload.nvme.aio import AioEngine, AioPolicy
+    from zero_offload.nvme.optimizer_state import NvmeOptimizerState
+    from zero_offload.runtime.placement import MAX_CHUNK
+    from zero_offload.runtime.shard_state import MemoryState
+
+    n = int(million * 1e6) // 2048 * 2048
+    grad = torch.randn(n).bfloat16()
+    out = torch.empty(n, dtype=torch.bfloat16)
+    chunks = [(lo, min(lo + MAX_CHUNK, n)) for lo in range(0, n, MAX_CHUNK)]
+    step = [0]
+
+    def body(lo, hi, v):
+        host_adam_step(v["master"], v["exp_avg"], v["exp_avg_sq"], grad[lo:hi], out[lo:hi],
+                       step=step[0], lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+                       weight_decay=0.0, adamw=True, bias_correction=True, grad_scale=1.0)  # fmt: skip
+
+    def timed(state) -> list[float]:
+        times = []
+        for _ in range(reps + 1):
+            step[0] += 1
+            t0 = time.perf_counter()
+            state.update(chunks, body)
+            times.append(time.perf_counter() - t0)
+        return times[1:]  # the first pass warms the pages and the pool
+
+    aio = AioEngine(AioPolicy(threads=threads))
+    nv = NvmeOptimizerState(path, "bench", n, MAX_CHUNK, 4, aio, pin=False)
+    nv.fill(lambda lo, hi, o: o.zero_())
+    nvme_t = timed(nv)
+    nv.close()
+    mem = MemoryState(n, torch.device("cpu"), "host", moments=True)
+    mem.master.zero_()
+    host_t = timed(mem)
+    del mem
+    return {"numel": n, "nvme_s": nvme_t, "host_s": host_t}
+
+
+# ---- 3/4. training steps -------------------------------------------------------------------------
+def model_config(where: str, path: str, stage3_live: int) -> dict:
+    zero = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_max_live_parameters": stage3_live,
+        "stage3_prefetch_bucket_size": stage3_live,
+        "reduce_bucket_size": 5_000_000,
+        "offload_optimizer": {"device": where},
+        "offload_param": {"device": where},
+    }
+    if where == "nvme":
+        zero["offload_optimizer"]["nvme_path"] = path
+        # room for the read-ahead of the next buffer_count (5) units beside the one in use
+        zero["offload_param"] |= {"nvme_path": path, "max_in_cpu": 6 * stage3_live}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+    }
+
+
+class Residual(torch.nn.Module):
+    """x + W x / 8: deep stacks keep a signal (a plain stack of 32 Linears outputs ~0)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin(x) * 0.125
+
+
+def train_child(args) -> None:
+    """One training run (this process): prints one JSON line with losses, step times, RSS."""
+    import zero_offload
+    import zero_offload.zero
+
+    torch.manual_seed(0)
+    torch.set_num_threads(os.cpu_count() or 1)
+    d, layers = args.dim, args.layers
+    with zero_offload.zero.Init(dtype=torch.bfloat16):
+        model = torch.nn.Sequential(*[Residual(d) for _ in range(layers)])
+    cfg = model_config(args.where, str(args.path), d * d)
+    engine, *_ = zero_offload.initialize(model=model, config=cfg)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, d, generator=g).bfloat16()
+    losses, times = [], []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        loss = (engine(x).float() - 1.0).square().mean()
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    report = engine.memory_report()
+    engine.destroy()
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    print(json.dumps({"losses": losses, "times": times, "peak_rss": hwm, "memory": report}))
+
+
+def _cgroup(cap: int) -> tuple[Path, str] | None:
+    """A memory cgroup limited to ``cap`` bytes (v2 or v1), or None where none can be made."""
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+    try:
+        if v2.exists():
+            cg = Path("/sys/fs/cgroup/zero_offload_nvme_bench")
+            cg.mkdir(exist_ok=True)
+            (cg / "memory.max").write_text(str(cap))
+            (cg / "memory.swap.max").write_text("0")
+            return cg, "cgroup v2 memory.max"
+        cg = Path("/sys/fs/cgroup/memory/zero_offload_nvme_bench")
+        cg.mkdir(exist_ok=True)
+        (cg / "memory.limit_in_bytes").write_text(str(cap))
+        return cg, "cgroup v1 memory.limit_in_bytes"
+    except OSError:
+        return None
+
+
+def run_child(args, where: str, cap: int | None = None) -> dict:
+    cmd = [sys.executable, __file__, "--child", "--where", where, "--path", str(args.path),
+           "--dim", str(args.dim), "--layers", str(args.layers), "--steps", str(args.steps)]  # fmt: skip
+    how = None
+    pre = None
+    if cap is not None:
+        made = _cgroup(cap)
+        if made is None:
+            return {"error": "no memory cgroup could be made (needs root and a memory controller)"}
+        cg, how = made
+
+        def pre() -> None:  # in the child, before exec: join the capped group
+            (cg / "cgroup.procs").write_text(str(os.getpid()))
+
+    p = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=pre)
+    if p.returncode != 0:
+        return {"error": f"exit {p.returncode}: {p.stderr[-2000:]}", "cap_how": how}
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    return out | {"cap_how": how}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--path", type=Path, default=Path("nvme-bench"))
+    ap.add_argument("--disk-gib", type=float, default=1.0)
+    ap.add_argument("--update-m", type=float, default=64.0, help="million state elements")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1, help="aio threads (intra_op_parallelism)")
+    ap.add_argument("--dim", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--cap-ratio", type=float, default=3.0)
+    ap.add_argument("--skip", nargs="*", default=[], choices=["disk", "update", "step", "cap"])
+    ap.add_argument("--child", action="store_true")
+    ap.add_argument("--where", default="nvme")
+    args = ap.parse_args()
+    args.path.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        return train_child(args)
+
+    from zero_offload.nvme.aio import io_uring_available
+
+    print(f"cpu: {cpu_name()} ({os.cpu_count()} cores); torch {torch.__version__}")
+    print(f"folder: {args.path} ({filesystem(args.path)}); io_uring available: "
+          f"{io_uring_available()}")  # fmt: skip
+    bw = None
+    if "disk" not in args.skip:
+        bw = disk(args.path, args.disk_gib, args.threads)
+        print(f"\n[disk] {args.disk_gib:g} GiB, medians of 3 (GB/s): sequential O_DIRECT baseline "
+              f"write {bw['baseline_write_gbps']:.2f} read {bw['baseline_read_gbps']:.2f}; "
+              f"aio engine ({bw['backend']}, {args.threads} thread(s)) write "
+              f"{bw['write_gbps']:.2f} read {bw['read_gbps']:.2f}")  # fmt: skip
+    if "update" not in args.skip:
+        u = update(args.path, args.update_m, args.reps, args.threads)
+        nv, host = statistics.median(u["nvme_s"]), statistics.median(u["host_s"])
+        moved = 12 * u["numel"]
+        print(f"\n[update] {u['numel'] / 1e6:.1f}M elements, state {moved / GIB:.2f} GiB, "
+              f"median of {args.reps}: nvme {nv:.3f} s, host {host:.3f} s, "
+              f"nvme/host {nv / host:.2f}x")  # fmt: skip
+        if bw is not None:
+            floor = moved / (bw["baseline_read_gbps"] * 1e9) + moved / (
+                bw["baseline_write_gbps"] * 1e9
+            )
+            print(f"  disk-bound floor {floor:.3f} s (12 B/elem read + write at the baseline): "
+                  f"the update path runs at {100 * floor / nv:.0f}% of the disk's sequential "
+                  f"read+write bandwidth")  # fmt: skip
+    params = args.dim * args.dim * args.layers
+    state = 12 * params
+    host_run = None
+    if "step" not in args.skip or "cap" not in args.skip:
+        host_run = run_child(args, "cpu")
+    if "step" not in args.skip:
+        nv_run = run_child(args, "nvme")
+        print(f"\n[step] stage 3, bf16, {params / 1e6:.0f}M params ({args.layers} x Linear "
+              f"{args.dim}), optimizer state {state / GIB:.2f} GiB, {args.steps} steps")  # fmt: skip
+        for name, r in (("host offload", host_run), ("nvme offload", nv_run)):
+            if "error" in r:
+                print(f"  {name}: {r['error']}")
+                continue
+            print(f"  {name:13} median step {statistics.median(r['times'][1:] or r['times']):.2f} s"
+                  f"  peak RSS {r['peak_rss'] / GIB:.2f} GiB  losses {r['losses']}")  # fmt: skip
+        if "error" not in host_run and "error" not in nv_run:
+            a = statistics.median(nv_run["times"][1:] or nv_run["times"])
+            b = statistics.median(host_run["times"][1:] or host_run["times"])
+            print(f"  nvme/host step time {a / b:.2f}x; losses equal: "
+                  f"{nv_run['losses'] == host_run['losses']}")  # fmt: skip
+    if "cap" not in args.skip:
+        cap = int(state / args.cap_ratio)
+        r = run_child(args, "nvme", cap)
+        print(f"\n[cap] optimizer state {state / GIB:.2f} GiB, memory cap {cap / GIB:.2f} GiB "
+              f"(state / {args.cap_ratio:g}) via {r.get('cap_how')}")  # fmt: skip
+        if "error" in r:
+            print(f"  capped nvme run failed: {r['error']}")
+        else:
+            same = "error" not in host_run and r["losses"] == host_run["losses"]
+            print(f"  trained {len(r['losses'])} steps under the cap, peak RSS "
+                  f"{r['peak_rss'] / GIB:.2f} GiB; losses {r['losses']}; equal to the "
+                  f"uncapped host-offload run: {same}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
