@@ -117,6 +117,7 @@ def model_config(where: str, path: str, stage3_live: int) -> dict:
         "stage3_param_persistence_threshold": 0,
         "stage3_max_live_parameters": stage3_live,
         "stage3_prefetch_bucket_size": stage3_live,
+        "stage3_max_reuse_distance": 0,  # release after use: host memory bounded by live
         "reduce_bucket_size": 5_000_000,
         "offload_optimizer": {"device": where},
         "offload_param": {"device": where},
@@ -147,16 +148,35 @@ class Residual(torch.nn.Module):
 
 def train_child(args) -> None:
     """One training run (this process): prints one JSON line with losses, step times, RSS."""
-    import zero_offload
-    import zero_offload.zero
-
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count() or 1)
     d, layers = args.dim, args.layers
-    with zero_offload.zero.Init(dtype=torch.bfloat16):
-        model = torch.nn.Sequential(*[Residual(d) for _ in range(layers)])
     cfg = model_config(args.where, str(args.path), d * d)
-    engine, *_ = zero_offload.initialize(model=model, config=cfg)
+    if args.engine == "deepspeed":  # the anchor: DeepSpeed's own NVMe offload, same config
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import _ds_compat
+
+        _ds_compat.select_accelerator()
+        for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():  # fmt: skip
+            os.environ.setdefault(k, v)  # one process: DeepSpeed would look for MPI otherwise
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=_ds_compat.backend(), verbose=False)
+        for block in ("offload_optimizer", "offload_param"):  # no pinned memory without CUDA
+            cfg["zero_optimization"][block]["pin_memory"] = torch.cuda.is_available()
+        with deepspeed.zero.Init(config_dict_or_path=cfg, dtype=torch.bfloat16):
+            model = torch.nn.Sequential(*[Residual(d) for _ in range(layers)])
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=cfg
+        )
+    else:
+        import zero_offload
+        import zero_offload.zero
+
+        with zero_offload.zero.Init(dtype=torch.bfloat16):
+            model = torch.nn.Sequential(*[Residual(d) for _ in range(layers)])
+        engine, *_ = zero_offload.initialize(model=model, config=cfg)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(8, d, generator=g).bfloat16()
     losses, times = [], []
@@ -167,11 +187,21 @@ def train_child(args) -> None:
         engine.step()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
-    report = engine.memory_report()
-    engine.destroy()
+    report = engine.memory_report() if hasattr(engine, "memory_report") else {}
     with open("/proc/self/status") as f:
         hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     print(json.dumps({"losses": losses, "times": times, "peak_rss": hwm, "memory": report}))
+    # No destroy(): at stage 3 it hands the params back to zero.Init form, the whole model in
+    # host memory (what a later engine starts from), which is not what is measured here. The
+    # swap files go at exit.
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _cgroup(cap: int) -> tuple[Path, str] | None:
@@ -187,14 +217,16 @@ def _cgroup(cap: int) -> tuple[Path, str] | None:
         cg = Path("/sys/fs/cgroup/memory/zero_offload_nvme_bench")
         cg.mkdir(exist_ok=True)
         (cg / "memory.limit_in_bytes").write_text(str(cap))
+        (cg / "memory.max_usage_in_bytes").write_text("0")  # the peak of this run only
         return cg, "cgroup v1 memory.limit_in_bytes"
     except OSError:
         return None
 
 
-def run_child(args, where: str, cap: int | None = None) -> dict:
+def run_child(args, where: str, cap: int | None = None, engine: str = "zero_offload") -> dict:
     cmd = [sys.executable, __file__, "--child", "--where", where, "--path", str(args.path),
-           "--dim", str(args.dim), "--layers", str(args.layers), "--steps", str(args.steps)]  # fmt: skip
+           "--dim", str(args.dim), "--layers", str(args.layers), "--steps", str(args.steps),
+           "--engine", engine]  # fmt: skip
     how = None
     pre = None
     if cap is not None:
@@ -207,10 +239,22 @@ def run_child(args, where: str, cap: int | None = None) -> dict:
             (cg / "cgroup.procs").write_text(str(os.getpid()))
 
     p = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=pre)
+    peak = _cgroup_peak(cg) if cap is not None else None
     if p.returncode != 0:
-        return {"error": f"exit {p.returncode}: {p.stderr[-2000:]}", "cap_how": how}
+        tail = p.stderr[-1500:] or "(killed: no output)"
+        return {"error": f"exit {p.returncode}: {tail}", "cap_how": how, "cgroup_peak": peak}
     out = json.loads(p.stdout.strip().splitlines()[-1])
-    return out | {"cap_how": how}
+    return out | {"cap_how": how, "cgroup_peak": peak}
+
+
+def _cgroup_peak(cg: Path) -> int | None:
+    """The group's peak memory charge (anonymous and file pages, kernel memory in v1)."""
+    for name in ("memory.peak", "memory.max_usage_in_bytes"):
+        try:
+            return int((cg / name).read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
 
 
 def main() -> None:
@@ -227,6 +271,8 @@ def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[], choices=["disk", "update", "step", "cap"])
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--where", default="nvme")
+    ap.add_argument("--engine", default="zero_offload", choices=["zero_offload", "deepspeed"])
+    ap.add_argument("--deepspeed", action="store_true", help="also run DeepSpeed's NVMe offload")
     args = ap.parse_args()
     args.path.mkdir(parents=True, exist_ok=True)
     if args.child:
@@ -265,9 +311,12 @@ def main() -> None:
         host_run = run_child(args, "cpu")
     if "step" not in args.skip:
         nv_run = run_child(args, "nvme")
+        ds_run = run_child(args, "nvme", engine="deepspeed") if args.deepspeed else None
         print(f"\n[step] stage 3, bf16, {params / 1e6:.0f}M params ({args.layers} x Linear "
               f"{args.dim}), optimizer state {state / GIB:.2f} GiB, {args.steps} steps")  # fmt: skip
-        for name, r in (("host offload", host_run), ("nvme offload", nv_run)):
+        runs = [("host offload", host_run), ("nvme offload", nv_run)]
+        runs += [("DeepSpeed nvme", ds_run)] if ds_run is not None else []
+        for name, r in runs:
             if "error" in r:
                 print(f"  {name}: {r['error']}")
                 continue
@@ -278,11 +327,17 @@ def main() -> None:
             b = statistics.median(host_run["times"][1:] or host_run["times"])
             print(f"  nvme/host step time {a / b:.2f}x; losses equal: "
                   f"{nv_run['losses'] == host_run['losses']}")  # fmt: skip
+        if ds_run is not None and "error" not in ds_run and "error" not in nv_run:
+            a = statistics.median(nv_run["times"][1:] or nv_run["times"])
+            c = statistics.median(ds_run["times"][1:] or ds_run["times"])
+            print(f"  DeepSpeed nvme / zero_offload nvme step time {c / a:.2f}x")
     if "cap" not in args.skip:
         cap = int(state / args.cap_ratio)
         r = run_child(args, "nvme", cap)
         print(f"\n[cap] optimizer state {state / GIB:.2f} GiB, memory cap {cap / GIB:.2f} GiB "
               f"(state / {args.cap_ratio:g}) via {r.get('cap_how')}")  # fmt: skip
+        if r.get("cgroup_peak"):
+            print(f"  the group's peak charge: {r['cgroup_peak'] / GIB:.2f} GiB")
         if "error" in r:
             print(f"  capped nvme run failed: {r['error']}")
         else:

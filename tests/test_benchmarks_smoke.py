@@ -207,3 +207,38 @@ def test_pcie_bandwidth_on_cuda(tmp_path: Path) -> None:
     for kind, rows in data["kinds"].items():
         assert len(rows) == 3 and all(r["gbps"] > 0 for r in rows.values()), (kind, rows)
     assert "| **peak** |" in done.stdout
+
+
+def test_nvme_offload_benchmark_runs(tmp_path: Path) -> None:
+    """The NVMe benchmark's quick run: disk, update path and a step on each placement; the NVMe
+    run trains to the host-offload run's losses."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "nvme_offload.py"),
+            "--path",
+            str(tmp_path),
+            "--disk-gib",
+            "0.01",
+            "--update-m",
+            "1",
+            "--reps",
+            "1",
+            "--dim",
+            "64",
+            "--layers",
+            "2",
+            "--steps",
+            "2",
+            "--skip",
+            "cap",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for section in ("[disk]", "[update]", "[step]"):
+        assert section in done.stdout, done.stdout
+    assert "losses equal: True" in done.stdout, done.stdout
+    assert not any(tmp_path.rglob("*.swp"))

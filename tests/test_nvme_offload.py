@@ -198,6 +198,48 @@ def _train(engine, steps: range) -> list[float]:
     return [global_step(engine, *data[i]) for i in steps]
 
 
+def _params(engine) -> torch.Tensor:
+    """The 16-bit params (fp32 here) in the master's order: gathered, this rank's pieces."""
+    out = []
+    for so in engine.shard_opts:
+        out.append(so.home.read(0, so.state.numel).float().cpu())
+    return torch.cat(out)
+
+
+def _one_rank_fails(root: str) -> dict:
+    """Rank 1's write fails in the middle of a step: both ranks raise and keep the last step."""
+    from zero_offload.runtime import dist
+
+    root_path = Path(root)
+    engine = _engine(root_path / f"swap{dist.rank()}", stage=2)
+    data = batches(3, 2, 1, 2)
+    for i in range(2):
+        global_step(engine, *data[i], world=2, rank=dist.rank())
+    before = _master(engine)
+    if dist.rank() == 1:
+        engine.aio.write = lambda *a: _Failing(errno.EIO)
+    try:
+        global_step(engine, *data[2], world=2, rank=dist.rank())
+        raised = None
+    except NvmeSwapError as e:
+        raised = str(e)
+    out = {
+        "raised": raised,
+        "kept": torch.equal(_master(engine), before),
+        "params": torch.equal(_params(engine), before),
+    }
+    engine.destroy()
+    both = [None, None]
+    torch.distributed.all_gather_object(both, out)
+    return both
+
+
+def test_failure_on_one_rank_rolls_back_every_rank(tmp_path):
+    results = run_ranks(2, _one_rank_fails, str(tmp_path))
+    assert "other rank" in results[0]["raised"] and "failed" in results[1]["raised"], results
+    assert all(r["kept"] and r["params"] for r in results), results
+
+
 def _master(engine) -> torch.Tensor:
     return torch.cat([so.state.read("master", 0, so.state.numel).cpu() for so in engine.shard_opts])
 
@@ -256,6 +298,7 @@ def test_io_error_mid_step_keeps_master_and_checkpoint(tmp_path, monkeypatch, op
     monkeypatch.undo()
     assert torch.equal(_master(engine), before), "a failed step changed the committed master"
     assert engine.shard_opts[0].step_count == steps
+    assert torch.equal(_params(engine), before), "the params are not the committed master's"
     engine.destroy()
     fresh = _engine(tmp_path / "swap")  # the last checkpoint loads and equals the state at save
     fresh.load_checkpoint(tmp_path / "ck")
@@ -340,3 +383,65 @@ def test_param_nvme_keeps_params_partitioned_and_off_host(tmp_path):
     _train(engine, range(2))
     engine.destroy()
     assert not any((tmp_path / "swap").rglob("*.swp"))
+
+
+def test_module_only_load_keeps_moments_like_host_offload(tmp_path):
+    """Loading weights alone rebuilds the master from them and keeps the Adam moments, on NVMe
+    exactly as with host offload."""
+    out = {}
+    for where in ("cpu", "nvme"):
+        engine = _engine(tmp_path / "swap", where)
+        _train(engine, range(2))
+        engine.save_checkpoint(tmp_path / f"ck-{where}")
+        _train(engine, range(2, 3))
+        engine.load_checkpoint(tmp_path / f"ck-{where}", load_module_only=True)
+        st = engine.shard_opts[0].state
+        out[where] = [st.read(k, 0, st.numel).clone() for k in ("master", "exp_avg")]
+        assert out[where][1].abs().sum() > 0  # the moments were kept, not zeroed
+        engine.destroy()
+    for a, b in zip(out["cpu"], out["nvme"]):
+        assert torch.equal(a, b)
+
+
+def test_bad_path_leaves_a_stage3_model_untouched(tmp_path):
+    """Preflight runs before anything is partitioned: the model is handed back whole."""
+    import zero_offload
+
+    (tmp_path / "ok").mkdir()
+    model = make_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = engine_config(
+        stage=3, offload="nvme", offload_param="nvme", gas=1, micro=2, clip=0.0, overlap=False,
+        nvme_path=str(tmp_path / "ok"), zero_extra=S3,
+    )  # fmt: skip
+    cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(tmp_path / "missing")
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.nvme_path"):
+        zero_offload.initialize(model=model, config=cfg)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+    assert not any((tmp_path / "ok").rglob("*.swp"))
+
+
+def _preflight_on_two_ranks(root: str) -> list:
+    import zero_offload
+    from zero_offload.runtime import dist
+
+    path = Path(root) / ("ok" if dist.rank() == 0 else "missing")
+    cfg = engine_config(
+        stage=2, offload="nvme", gas=1, micro=2, clip=0.0, overlap=False, nvme_path=str(path)
+    )
+    try:
+        zero_offload.initialize(model=make_model(), config=cfg)
+        got = None
+    except ConfigError as e:
+        got = str(e)
+    both = [None, None]
+    torch.distributed.all_gather_object(both, got)
+    return both
+
+
+def test_preflight_failure_on_one_rank_raises_on_every_rank(tmp_path):
+    (tmp_path / "ok").mkdir()
+    r0, r1 = run_ranks(2, _preflight_on_two_ranks, str(tmp_path))
+    assert r0 is not None and "other rank" in r0, r0
+    assert r1 is not None and "does not exist" in r1, r1

@@ -40,12 +40,11 @@ def _apply(
     if use_opt:
         saved = ckpt.groups
         for g, so, gp, old in zip(engine.groups, engine.shard_opts, plan.groups, saved):
-            for f, src, dst, n in gp.reads:
-                for kind in SHARD_KINDS:
+            for kind in SHARD_KINDS:  # kind by kind: an NVMe state's cached region is reused
+                for f, src, dst, n in gp.reads:
                     piece = ckpt.read_slice(f, shard_tensor(g.index, kind), src, src + n)
                     so.state.write(kind, dst, piece)
-            for lo, hi in gp.padding:
-                for kind in SHARD_KINDS:
+                for lo, hi in gp.padding:
                     so.state.write(kind, lo, torch.zeros(hi - lo, dtype=torch.float32))
             so.step_count = old.step_count
             _restore_hyper(g.hyper, old.hyper)

@@ -55,7 +55,6 @@ ZERO_NOT_IMPLEMENTED = frozenset(
         "zeropp_loco_param",
         "mics_shard_size",
         "mics_hierarchical_params_gather",
-        "memory_efficient_linear",
         "pipeline_loading_checkpoint",
         "override_module_apply",
         "log_trace_cache_warnings",
@@ -193,6 +192,9 @@ class ZeroConfig(Section):
     stage3_max_reuse_distance: DsInt = Field(1_000_000_000, ge=0)
     stage3_gather_16bit_weights_on_model_save: Bool = False
     sub_group_size: DsInt = Field(1_000_000_000, gt=0)
+    # Stage 3: nn.Linear's backward saves the weight param, not the gathered bucket
+    # (runtime/memory_efficient_linear.py); DeepSpeed's key and default.
+    memory_efficient_linear: Bool = True
     leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
 
     @classmethod

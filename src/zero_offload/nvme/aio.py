@@ -369,10 +369,12 @@ class Request:
                     f"{self.op} of {self.nbytes} bytes at offset {self.offset} of swap file "
                     f"{self.file.path} failed: {e.strerror or e}",
                 )
-            finally:
-                self._finished = True
-                self._buf = None
-                self.file._pending.discard(self)
+            except BaseException:  # interrupted (KeyboardInterrupt) while the I/O still runs:
+                # not finished, so the buffer stays owned; a later wait waits again
+                raise
+            self._finished = True
+            self._buf = None
+            self.file._pending.discard(self)
 
     def __del__(self) -> None:
         try:

@@ -55,6 +55,7 @@ class NvmeOptimizerState:
         self.current = [0] * self.nchunks
         self.pool = [aligned_empty(self.record, pin) for _ in range(max(2, buffers))]
         self._dirty: tuple[int, int] | None = None  # (chunk, kind) cached in pool[0] by write
+        self._written = False  # an update wrote the other versions, not committed yet
         self.close = own_file(self, self.file)  # scratch: removed with this object or at exit
 
     # ---- addressing ----------------------------------------------------------------------------
@@ -89,10 +90,22 @@ class NvmeOptimizerState:
             )
 
     # ---- the streamed update -------------------------------------------------------------------
-    def update(self, chunks: list[Chunk], body: Body, write: bool = True) -> None:
+    def update(
+        self,
+        chunks: list[Chunk],
+        body: Body,
+        write: bool = True,
+        before_commit: Callable[[], None] | None = None,
+        commit: bool = True,
+    ) -> None:
         """``chunks`` must be this state's own chunks, in order (the caller's host-update plan).
-        ``write=False``: a read-only pass (nothing written back, nothing committed)."""
+        ``write=False``: a read-only pass (nothing written back, nothing committed).
+        ``before_commit``: runs after the last write-back, before the commit (a failure there
+        commits nothing either). ``commit=False``: the new versions are written but the state
+        stays the old one until ``commit()`` (``discard()`` forgets them): the engine commits
+        every group's step at once, after every rank succeeded."""
         assert [lo for lo, _ in chunks] == [k * self.chunk for k in range(len(chunks))]
+        assert not self._written, "an update is waiting for commit() or discard()"
         self.flush()
         self.check()
         n = len(chunks)
@@ -127,13 +140,27 @@ class NvmeOptimizerState:
             while writes:
                 k, buf, req = writes.popleft()
                 self._wait(req, "write", k)
+            if before_commit is not None:
+                before_commit()
         finally:  # on failure: let every request finish before its buffer can be reused
             for _, req in reads.values():
                 _quiet_wait(req)
             for _, _, req in writes:
                 _quiet_wait(req)
-        if write:  # commit: every chunk's new version at once
+        if write:
+            self._written = True
+            if commit:
+                self.commit()
+
+    def commit(self) -> None:
+        """The versions the last update wrote become the state, every chunk at once."""
+        if self._written:
             self.current = [1 - v for v in self.current]
+            self._written = False
+
+    def discard(self) -> None:
+        """Forget an uncommitted update: the state stays the last committed one."""
+        self._written = False
 
     def _wait(self, req, what: str, k: int) -> None:
         try:

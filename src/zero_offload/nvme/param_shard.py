@@ -8,10 +8,15 @@ the fetch schedule will gather next (its recorded order), so a fetch finds its s
 
 Invariants:
 - a cached slice equals the file's bytes: every write drops the cached slices it overlaps first;
-- a write is read-modify-write of whole covering blocks (direct I/O writes whole blocks only),
-  finished before it returns: the file is current whenever no write call is running;
-- a buffer is never reused or freed while a read into it is in flight (the cache holds the
-  request with its buffer until it was waited for).
+- a write covers whole 4096-byte blocks (direct I/O writes whole blocks only): a write of whole
+  blocks is submitted and left in flight (``pending``); one with a partial first or last block
+  is read-modify-write, after every pending write has finished. Every read of the file (a fetch,
+  a read-ahead) first waits for the pending writes it overlaps, and ``flush`` waits for all:
+  the file is current for every reader;
+- a buffer is never reused or freed while a request on it is in flight (the cache and
+  ``pending`` hold the request with its buffer until it was waited for); on the CPU a dropped
+  buffer is kept for reuse (a few per size: no page faults per fetch), pinned ones go back to
+  torch's pinned allocator, which knows when a non-blocking copy from them has finished.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import torch
 from .aio import ALIGN, AioEngine, SwapFile, aligned_empty
 from .errors import NvmeSwapError
 from .scratch import own_file
+
+MAX_PENDING_WRITES = 4  # writes in flight per shard; a fifth waits for the oldest
 
 
 class NvmeParamShard:
@@ -46,6 +53,8 @@ class NvmeParamShard:
         # (lo, hi) -> (buffer, first byte of the slice in it, pending request or None)
         self.cache: collections.OrderedDict = collections.OrderedDict()
         self.cached = 0  # elements held by the cache
+        self.pending: list = []  # (lo, hi, buffer, request) of writes in flight
+        self._spare: dict[int, list[torch.Tensor]] = {}  # free buffers by size (CPU only)
         self.close = own_file(self, self.file)  # scratch: removed with this object or at exit
 
     # ---- addressing ----------------------------------------------------------------------------
@@ -63,71 +72,128 @@ class NvmeParamShard:
                 f"{self.file.path}: {what} of param-shard elements {lo}..{hi} failed: {e}"
             ) from e
 
-    # ---- reads ---------------------------------------------------------------------------------
-    def read_ahead(self, lo: int, hi: int) -> None:
-        """Start reading [lo, hi) into the cache; a no-op when cached, or when it would not fit
-        beside what is cached (a guess never evicts a slice that may be used first)."""
-        if (lo, hi) in self.cache or hi <= lo or self.cached + hi - lo > self.max_in_cpu:
-            return
-        a, b = self._blocks(lo, hi)
-        buf = aligned_empty(b - a, self.pin)
-        req = self.aio.read(self.file, a, buf)
-        self._insert((lo, hi), (buf, lo * self.itemsize - a, req))
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        spare = self._spare.get(nbytes)
+        return spare.pop() if spare else aligned_empty(nbytes, self.pin)
 
-    def read(self, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi), a host tensor (from the cache when read ahead)."""
+    def _recycle(self, buf: torch.Tensor) -> None:
+        spare = self._spare.setdefault(buf.numel(), [])
+        if not self.pin and len(spare) < 2:
+            spare.append(buf)
+
+    def flush(self, lo: int = 0, hi: int | None = None) -> None:
+        """Wait for the pending writes overlapping elements [lo, hi) (all by default)."""
+        keep, first_error = [], None
+        for entry in self.pending:
+            if entry[0] < (self.numel if hi is None else hi) and entry[1] > lo:
+                try:
+                    self._finish(entry)
+                except NvmeSwapError as e:
+                    first_error = first_error or e
+            else:
+                keep.append(entry)
+        self.pending = keep
+        if first_error is not None:
+            raise first_error
+
+    # ---- reads ---------------------------------------------------------------------------------
+    # A cache entry is [buffer, first byte of the slice in it, pending read or None, used]. A
+    # read-ahead never evicts an entry not used yet (it would throw away its own earlier guess)
+    # and is skipped when there is no room otherwise; a demanded read evicts what it must.
+
+    def read_ahead(self, lo: int, hi: int) -> None:
+        """Start reading [lo, hi) into the cache (no-op when cached or without room)."""
+        if (lo, hi) in self.cache or hi <= lo or not self._make_room(hi - lo, used_only=True):
+            return
+        self.flush(lo, hi)
+        a, b = self._blocks(lo, hi)
+        buf = self._buffer(b - a)
+        req = self.aio.read(self.file, a, buf)
+        self._insert((lo, hi), [buf, lo * self.itemsize - a, req, False])
+
+    def read(self, lo: int, hi: int, cache: bool = True) -> torch.Tensor:
+        """Elements [lo, hi), a host tensor (from the cache when read ahead). ``cache=False``:
+        a one-off read (set-up, checkpoints) that leaves the cache as it was."""
         if hi <= lo:
             return torch.empty(0, dtype=self.dtype)
-        hit = self.cache.get((lo, hi))
+        key = (lo, hi)
+        hit = self.cache.get(key)
         if hit is None:
+            self.flush(lo, hi)
             a, b = self._blocks(lo, hi)
-            buf = aligned_empty(b - a, self.pin)
+            buf = aligned_empty(b - a, self.pin) if not cache else self._buffer(b - a)
             self._wait(self.aio.read(self.file, a, buf), "read", lo, hi)
-            hit = (buf, lo * self.itemsize - a, None)
-            if hi - lo <= self.max_in_cpu:
-                self._insert((lo, hi), hit)
+            hit = [buf, lo * self.itemsize - a, None, True]
+            if cache and self._make_room(hi - lo, used_only=False):
+                self._insert(key, hit)
         elif hit[2] is not None:
             try:
                 self._wait(hit[2], "read", lo, hi)
             except NvmeSwapError:
-                self._drop((lo, hi))
+                self._drop(key)
                 raise
-            hit = self.cache[(lo, hi)] = (hit[0], hit[1], None)
-        if (lo, hi) in self.cache:
-            self.cache.move_to_end((lo, hi))
-        buf, start, _ = hit
+            hit[2] = None
+        if key in self.cache:
+            hit[3] = True
+            self.cache.move_to_end(key)
+        buf, start = hit[0], hit[1]
         return buf[start : start + (hi - lo) * self.itemsize].view(self.dtype)
+
+    def _make_room(self, n: int, used_only: bool) -> bool:
+        """Evict least recently used entries (used ones only, or any) until ``n`` more elements
+        fit within ``max_in_cpu``; whether they fit."""
+        if n > self.max_in_cpu:
+            return False
+        for key in list(self.cache):
+            if self.cached + n <= self.max_in_cpu:
+                break
+            if self.cache[key][3] or not used_only:
+                self._drop(key)
+        return self.cached + n <= self.max_in_cpu
 
     def _insert(self, key: tuple[int, int], entry) -> None:
         self.cache[key] = entry
         self.cached += key[1] - key[0]
-        while self.cached > self.max_in_cpu and len(self.cache) > 1:
-            self._drop(next(iter(self.cache)))
 
     def _drop(self, key: tuple[int, int]) -> None:
-        buf, _, req = self.cache.pop(key)
+        buf, _, req, _ = self.cache.pop(key)
         if req is not None:
             try:
                 req.wait()  # the buffer goes only after its read has finished
             except OSError:
                 pass  # reported by the fetch that needs it, if any
         self.cached -= key[1] - key[0]
+        self._recycle(buf)
 
     # ---- writes --------------------------------------------------------------------------------
     def write(self, lo: int, src: torch.Tensor) -> None:
-        """Elements [lo, lo + src.numel()) take ``src``'s values, on disk, before returning."""
+        """Elements [lo, lo + src.numel()) take ``src``'s values (``src`` may be reused as soon
+        as this returns; the I/O may still be in flight, see the invariants)."""
         hi = lo + src.numel()
         if hi <= lo:
             return
         for key in [k for k in self.cache if k[0] < hi and k[1] > lo]:
             self._drop(key)
+        self.flush(lo, hi)  # two writes of one block in flight could land in either order
         a, b = self._blocks(lo, hi)
-        buf = aligned_empty(b - a, self.pin)
         start, end = lo * self.itemsize - a, hi * self.itemsize - a
-        if start or end != b - a:  # partial first or last block: keep the neighbours' bytes
+        partial = start or end != b - a and hi < self.numel
+        if partial:  # keep the neighbours' bytes of the first and last block
+            self.flush()
+        buf = self._buffer(b - a)
+        if partial:
             self._wait(self.aio.read(self.file, a, buf), "read", lo, hi)
+        else:
+            buf[end:].zero_()  # the file's padding after the shard's last element
         buf[start:end].view(self.dtype).copy_(src.detach().reshape(-1))
-        self._wait(self.aio.write(self.file, a, buf), "write", lo, hi)
+        while len(self.pending) >= MAX_PENDING_WRITES:  # bounded host memory for writes
+            self._finish(self.pending.pop(0))
+        self.pending.append((lo, hi, buf, self.aio.write(self.file, a, buf)))
+
+    def _finish(self, entry) -> None:
+        wlo, whi, buf, req = entry
+        self._wait(req, "write", wlo, whi)
+        self._recycle(buf)
 
     def nbytes(self) -> dict[str, int]:
         return {"host.param_cache": self.cached * self.itemsize}

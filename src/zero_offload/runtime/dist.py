@@ -167,11 +167,6 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def local_world_size() -> int:
-    """Ranks on this node (torchrun's LOCAL_WORLD_SIZE; 1 without a launcher)."""
-    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-
-
 def default_device() -> torch.device:
     """CUDA when available, unless the process group is gloo (CPU collectives) or
     ZERO_OFFLOAD_DEVICE=cpu asks for the CPU."""

@@ -20,6 +20,7 @@ import torch
 from ..config.auto_sizes import resolve_auto_sizes
 from ..config.runtime_keys import DTYPES
 from ..nvme.aio import AioEngine
+from ..nvme.errors import NvmeSwapError
 from ..utils.z3_leaf_module import apply_leaf_config
 from . import dist, guards
 from .backward_scope import ENGINE, PLAIN, BackwardScope, in_backward
@@ -32,6 +33,8 @@ from .grad_shard import GradShard
 from .init_partition import materialize
 from .loss_scaler import build_loss_scaler
 from .memory import expected_bytes
+from .memory_efficient_linear import attach as attach_linear
+from .memory_efficient_linear import detach as detach_linear
 from .module_cast import cast_params_
 from .overflow import OverflowMonitor
 from .param_home import FlatHome
@@ -40,7 +43,7 @@ from .partition_units import move_buffers, unit_ids, unit_layout
 from .placement import Placement, run_name
 from .reducer import Reducer
 from .shard_optimizer import ShardOptimizer, UpdatePolicy
-from .state_build import build_nvme_params, build_states
+from .state_build import build_nvme_params, build_states, preflight
 from .streams import Streams
 from .zero_optimizer import ZeroOptimizer
 
@@ -59,30 +62,45 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         client: torch.optim.Optimizer | None = None,
     ) -> None:
         """``param_groups`` empty: no optimizer (forward only: inference, a frozen reference
-        model); ``client``: a client optimizer to run as itself instead of the built-in Adam."""
+        model); ``client``: a client optimizer to run as itself instead of the built-in Adam.
+
+        The assembly, in order: settings and counters; the module on the device and equal on
+        every rank; the flat groups; the NVMe preflight (before anything is partitioned); the
+        stage-3 param store; per group the grad shard, param home, optimizer state and shard
+        optimizer; the reducer and the fetch schedule; the step's policies."""
         super().__init__()
+        self._read_settings(module, config, lr_scheduler, training_dataloader)
+        self._prepare_module()
+        store_groups = self._build_groups(param_groups)
+        preflight(self.placement, self.groups, store_groups, self.stage >= 1, client, self.device)
+        self._build_store(store_groups)
+        self._build_updates(adamw, client)
+        self._build_reducer()
+        self._build_step_policies()
+        if self.global_rank == 0:
+            self._log_memory()
+
+    def _read_settings(self, module, config, lr_scheduler, training_dataloader) -> None:
+        """What the components are built from; the counters at zero."""
         self.destroyed = False
         guards.take_over(module.parameters())
         # Params that require grad now but are left out of the optimizer on purpose (a subset
         # in model_parameters) are allowed; any other trainable param at a step is an error.
         self._known_params = {id(p) for p in module.parameters() if p.requires_grad}
-        self.module = module
-        self.config = config
+        self.module, self.config = module, config
+        self.lr_scheduler, self.training_dataloader = lr_scheduler, training_dataloader
         self.device = dist.default_device()
         if self.device.type == "cuda":  # streams, events and collectives act on the current one
             torch.cuda.set_device(self.device)
         self.dtype = config.dtype
         accum = config.data_types.grad_accum_dtype  # stages 2/3 only (the config checks)
         self.grad_accum_dtype = DTYPES[accum] if accum is not None else self.dtype
-        self.world_size, self.global_rank, self.local_rank = (
-            dist.world_size(),
-            dist.rank(),
-            dist.local_rank(),
-        )
+        self.world_size, self.global_rank = dist.world_size(), dist.rank()
+        self.local_rank = dist.local_rank()
         resolve_auto_sizes(config, module)  # "auto" bucket sizes from the model's hidden size
         zc = config.zero_optimization
         self.stage = zc.stage
-        self.placement = Placement.from_config(config, self.device, dist.rank(), run_name())
+        self.placement = Placement.from_config(config, self.device, self.global_rank, run_name())
         nvme = self.placement.nvme
         self.aio = AioEngine(nvme.aio) if nvme is not None else None
         self.offload = self.placement.host_update
@@ -94,36 +112,46 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         self.managed_accumulation = bool(config.managed_gradient_accumulation)
         self._in_unmanaged_step = False
         self._unmanaged_backwards = 0
-        self.global_steps = 0
-        self.global_samples = 0
-        self.micro_steps = 0
-        self.skipped_steps = 0
+        self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         self._grad_norm: float | None = None
         self._backward_done = False  # a window-ending (reducing) backward ran in this micro-step
         self._backward_since_step = False
-        self.training_dataloader = training_dataloader
+        self._loss_scaled = False  # engine.scale(loss) was called since the last backward
+        self._bw_last = False  # the running backward ends the accumulation window
+        self._linears: list = []
+        self.param_store: ParamStore | None = None
+        self.fetch_schedule: FetchSchedule | None = None
 
-        partitioned = self.stage == 3
-        if partitioned:  # params are partitioned from wherever they are, one at a time
+    def _prepare_module(self) -> None:
+        """Stages 0-2: params on the device in the training dtype; stage 3: buffers only (params
+        are partitioned from wherever they are, one at a time). Then every rank holds rank 0's
+        weights and the same config."""
+        module = self.module
+        if self.stage == 3:
             move_buffers(module, self.device)
+            apply_leaf_config(module, self.config.zero_optimization.leaf_module)  # before units
         else:
             for p in module.parameters():
                 materialize(p)
             cast_params_(module, self.device, self.dtype)  # buffers keep their own dtype
-        synchronize_start(module, config)  # same config and rank 0's weights before any layout
+        synchronize_start(module, self.config)  # before any layout
         self.streams = Streams(self.device)
-        names = {id(p): n for n, p in module.named_parameters()}
-        order = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
-        n_total = len(order)
         self._executor = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zero-offload-host-update")
             if self.delayed
             else None
         )
-        if partitioned:  # before the units: a leaf module's whole subtree is one unit
-            apply_leaf_config(module, zc.leaf_module)
+
+    def _build_groups(self, param_groups: list[dict]) -> list[FlatGroup] | None:
+        """One flat group per optimizer param group (its ``hyper`` is the caller's dict itself,
+        so a scheduler writing its "lr" reaches the update); stage 3: laid out one bucket per
+        fetch unit, and returns the store's groups (plus one for every other param)."""
+        module, zc, partitioned = self.module, self.config.zero_optimization, self.stage == 3
+        names = {id(p): n for n, p in module.named_parameters()}
+        order = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
+        n_total = len(order)
+        self._flat_positions = {pid: n_total - 1 - i for pid, i in order.items()}
         units = unit_ids(module) if partitioned else None
-        world = self.world_size
 
         def group(gi: int, params: list, hyper: dict) -> FlatGroup:
             params = sorted(params, key=lambda p: order.get(id(p), n_total))
@@ -134,37 +162,44 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
                 hyper,
                 self.dtype,
                 self.device,
-                world,
+                self.world_size,
                 self.global_rank,
                 int(zc.reduce_bucket_size),
-                layout=unit_layout(params, units, world) if partitioned else None,
+                layout=unit_layout(params, units, self.world_size) if partitioned else None,
                 materialize=not partitioned,
             )
 
-        # hyper: the caller's dict itself, so a scheduler writing its "lr" reaches the update
         self.groups = [group(gi, pg["params"], pg) for gi, pg in enumerate(param_groups)]
-        self.param_store: ParamStore | None = None
-        self.fetch_schedule: FetchSchedule | None = None
-        if partitioned:
-            trained = {id(p) for g in self.groups for p in g.params}
-            rest = [
-                p
-                for p in dict.fromkeys(module.parameters())
-                if id(p) not in trained and (p.is_floating_point() or hasattr(p, "_z3_init"))
-            ]
-            store_groups = self.groups + ([group(len(self.groups), rest, {})] if rest else [])
-            self.param_store = ParamStore(
-                store_groups,
-                [g in self.groups for g in store_groups],
-                Stage3Policy.from_config(zc),
-                self.streams,
-                self.device,
-                build_nvme_params(store_groups, self.placement, self.aio, dist.local_world_size()),
-            )
-        self._build_updates(adamw, client)
-        pos = {pid: n_total - 1 - i for pid, i in order.items()}
-        self._loss_scaled = False  # engine.scale(loss) was called since the last backward
-        self._bw_last = False  # the running backward ends the accumulation window
+        if not partitioned:
+            return None
+        trained = {id(p) for g in self.groups for p in g.params}
+        rest = [
+            p
+            for p in dict.fromkeys(module.parameters())
+            if id(p) not in trained and (p.is_floating_point() or hasattr(p, "_z3_init"))
+        ]
+        return self.groups + ([group(len(self.groups), rest, {})] if rest else [])
+
+    def _build_store(self, store_groups: list[FlatGroup] | None) -> None:
+        """Stage 3: every param partitioned into the store (device, host or NVMe shards)."""
+        if store_groups is None:
+            return
+        zc = self.config.zero_optimization
+        if zc.memory_efficient_linear:
+            self._linears = attach_linear(self.module)
+        self.param_store = ParamStore(
+            store_groups,
+            [g in self.groups for g in store_groups],
+            Stage3Policy.from_config(zc),
+            self.streams,
+            self.device,
+            build_nvme_params(self.placement, self.aio),
+        )
+
+    def _build_reducer(self) -> None:
+        """The gradient path (hooks, buckets, collectives) and, at stage 3, the fetch schedule
+        (after the reducer: its hooks read a gradient before a slot is released)."""
+        zc = self.config.zero_optimization
         self.scope = BackwardScope(self._backward_prologue)
         self.reducer = Reducer(
             self.groups,
@@ -173,20 +208,24 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             bool(zc.overlap_comm),
             bool(zc.reduce_scatter),
             self.streams,
-            pos,
+            self._flat_positions,
             self.scope,
             ignore_unused=bool(zc.ignore_unused_parameters),
-            average=config.gradient_allreduce_op == "mean",
+            average=self.config.gradient_allreduce_op == "mean",
         )
-        if partitioned:  # after the reducer: its hooks read a gradient before a slot is released
+        if self.param_store is not None:
             self.fetch_schedule = FetchSchedule(
-                self.param_store, module, self.param_store.policy, self.scope
+                self.param_store, self.module, self.param_store.policy, self.scope
             )
             self.param_store.settle = self.flush_delayed_update
         self.scope.on_end(self._backward_epilogue, lambda: None)  # after the components' ends
         if not self.managed_accumulation:
             for gs in self.grad_shards:
                 gs.ensure_device_accumulator()
+
+    def _build_step_policies(self) -> None:
+        """The optimizer users see, loss scaling, overflow handling, clipping, reporting."""
+        config = self.config
         self.optimizer = ZeroOptimizer(self.groups, self.shard_opts) if self.groups else None
         self.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
         self._overflows = OverflowMonitor(
@@ -195,28 +234,17 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             int(config.max_consecutive_overflows),
             self.global_rank,
         )
-        self.lr_scheduler = lr_scheduler
         self.clip = float(config.gradient_clipping)
         self._t_step = time.perf_counter()
         self.wall_clock = bool(config.wall_clock_breakdown)
         self._times: dict[str, float] = {}
-        if self.global_rank == 0:
-            self._log_memory()
 
     def _build_updates(self, adamw: bool, client: torch.optim.Optimizer | None) -> None:
         """Per trainable group: its grad shard, its param home, its optimizer state (placed by
         ``self.placement``) and the shard optimizer that updates them."""
         zc, place = self.config.zero_optimization, self.placement
         sharded, partitioned = self.stage >= 1, self.stage == 3
-        if client is not None and place.optimizer == "nvme":
-            raise ValueError(
-                f"a client optimizer ({type(client).__name__}) keeps its own state in memory; "
-                'zero_optimization.offload_optimizer.device "nvme" streams the built-in '
-                'Adam(W) state only: use "cpu", or an "optimizer" config block'
-            )
-        states = build_states(
-            self.groups, sharded, place, self.aio, dist.local_world_size(), client is None
-        )
+        states = build_states(self.groups, sharded, place, self.aio, client is None)
         policy = UpdatePolicy(sharded, adamw, place)
         self.grad_shards, self.shard_opts = [], []
         for gi, (g, state) in enumerate(zip(self.groups, states)):
@@ -397,8 +425,11 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             factor = 1.0 / combined
             guards.check_hyperparameters(self.optimizer.param_groups, self.global_steps)
             delayed = self.delayed and self.global_steps >= self.delayed_after
-            for so in self.shard_opts:
-                so.launch(factor) if delayed else so.step(factor)
+            if self.placement.optimizer == "nvme":
+                self._nvme_step(factor)
+            else:
+                for so in self.shard_opts:
+                    so.launch(factor) if delayed else so.step(factor)
             if self.lr_scheduler is not None:
                 self.optimizer._opt_called = True  # torch's schedulers check the optimizer stepped
                 self.lr_scheduler.step()
@@ -415,6 +446,36 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             and (not every or self.global_steps % every == 0)
         ):
             self._log_wall_clock()
+
+    def _nvme_step(self, factor: float) -> None:
+        """Every group's update written, then committed only if every group on every rank
+        succeeded (one flag all-reduced); otherwise every rank rolls every group back to the
+        last committed step and raises: the master weights and moments never hold a partial
+        step, and the ranks never disagree on which step they hold."""
+        started, error = [], None
+        for so in self.shard_opts:
+            started.append(so)
+            try:
+                so.stage(factor)
+            except Exception as e:
+                error = e
+                break
+        failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(failed)
+        if not int(failed.item()):
+            for so in self.shard_opts:
+                so.commit()
+            return
+        for so in started:
+            so.abort()
+        if error is not None:
+            raise error
+        raise NvmeSwapError(
+            f"the NVMe update failed on {int(failed.item())} other rank(s) at step "
+            f"{self.global_steps + 1} (their error names the file); every rank kept the last "
+            "committed step"
+        )
 
     def flush_delayed_update(self) -> None:
         """With the delayed update: apply the pending host update now (before eval or saving)."""
@@ -612,6 +673,9 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         self._discard_swap_files()
+        if self.aio is not None:
+            self.aio.close()
+        detach_linear(self._linears)
         for g in self.groups:
             for p in g.params:
                 if hasattr(p, "_zero_offload"):

@@ -43,6 +43,10 @@ class ParamHome(Protocol):
         """Before the update writes: nothing may still be reading the values it replaces."""
         ...
 
+    def flush(self) -> None:
+        """Every write so far has landed (a swap file's writes may still be in flight)."""
+        ...
+
     def publish(self) -> None: ...
 
 
@@ -87,6 +91,9 @@ class FlatHome:
 
     def prepare_write(self) -> None:
         """The flat buffer's own slices are only read by compute, which the uploads wait for."""
+
+    def flush(self) -> None:
+        """Writes into the flat buffer are copies: nothing is in flight."""
 
     def publish(self) -> None:
         """Rebuild every bucket of the flat buffer from all ranks' updated slices, in place."""

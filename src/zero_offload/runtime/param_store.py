@@ -297,10 +297,11 @@ class ParamStore:
             self.release(i, force=True)
 
     # ---- the param shards, wherever they live --------------------------------------------------
-    def shard_read(self, gi: int, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of group ``gi``'s param shard: a view, or read from NVMe."""
+    def shard_read(self, gi: int, lo: int, hi: int, cache: bool = True) -> torch.Tensor:
+        """Elements [lo, hi) of group ``gi``'s param shard: a view, or read from NVMe (kept in
+        its cache for the fetches, unless ``cache`` is false)."""
         shard = self.shards[gi]
-        return shard[lo:hi] if shard is not None else self.swapped[gi].read(lo, hi)
+        return shard[lo:hi] if shard is not None else self.swapped[gi].read(lo, hi, cache)
 
     def shard_write(self, gi: int, lo: int, src: torch.Tensor, non_blocking: bool = False) -> None:
         """Elements [lo, lo + src.numel()) of group ``gi``'s param shard take ``src``."""
@@ -402,8 +403,15 @@ class ParamStore:
         (its even chunk as ``ds_tensor``), so the model stays partitioned without the store and a
         later engine lays it out again. A collective (one slot gathered at a time)."""
         self.quiesce()
-        where = self.device if self.shards and self.shards[0] is None else None
-        where = where or (self.shards[0].device if self.shards else self.device)
+        # the chunks stay where the shards were: host memory for shards on NVMe
+        on_nvme = bool(self.shards) and self.shards[0] is None
+        where = (
+            torch.device("cpu")
+            if on_nvme
+            else self.shards[0].device
+            if self.shards
+            else self.device
+        )
         for slot in self.slots:
             self.wait(slot.index)
             for p, (off, n, shape) in zip(slot.params, slot.views):
@@ -482,7 +490,7 @@ class ShardHome:
         self.on_host = store.policy.offload_param and not self.on_nvme
 
     def read(self, lo: int, hi: int) -> torch.Tensor:
-        return self.store.shard_read(self.gi, lo, hi)
+        return self.store.shard_read(self.gi, lo, hi, cache=False)  # the master's copy
 
     def write(self, lo: int, src: torch.Tensor, non_blocking: bool = False) -> None:
         self.store.shard_write(self.gi, lo, src, non_blocking)
@@ -492,6 +500,11 @@ class ShardHome:
 
     def prepare_write(self) -> None:
         self.store.quiesce()
+
+    def flush(self) -> None:
+        nv = self.store.swapped.get(self.gi)
+        if nv is not None:
+            nv.flush()
 
     def publish(self) -> None:
         st = self.store.streams

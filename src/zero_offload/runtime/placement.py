@@ -18,6 +18,8 @@ is the one question the gradient path asks.
 from __future__ import annotations
 
 import os
+import socket
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -59,7 +61,9 @@ class NvmePolicy:
 class Placement:
     optimizer: Where = "device"
     params: Where = "device"
-    pin: bool = False  # page-locked host buffers (CUDA only)
+    pin: bool = (
+        False  # page-locked optimizer-side host buffers (CUDA, offload_optimizer.pin_memory)
+    )
     chunk: int = MAX_CHUNK  # host-update chunk, elements
     threads: int | None = None  # host kernel threads (None: one per core)
     nvme: NvmePolicy | None = None
@@ -78,10 +82,7 @@ class Placement:
         optimizer = _FROM_CONFIG[zc.offload_device]
         params = _FROM_CONFIG[zc.offload_param_device]
         cuda = device.type == "cuda"
-        pin = cuda and (
-            (oc is not None and optimizer != "device" and bool(oc.pin_memory))
-            or (pc is not None and params != "device" and bool(pc.pin_memory))
-        )
+        pin = cuda and oc is not None and optimizer != "device" and bool(oc.pin_memory)
         nvme = None
         if "nvme" in (optimizer, params):
 
@@ -117,9 +118,7 @@ class Placement:
 
 
 def run_name() -> str:
-    """A swap-folder name unique to this process and engine."""
-    run_name.counter += 1
-    return f"pid{os.getpid()}-e{run_name.counter}"
-
-
-run_name.counter = 0
+    """A swap-folder name unique to this engine: the host, the process and a random part, so
+    two jobs sharing an ``nvme_path`` (containers with equal pids, a shared mount) never
+    write or remove each other's files."""
+    return f"{socket.gethostname()}-pid{os.getpid()}-{uuid.uuid4().hex[:12]}"

@@ -72,7 +72,7 @@ class ShardOptimizer:
         # Chunks: contiguous ranges of the shard index space, the host update's unit of work
         # (an NVMe state's record); the param home maps one onto the segments it covers.
         self.chunks = [(lo, min(lo + place.chunk, numel)) for lo in range(0, numel, place.chunk)]
-        self.master_from_params()
+        self.master_from_params(initial=True)
         self.client = ClientUpdate(client, group.hyper, state.master) if client else None
         self.step_count = 0
         # 16-bit staging for the trip up; fp32 training uploads straight from the master. A host
@@ -112,17 +112,17 @@ class ShardOptimizer:
     def exp_avg_sq(self) -> torch.Tensor:
         return self.state.exp_avg_sq
 
-    def master_from_params(self) -> None:
-        """The master becomes the param home's 16-bit values (padding: zero)."""
+    def master_from_params(self, initial: bool = False) -> None:
+        """The master becomes the param home's 16-bit values (padding: zero); the moments are
+        kept (``initial``: an NVMe state's files are written whole, moments zero)."""
 
         def fill(lo: int, hi: int, out: torch.Tensor) -> None:
             out.copy_(self.home.read(lo, hi))
 
-        if self.nvme:
+        if self.nvme and initial:
             self.state.fill(fill)
         else:
-            for lo, hi in self.chunks:
-                fill(lo, hi, self.state.master[lo:hi])
+            self.state.update(self.chunks, lambda lo, hi, v: fill(lo, hi, v["master"]))
 
     def params_from_master(self) -> None:
         """The param home becomes the master's cast, as after a step (checkpoint load)."""
@@ -159,6 +159,27 @@ class ShardOptimizer:
             self.step_count -= 1  # nothing committed (an NVMe state keeps its last step)
             raise
         self.home.publish()
+
+    # ---- the NVMe step: every group and every rank, or nothing ----------------------------------
+    def stage(self, factor: float) -> None:
+        """NVMe state: this step's update written, not committed, not published (no collective
+        here, so a rank that fails does not leave others waiting); then ``commit`` or
+        ``abort``, as the engine decides for every group of every rank."""
+        self.flush()
+        self.home.prepare_write()
+        self.step_count += 1
+        self._host_pass(self.grads.host_grad(), factor, self._hyper(), upload=True, commit=False)
+
+    def commit(self) -> None:
+        self.state.commit()
+        self.home.publish()
+
+    def abort(self) -> None:
+        """Back to the last committed step: the state forgets the written versions and the 16-bit
+        params (some chunks were already uploaded) are the committed master's cast again."""
+        self.step_count -= 1
+        self.state.discard()
+        self.params_from_master()
 
     def _client_step(self, factor: float) -> None:
         assert self.client is not None
@@ -238,7 +259,9 @@ class ShardOptimizer:
             self.home.write(s.shard_start, v)
 
     # ---- host placement ------------------------------------------------------------------------
-    def _host_pass(self, grad: torch.Tensor, factor: float, h: dict, upload: bool) -> None:
+    def _host_pass(
+        self, grad: torch.Tensor, factor: float, h: dict, upload: bool, commit: bool = True
+    ) -> None:
         bc = bool(self.group.hyper.get("bias_correction", True))
         if self._uploaded is not None:  # the previous async uploads still read staging
             self._uploaded.synchronize()
@@ -268,7 +291,10 @@ class ShardOptimizer:
                     # fp32 uploads read the NVMe record buffer, which the next read reuses
                     self.streams.h2d.synchronize()
 
-        self.state.update(self.chunks, body)
+        # An NVMe param home's writes must land before the state commits: a failed write is
+        # then a failed step (nothing committed), not params that disagree with the master.
+        flush = self.home.flush if upload else None
+        self.state.update(self.chunks, body, before_commit=flush, commit=commit)
         if upload:
             self._uploaded = self.streams.record(self.streams.h2d)
 

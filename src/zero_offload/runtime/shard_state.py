@@ -7,7 +7,8 @@ fragment accessors do not care which:
 - ``update(chunks, body, write=True)``: run ``body(lo, hi, views)`` over every chunk ``[lo, hi)``
   of the shard index space, ``views`` mapping each kind to that chunk's fp32 tensor, updated in
   place; the new values are the state once ``update`` returns (an NVMe state commits them all at
-  once). ``write=False`` promises ``body`` only reads;
+  once). ``write=False`` promises ``body`` only reads; ``before_commit`` runs after the last
+  chunk, before an NVMe state commits (the param home's own writes land there);
 - ``read(kind, lo, hi)``: elements ``[lo, hi)`` of ``kind`` (a view for tensors in memory);
 - ``write(kind, lo, src)``: overwrite elements ``[lo, lo + len(src))`` of ``kind``.
 """
@@ -29,7 +30,14 @@ class ShardState(Protocol):
     numel: int
     where: str  # "device", "host" or "nvme": the prefix of its memory report
 
-    def update(self, chunks: list[Chunk], body: Body, write: bool = True) -> None: ...
+    def update(
+        self,
+        chunks: list[Chunk],
+        body: Body,
+        write: bool = True,
+        before_commit: Callable[[], None] | None = None,
+        commit: bool = True,
+    ) -> None: ...
 
     def read(self, kind: str, lo: int, hi: int) -> torch.Tensor: ...
 
@@ -52,9 +60,19 @@ class MemoryState:
     def tensor(self, kind: str) -> torch.Tensor:
         return getattr(self, kind)
 
-    def update(self, chunks: list[Chunk], body: Body, write: bool = True) -> None:
+    def update(
+        self,
+        chunks: list[Chunk],
+        body: Body,
+        write: bool = True,
+        before_commit: Callable[[], None] | None = None,
+        commit: bool = True,
+    ) -> None:
+        """In place: ``commit`` has no meaning for tensors (an update is committed as it runs)."""
         for lo, hi in chunks:
             body(lo, hi, {k: self.tensor(k)[lo:hi] for k in KINDS})
+        if before_commit is not None:
+            before_commit()
 
     def read(self, kind: str, lo: int, hi: int) -> torch.Tensor:
         return self.tensor(kind)[lo:hi]

@@ -10,6 +10,7 @@ from ..nvme.aio import AioEngine
 from ..nvme.optimizer_state import NvmeOptimizerState
 from ..nvme.param_shard import NvmeParams
 from ..nvme.preflight import check_nvme_path
+from . import dist
 from .flat_group import FlatGroup
 from .placement import CHUNK_ALIGN, Placement
 from .shard_state import MemoryState, ShardState
@@ -35,12 +36,9 @@ def build_states(
     sharded: bool,
     placement: Placement,
     aio: AioEngine | None,
-    local_world: int,
     moments: bool,
 ) -> list[ShardState]:
-    """One empty state per group. NVMe: the rank's folder is checked for room for every rank
-    of this node (they usually share the disk) and the files are preallocated, so a full disk
-    is an error at start-up, naming the path, not in the middle of a step."""
+    """One empty state per group (NVMe: preallocated swap files; ``preflight`` ran first)."""
     numels = [g.shard_numel(sharded) for g in groups]
     if not groups:  # no optimizer: forward only
         return []
@@ -49,13 +47,9 @@ def build_states(
         device = torch.device("cpu") if placement.host_update else groups[0].device
         return [MemoryState(n, device, where, moments) for n in numels]
     assert placement.nvme is not None and placement.nvme.optimizer_dir is not None and aio
-    folder = placement.nvme.optimizer_dir
-    need = sum(nvme_state_bytes(n, _state_chunk(n, placement.chunk)) for n in numels)
-    need *= local_world
-    check_nvme_path(OPTIMIZER_PATH_KEY, folder.parents[3], need)  # <nvme_path>
-    states = [
+    return [
         NvmeOptimizerState(
-            folder,
+            placement.nvme.optimizer_dir,
             f"group{g.index}",
             n,
             _state_chunk(n, placement.chunk),
@@ -65,30 +59,80 @@ def build_states(
         )
         for g, n in zip(groups, numels)
     ]
-    return states
 
 
-def build_nvme_params(
-    groups: list[FlatGroup], placement: Placement, aio: AioEngine | None, local_world: int
-) -> NvmeParams | None:
-    """Stage 3 with ``offload_param`` "nvme": the folder checked for room (every rank of the
-    node), and ``buffer_size`` checked against the largest fetch unit, whose slice one read
-    buffer must hold (DeepSpeed's rule: the largest param)."""
+def build_nvme_params(placement: Placement, aio: AioEngine | None) -> NvmeParams | None:
+    """Stage 3 with ``offload_param`` "nvme": where the store's swap files go."""
     if placement.params != "nvme":
         return None
     nv = placement.nvme
     assert nv is not None and nv.param_dir is not None and aio is not None
-    need = sum(g.layout.shard_numel * g.dtype.itemsize + 4096 for g in groups) * local_world
-    check_nvme_path(PARAM_PATH_KEY, nv.param_dir.parents[3], need)  # <nvme_path>
+    return NvmeParams(nv.param_dir, aio, nv.max_in_cpu, nv.param_buffer_count)
+
+
+def preflight(
+    placement: Placement,
+    groups: list[FlatGroup],
+    store_groups: list[FlatGroup] | None,
+    sharded: bool,
+    client: object | None,
+    device: torch.device,
+) -> None:
+    """Every NVMe setting checked before anything is partitioned or written (a stage-3 model
+    whose params went to swap files could not be handed back), on every rank at once: if any
+    rank fails, every rank raises (none waits in a collective alone).
+
+    Free space: this rank's files (the preallocation reserves them; ranks sharing the disk
+    each check their own, so a check never counts another rank's files twice)."""
+    error: Exception | None = None
+    try:
+        _check(placement, groups, store_groups, sharded, client)
+    except (ConfigError, ValueError) as e:
+        error = e
+    if dist.world_size() > 1:
+        failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
+        dist.all_reduce(failed)
+        if error is None and int(failed.item()):
+            raise ConfigError(
+                f"NVMe offload set-up failed on {int(failed.item())} other rank(s) (their error "
+                "names the key and path); nothing was partitioned or written"
+            )
+    if error is not None:
+        raise error
+
+
+def _check(placement, groups, store_groups, sharded, client) -> None:
+    nv = placement.nvme
+    if nv is None:
+        return
+    if client is not None and placement.optimizer == "nvme":
+        raise ValueError(
+            f"a client optimizer ({type(client).__name__}) keeps its own state in memory; "
+            'zero_optimization.offload_optimizer.device "nvme" streams the built-in '
+            'Adam(W) state only: use "cpu", or an "optimizer" config block'
+        )
+    if placement.optimizer == "nvme" and groups:
+        assert nv.optimizer_dir is not None
+        numels = [g.shard_numel(sharded) for g in groups]
+        need = sum(nvme_state_bytes(n, _state_chunk(n, placement.chunk)) for n in numels)
+        check_nvme_path(OPTIMIZER_PATH_KEY, nv.optimizer_dir.parents[3], need)  # <nvme_path>
+    if placement.params == "nvme" and store_groups:
+        assert nv.param_dir is not None
+        need = sum(g.layout.shard_numel * g.dtype.itemsize + 4096 for g in store_groups)
+        check_nvme_path(PARAM_PATH_KEY, nv.param_dir.parents[3], need)
+        _check_buffer_size(nv.param_buffer_size, store_groups)
+
+
+def _check_buffer_size(buffer_size: int, groups: list[FlatGroup]) -> None:
+    """DeepSpeed's rule: one read buffer holds the largest param's partition."""
+    world = groups[0].layout.world_size
     largest, name = 0, ""
     for g in groups:
-        for b in g.layout.buckets:
-            if b.slice_numel > largest:
-                largest, name = b.slice_numel, g.names[b.params[0]] if b.params else ""
-    if largest > nv.param_buffer_size:
+        for n, numel in zip(g.names, g.layout.numels):
+            if -(-numel // world) > largest:
+                largest, name = -(-numel // world), n
+    if largest > buffer_size:
         raise ConfigError(
-            f"{BUFFER_SIZE_KEY}: {nv.param_buffer_size} elements is smaller than this rank's "
-            f"slice of the largest fetch unit ({largest} elements, the module holding "
-            f"{name!r}); set it to at least {largest}"
+            f"{BUFFER_SIZE_KEY}: {buffer_size} elements is smaller than the partition of the "
+            f"largest param ({name!r}: {largest} elements per rank); set it to at least {largest}"
         )
-    return NvmeParams(nv.param_dir, aio, nv.max_in_cpu, nv.param_buffer_count)

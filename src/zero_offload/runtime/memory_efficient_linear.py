@@ -1,0 +1,74 @@
+"""Stage 3: ``nn.Linear`` layers whose backward does not keep the gathered weight alive.
+
+Autograd's own linear saves ``weight.t()``, a view of the gathered bucket: the bucket then stays
+in memory from the forward to the layer's backward, whatever the store released, so the end of
+a forward holds every gathered weight (2 bytes/param in 16-bit training: the whole model). The
+function here saves the weight *parameter* instead (a leaf: autograd keeps the tensor object,
+not its storage), so a released slot's memory is freed at once, and the backward reads the
+parameter as gathered again by the fetch schedule (or gathers it itself for a read from outside
+the module that owns it, as DeepSpeed's ``LinearFunctionForZeroStage3`` does).
+
+DeepSpeed's ``zero_optimization.memory_efficient_linear`` (default true) turns it on; the engine
+swaps the ``forward`` of each ``nn.Linear`` instance (``attach``) and restores it (``detach``).
+Under autocast the layer runs its own forward (the saving is skipped, the values are the same).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+from .status import ZeroParamStatus
+
+
+class Zero3Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight, bias):  # noqa: A002 (torch's name)
+        ctx.save_for_backward(input, weight, bias)
+        return F.linear(input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        input, weight, bias = ctx.saved_tensors  # noqa: A001
+        store = getattr(weight, "_z3_store", None)
+        gathered_here = None
+        if store is not None and weight.ds_status is ZeroParamStatus.NOT_AVAILABLE:
+            gathered_here = weight._z3_slot
+            store().fetch([gathered_here])
+        try:
+            grad_input = grad_weight = grad_bias = None
+            if ctx.needs_input_grad[0]:
+                grad_input = grad.matmul(weight)
+            if ctx.needs_input_grad[1]:
+                g2 = grad.reshape(-1, grad.shape[-1])
+                grad_weight = g2.t().matmul(input.reshape(-1, input.shape[-1]))
+            if bias is not None and ctx.needs_input_grad[2]:
+                grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+            return grad_input, grad_weight, grad_bias
+        finally:
+            if gathered_here is not None:
+                store().release(gathered_here)
+
+
+def _forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+    if torch.is_autocast_enabled(input.device.type) or input.dim() == 0:
+        return F.linear(input, self.weight, self.bias)
+    return Zero3Linear.apply(input, self.weight, self.bias)
+
+
+def attach(module: torch.nn.Module) -> list[torch.nn.Linear]:
+    """Every ``nn.Linear`` of ``module`` (exactly that class: a subclass may compute otherwise)
+    runs through :class:`Zero3Linear`; returns them for :func:`detach`."""
+    out = []
+    for m in module.modules():
+        if type(m) is torch.nn.Linear and "forward" not in m.__dict__:
+            m.forward = types.MethodType(_forward, m)
+            out.append(m)
+    return out
+
+
+def detach(layers: list[torch.nn.Linear]) -> None:
+    for m in layers:
+        m.__dict__.pop("forward", None)
