@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -32,18 +31,9 @@ from pathlib import Path
 
 import torch
 
+from zero_offload.kernels.bench import _cpu_name as cpu_name
+
 GIB = 2**30
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def filesystem(path: Path) -> str:
