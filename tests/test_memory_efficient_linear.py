@@ -87,3 +87,20 @@ def test_destroy_restores_linear_forward(efficient):
     engine.destroy()
     assert swapped == efficient
     assert "forward" not in model.head.__dict__
+
+
+def test_attached_linear_pickles_and_copies():
+    import pickle
+
+    from zero_offload.runtime.memory_efficient_linear import attach, detach
+
+    layer = torch.nn.Linear(4, 3)
+    assert attach(layer) == [layer]
+    for clone in (pickle.loads(pickle.dumps(layer)), copy.deepcopy(layer)):
+        assert clone.forward.layer is clone  # the copy runs through its own weight
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(
+            clone(x), torch.nn.functional.linear(x, clone.weight, clone.bias)
+        )
+    detach([layer])
+    assert "forward" not in layer.__dict__

@@ -206,28 +206,57 @@ def _params(engine) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _one_rank_fails(root: str) -> dict:
-    """Rank 1's write fails in the middle of a step: both ranks raise and keep the last step."""
+def _two_group_engine(path: Path):
+    """Stage 2, GAS 2, two param groups (decay and no decay), optimizer on NVMe."""
+    import zero_offload
+
+    path.mkdir(parents=True, exist_ok=True)
+    model = make_model()
+    cfg = engine_config(
+        stage=2, offload="nvme", gas=2, micro=1, clip=0.05, overlap=False, nvme_path=str(path)
+    )
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() > 1]
+    rest = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() <= 1]
+    groups = [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
+    engine, *_ = zero_offload.initialize(model=model, model_parameters=groups, config=cfg)
+    return engine
+
+
+def _one_rank_fails(root: str) -> list:
+    """Rank 1's write fails in group 0 of a step: both ranks raise (no rank waits in a
+    collective), keep the last step, and a retry of the same batch then equals a run that
+    never failed."""
     from zero_offload.runtime import dist
 
-    root_path = Path(root)
-    engine = _engine(root_path / f"swap{dist.rank()}", stage=2)
-    data = batches(3, 2, 1, 2)
+    rank, data = dist.rank(), batches(4, 2, 2, 1)
+    clean = _two_group_engine(Path(root) / f"clean{rank}")
+    for i in range(4):
+        global_step(clean, *data[i], world=2, rank=rank)
+    want = _master(clean)
+    clean.destroy()
+
+    engine = _two_group_engine(Path(root) / f"swap{rank}")
     for i in range(2):
-        global_step(engine, *data[i], world=2, rank=dist.rank())
+        global_step(engine, *data[i], world=2, rank=rank)
     before = _master(engine)
-    if dist.rank() == 1:
+    real = engine.aio.write
+    if rank == 1:
         engine.aio.write = lambda *a: _Failing(errno.EIO)
     try:
-        global_step(engine, *data[2], world=2, rank=dist.rank())
+        global_step(engine, *data[2], world=2, rank=rank)
         raised = None
     except NvmeSwapError as e:
         raised = str(e)
+    engine.aio.write = real
     out = {
         "raised": raised,
         "kept": torch.equal(_master(engine), before),
         "params": torch.equal(_params(engine), before),
+        "steps": [so.step_count for so in engine.shard_opts],
     }
+    for i in (2, 3):  # the retry
+        global_step(engine, *data[i], world=2, rank=rank)
+    out["retry_equal"] = torch.equal(_master(engine), want)
     engine.destroy()
     both = [None, None]
     torch.distributed.all_gather_object(both, out)
@@ -235,9 +264,11 @@ def _one_rank_fails(root: str) -> dict:
 
 
 def test_failure_on_one_rank_rolls_back_every_rank(tmp_path):
-    results = run_ranks(2, _one_rank_fails, str(tmp_path))
+    results = run_ranks(2, _one_rank_fails, str(tmp_path), timeout=300)
     assert "other rank" in results[0]["raised"] and "failed" in results[1]["raised"], results
     assert all(r["kept"] and r["params"] for r in results), results
+    assert all(r["steps"] == [2, 2] for r in results), results
+    assert all(r["retry_equal"] for r in results), results
 
 
 def _master(engine) -> torch.Tensor:

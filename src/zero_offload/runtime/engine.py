@@ -398,7 +398,13 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         elif self.is_gradient_accumulation_boundary():
             guards.check_trained(self.module, self._known_params)
             with self._timed("step"):
-                self._take_step()
+                try:
+                    self._take_step()
+                except NvmeSwapError:  # rolled back: the micro-step is spent, a new window next
+                    self.micro_steps += 1
+                    self.global_samples += samples
+                    self._window_start, self._window_steps = self.micro_steps, self.global_steps
+                    raise
         self.micro_steps += 1
         self.global_samples += samples
 
@@ -452,9 +458,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         succeeded (one flag all-reduced); otherwise every rank rolls every group back to the
         last committed step and raises: the master weights and moments never hold a partial
         step, and the ranks never disagree on which step they hold."""
-        started, error = [], None
+        error = None
         for so in self.shard_opts:
-            started.append(so)
             try:
                 so.stage(factor)
             except Exception as e:
@@ -467,15 +472,31 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             for so in self.shard_opts:
                 so.commit()
             return
-        for so in started:
-            so.abort()
-        if error is not None:
-            raise error
-        raise NvmeSwapError(
-            f"the NVMe update failed on {int(failed.item())} other rank(s) at step "
-            f"{self.global_steps + 1} (their error names the file); every rank kept the last "
-            "committed step"
-        )
+        for so in self.shard_opts:  # every group on every rank: no collective from here on
+            so.discard()
+        rollback = None
+        for so in self.shard_opts:
+            try:
+                so.restore_params()
+            except Exception as e:  # the disk may still be failing: restore what can be
+                rollback = rollback or e
+        self.zero_grad()  # the window's gradients are spent: a retry starts a new window
+        if error is not None and not isinstance(error, NvmeSwapError):
+            wrapped = NvmeSwapError(
+                f"the NVMe update failed ({type(error).__name__}: {error}); every rank kept the "
+                "last committed step"
+            )
+            wrapped.__cause__ = error
+            error = wrapped
+        if error is None:
+            error = NvmeSwapError(
+                f"the NVMe update failed on {int(failed.item())} other rank(s) at step "
+                f"{self.global_steps + 1} (their error names the file); every rank kept the "
+                "last committed step"
+            )
+        if rollback is not None:
+            error.add_note(f"restoring the params from the committed master failed too: {rollback}")
+        raise error
 
     def flush_delayed_update(self) -> None:
         """With the delayed update: apply the pending host update now (before eval or saving)."""

@@ -15,8 +15,6 @@ Under autocast the layer runs its own forward (the saving is skipped, the values
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn.functional as F
 
@@ -52,23 +50,34 @@ class Zero3Linear(torch.autograd.Function):
                 store().release(gathered_here)
 
 
-def _forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
-    if torch.is_autocast_enabled(input.device.type) or input.dim() == 0:
-        return F.linear(input, self.weight, self.bias)
-    return Zero3Linear.apply(input, self.weight, self.bias)
+class _Zero3Forward:
+    """The ``forward`` the engine gives one ``nn.Linear`` instance: picklable and copyable with
+    its module (a plain bound function is not), and recognised by ``detach``."""
+
+    def __init__(self, layer: torch.nn.Linear) -> None:
+        self.layer = layer
+
+    def __call__(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
+        m = self.layer
+        if torch.is_autocast_enabled(input.device.type) or input.dim() == 0:
+            return F.linear(input, m.weight, m.bias)
+        return Zero3Linear.apply(input, m.weight, m.bias)
 
 
 def attach(module: torch.nn.Module) -> list[torch.nn.Linear]:
-    """Every ``nn.Linear`` of ``module`` (exactly that class: a subclass may compute otherwise)
-    runs through :class:`Zero3Linear`; returns them for :func:`detach`."""
+    """Every ``nn.Linear`` of ``module`` (exactly that class: a subclass may compute otherwise;
+    an instance whose forward was already replaced keeps it) runs through
+    :class:`Zero3Linear`; returns them for :func:`detach`."""
     out = []
     for m in module.modules():
         if type(m) is torch.nn.Linear and "forward" not in m.__dict__:
-            m.forward = types.MethodType(_forward, m)
+            m.forward = _Zero3Forward(m)
             out.append(m)
     return out
 
 
 def detach(layers: list[torch.nn.Linear]) -> None:
+    """Undo :func:`attach` (a forward someone else installed since is left alone)."""
     for m in layers:
-        m.__dict__.pop("forward", None)
+        if isinstance(m.__dict__.get("forward"), _Zero3Forward):
+            del m.__dict__["forward"]

@@ -75,6 +75,7 @@ class ShardOptimizer:
         self.master_from_params(initial=True)
         self.client = ClientUpdate(client, group.hyper, state.master) if client else None
         self.step_count = 0
+        self._pending_commit = False  # an NVMe update is written and waits for commit or discard
         # 16-bit staging for the trip up; fp32 training uploads straight from the master. A host
         # home is written in place by the kernel, except with the delayed update: the next
         # forward gathers from the home while the worker computes, so the worker writes a
@@ -164,22 +165,40 @@ class ShardOptimizer:
     def stage(self, factor: float) -> None:
         """NVMe state: this step's update written, not committed, not published (no collective
         here, so a rank that fails does not leave others waiting); then ``commit`` or
-        ``abort``, as the engine decides for every group of every rank."""
+        ``discard`` + ``restore_params``, as the engine decides for every group of every rank."""
         self.flush()
         self.home.prepare_write()
         self.step_count += 1
-        self._host_pass(self.grads.host_grad(), factor, self._hyper(), upload=True, commit=False)
+        self._pending_commit = True
+        try:
+            self._host_pass(
+                self.grads.host_grad(), factor, self._hyper(), upload=True, commit=False
+            )
+        finally:
+            if self.streams.cuda:  # the uploads already queued land before anything else
+                self.streams.h2d.synchronize()
 
     def commit(self) -> None:
         self.state.commit()
+        self._pending_commit = False
         self.home.publish()
 
-    def abort(self) -> None:
-        """Back to the last committed step: the state forgets the written versions and the 16-bit
-        params (some chunks were already uploaded) are the committed master's cast again."""
-        self.step_count -= 1
-        self.state.discard()
-        self.params_from_master()
+    def discard(self) -> None:
+        """Forget a staged update (none staged: nothing to do): the state and the step count are
+        the last committed step's. The params may still hold some of its chunks."""
+        if self._pending_commit:
+            self.state.discard()
+            self.step_count -= 1
+            self._pending_commit = False
+
+    def restore_params(self) -> None:
+        """This rank's own 16-bit slices become the committed master's cast again (some chunks
+        of a discarded update were already uploaded). Local: nothing was gathered since, so the
+        other ranks' slices and every gathered copy still hold the committed values."""
+        self.state.update(
+            self.chunks, lambda lo, hi, v: self.home.write(lo, v["master"]), write=False
+        )
+        self.home.flush()
 
     def _client_step(self, factor: float) -> None:
         assert self.client is not None

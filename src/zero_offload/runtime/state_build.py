@@ -3,6 +3,9 @@ memory, or swap files on NVMe (checked for room and preallocated before the firs
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 
 from ..config.errors import ConfigError
@@ -80,14 +83,11 @@ def preflight(
 ) -> None:
     """Every NVMe setting checked before anything is partitioned or written (a stage-3 model
     whose params went to swap files could not be handed back), on every rank at once: if any
-    rank fails, every rank raises (none waits in a collective alone).
-
-    Free space: this rank's files (the preallocation reserves them; ranks sharing the disk
-    each check their own, so a check never counts another rank's files twice)."""
+    rank fails, every rank raises (none waits in a collective alone)."""
     error: Exception | None = None
     try:
         _check(placement, groups, store_groups, sharded, client)
-    except (ConfigError, ValueError) as e:
+    except Exception as e:  # any failure: this rank must still take part in the agreement
         error = e
     if dist.world_size() > 1:
         failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
@@ -111,16 +111,32 @@ def _check(placement, groups, store_groups, sharded, client) -> None:
             'zero_optimization.offload_optimizer.device "nvme" streams the built-in '
             'Adam(W) state only: use "cpu", or an "optimizer" config block'
         )
+    needs: list[tuple[str, Path, int]] = []  # (key, nvme_path, bytes of this rank's files)
     if placement.optimizer == "nvme" and groups:
         assert nv.optimizer_dir is not None
         numels = [g.shard_numel(sharded) for g in groups]
         need = sum(nvme_state_bytes(n, _state_chunk(n, placement.chunk)) for n in numels)
-        check_nvme_path(OPTIMIZER_PATH_KEY, nv.optimizer_dir.parents[3], need)  # <nvme_path>
+        needs.append((OPTIMIZER_PATH_KEY, nv.optimizer_dir.parents[3], need))  # <nvme_path>
     if placement.params == "nvme" and store_groups:
         assert nv.param_dir is not None
         need = sum(g.layout.shard_numel * g.dtype.itemsize + 4096 for g in store_groups)
-        check_nvme_path(PARAM_PATH_KEY, nv.param_dir.parents[3], need)
+        needs.append((PARAM_PATH_KEY, nv.param_dir.parents[3], need))
         _check_buffer_size(nv.param_buffer_size, store_groups)
+    # Every rank of this node checks before any rank preallocates (the agreement below is the
+    # barrier), so each counts the node's ranks (they usually share the drive) and both kinds
+    # of files when their paths are on one filesystem: conservative, never racy.
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    for key, path, _ in needs:
+        dev = _device_of(path)
+        total = sum(n for _, p, n in needs if dev is not None and _device_of(p) == dev)
+        check_nvme_path(key, path, (total or dict((k, n) for k, _, n in needs)[key]) * local)
+
+
+def _device_of(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_dev
+    except OSError:
+        return None  # check_nvme_path names the problem
 
 
 def _check_buffer_size(buffer_size: int, groups: list[FlatGroup]) -> None:
