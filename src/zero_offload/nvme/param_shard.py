@@ -54,6 +54,7 @@ class NvmeParamShard:
         self.cache: collections.OrderedDict = collections.OrderedDict()
         self.cached = 0  # elements held by the cache
         self.pending: list = []  # (lo, hi, buffer, request) of writes in flight
+        self.ahead_hits = 0  # fetches served by a read-ahead (how well the guesses work)
         self._spare: dict[int, list[torch.Tensor]] = {}  # free buffers by size (CPU only)
         self.close = own_file(self, self.file)  # scratch: removed with this object or at exit
 
@@ -134,6 +135,7 @@ class NvmeParamShard:
                 raise
             hit[2] = None
         if key in self.cache:
+            self.ahead_hits += not hit[3]
             hit[3] = True
             self.cache.move_to_end(key)
         buf, start = hit[0], hit[1]

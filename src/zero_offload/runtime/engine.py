@@ -465,10 +465,12 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             except Exception as e:
                 error = e
                 break
-        failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=self.device)
-        if self.world_size > 1:
-            dist.all_reduce(failed)
-        if not int(failed.item()):
+        failed = 0 if error is None else 1
+        if self.world_size > 1:  # one rank's failure is every rank's
+            flag = torch.tensor([failed], dtype=torch.int32, device=self.device)
+            dist.all_reduce(flag)
+            failed = int(flag.item())
+        if not failed:
             for so in self.shard_opts:
                 so.commit()
             return
@@ -490,7 +492,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             error = wrapped
         if error is None:
             error = NvmeSwapError(
-                f"the NVMe update failed on {int(failed.item())} other rank(s) at step "
+                f"the NVMe update failed on {failed} other rank(s) at step "
                 f"{self.global_steps + 1} (their error names the file); every rank kept the "
                 "last committed step"
             )

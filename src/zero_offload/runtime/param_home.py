@@ -83,8 +83,15 @@ class FlatHome:
 
     def write(self, lo: int, src: torch.Tensor, non_blocking: bool = False) -> None:
         flat = self.group.flat
-        for f, at, n in self._pieces(lo, lo + src.numel()):
+        pieces = list(self._pieces(lo, lo + src.numel()))
+        if len(pieces) == 1:
+            f, at, n = pieces[0]
             flat[f : f + n].copy_(src[at : at + n], non_blocking=non_blocking)
+        elif pieces:  # one launch for every bucket's piece
+            dst = [flat[f : f + n] for f, _, n in pieces]
+            torch._foreach_copy_(
+                dst, [src[at : at + n] for _, at, n in pieces], non_blocking=non_blocking
+            )
 
     def host_shard(self) -> None:
         return None

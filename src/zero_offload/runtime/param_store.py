@@ -403,15 +403,9 @@ class ParamStore:
         (its even chunk as ``ds_tensor``), so the model stays partitioned without the store and a
         later engine lays it out again. A collective (one slot gathered at a time)."""
         self.quiesce()
-        # the chunks stay where the shards were: host memory for shards on NVMe
-        on_nvme = bool(self.shards) and self.shards[0] is None
-        where = (
-            torch.device("cpu")
-            if on_nvme
-            else self.shards[0].device
-            if self.shards
-            else self.device
-        )
+        # the chunks stay where the shards were; shards on NVMe (gone with the store): host
+        first = self.shards[0] if self.shards else None
+        where = first.device if first is not None else torch.device("cpu")
         for slot in self.slots:
             self.wait(slot.index)
             for p, (off, n, shape) in zip(slot.params, slot.views):

@@ -127,9 +127,7 @@ class ShardOptimizer:
 
     def params_from_master(self) -> None:
         """The param home becomes the master's cast, as after a step (checkpoint load)."""
-        self.state.update(
-            self.chunks, lambda lo, hi, v: self.home.write(lo, v["master"]), write=False
-        )
+        self.restore_params()
         self.home.publish()
 
     def _hyper(self) -> dict:
@@ -209,8 +207,7 @@ class ShardOptimizer:
             grads = self.grads.device_grads()
         self.client.step([(s.shard_start, g) for s, g in zip(self.segs, grads)], factor)
         if not self.host:
-            for lo, hi in self.chunks:
-                self.home.write(lo, self.master[lo:hi])
+            self.home.write(0, self.master)  # the master covers the whole shard
             return
         if self._uploaded is not None:  # the previous async uploads still read staging
             self._uploaded.synchronize()
@@ -274,8 +271,7 @@ class ShardOptimizer:
             )
         else:
             _adam_no_bias_correction(p, grads, m, v, self.adamw, **h)
-        for s, v in zip(self.segs, p):
-            self.home.write(s.shard_start, v)
+        self.home.write(0, self.master)  # p are views of it: the whole shard, one call
 
     # ---- host placement ------------------------------------------------------------------------
     def _host_pass(

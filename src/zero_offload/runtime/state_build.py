@@ -126,17 +126,16 @@ def _check(placement, groups, store_groups, sharded, client) -> None:
     # barrier), so each counts the node's ranks (they usually share the drive) and both kinds
     # of files when their paths are on one filesystem: conservative, never racy.
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    for key, path, _ in needs:
-        dev = _device_of(path)
-        total = sum(n for _, p, n in needs if dev is not None and _device_of(p) == dev)
-        check_nvme_path(key, path, (total or dict((k, n) for k, _, n in needs)[key]) * local)
+    for key, path, need in needs:
+        same_fs = [n for k, p, n in needs if k != key and _same_filesystem(p, path)]
+        check_nvme_path(key, path, (need + sum(same_fs)) * local)
 
 
-def _device_of(path: Path) -> int | None:
+def _same_filesystem(a: Path, b: Path) -> bool:
     try:
-        return os.stat(path).st_dev
+        return os.stat(a).st_dev == os.stat(b).st_dev
     except OSError:
-        return None  # check_nvme_path names the problem
+        return False  # check_nvme_path names the problem
 
 
 def _check_buffer_size(buffer_size: int, groups: list[FlatGroup]) -> None:
