@@ -13,7 +13,10 @@ does not stop the others):
   engine's no-offload, offload, delayed-update and stage-3 modes against plain PyTorch and
   DeepSpeed's same modes;
 - ``throughput_large``: the same for the largest offload size ``sizes`` found (or
-  ``--large-layers/--large-hidden/--large-heads``), offload modes only.
+  ``--large-layers/--large-hidden/--large-heads``), offload modes only;
+- ``nvme``: ``nvme_offload.py`` on the machine's disk (``--nvme-path``): disk and update-path
+  bandwidth, a stage-3 step with both states on NVMe against host offload and DeepSpeed's NVMe
+  offload (pinned buffers, uploads from the swap buffers), and the memory-cap run.
 
 Writes ``OUT/gpu_suite.md`` (the tables, with the date and the device) and ``OUT/gpu_suite.json``
 (everything), and each part's own JSON and log beside them; prints the Markdown last.
@@ -39,7 +42,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "src")]
 
-PARTS = ("env", "pcie", "overlap", "sizes", "throughput", "throughput_large")
+PARTS = ("env", "pcie", "overlap", "sizes", "throughput", "throughput_large", "nvme")
 
 # The ~1.5B model of the throughput part: GPT-2 XL's shape (48 x 1600, 25 heads of 64).
 XL = dict(layers=48, hidden=1600, heads=25)
@@ -124,6 +127,15 @@ def part_commands(args: argparse.Namespace, out: Path, largest: dict | None) -> 
         + [str(HERE / "model_size.py"), "--json", str(out / "sizes.json")]
         + (["--modes", *args.size_modes] if args.size_modes else [])
         + (["--tiny", "--max-runs", "2"] if tiny else []),
+        "nvme": py
+        + [str(HERE / "nvme_offload.py"), "--path", str(args.nvme_path)]
+        + [*("--threads", str(args.nvme_threads))]
+        + (
+            "--dim 256 --layers 4 --steps 2 --update-m 1 --disk-gib 0.0625 --reps 1 --skip cap".split()
+            if tiny
+            else ["--layers", str(args.nvme_layers)]
+            + ([] if args.no_deepspeed else ["--deepspeed"])
+        ),
         "throughput": py
         + [str(HERE / "engine_step.py"), *shape, *common]
         + ["--impls", *impls, "--modes", *THROUGHPUT_MODES]
@@ -175,10 +187,13 @@ def run_part(name: str, cmd: list[str], out: Path, timeout: float) -> dict[str, 
 
 
 def _tables(log: Path) -> str:
-    """The Markdown tables (and their heading lines) a part printed."""
+    """The Markdown tables (and their heading lines) a part printed; ``nvme.log``, which prints
+    no table, whole, as a code block."""
     if not log.exists():
         return ""
     lines = log.read_text(errors="replace").splitlines()
+    if log.name == "nvme.log":
+        return "\n".join(["```", *lines[-60:], "```"])
     keep = [ln for ln in lines if ln.startswith("|") or ln.startswith("GPT-2")]
     return "\n".join(keep)
 
@@ -254,6 +269,7 @@ def report(info: dict[str, Any], status: dict[str, Any], out: Path) -> str:
         "sizes": "Largest model per mode (model_size.py)",
         "throughput": "Throughput at ~1.5B params (engine_step.py)",
         "throughput_large": "Throughput at the largest offload size (engine_step.py)",
+        "nvme": "NVMe offload (nvme_offload.py)",
     }
     for name, title in titles.items():
         if name not in status:
@@ -291,6 +307,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--large-layers", type=int, default=None)
     p.add_argument("--large-hidden", type=int, default=None)
     p.add_argument("--large-heads", type=int, default=None)
+    p.add_argument("--nvme-path", type=Path, default=Path("/tmp/zero_offload_nvme_bench"),
+                   help="a folder on the disk the nvme part swaps to")  # fmt: skip
+    p.add_argument("--nvme-layers", type=int, default=32, help="nvme part: Linear 4096 layers")
+    p.add_argument("--nvme-threads", type=int, default=4, help="nvme part: aio threads")
     p.add_argument("--run-timeout", type=float, default=600, help="seconds per training run")
     p.add_argument("--part-timeout", type=float, default=1800, help="seconds per part")
     args = p.parse_args(argv)

@@ -89,7 +89,7 @@ def update(path: Path, million: float, reps: int, threads: int) -> dict:
         return times[1:]  # the first pass warms the pages and the pool
 
     aio = AioEngine(AioPolicy(threads=threads))
-    nv = NvmeOptimizerState(path, "bench", n, MAX_CHUNK, 4, aio, pin=False)
+    nv = NvmeOptimizerState(path, "bench", n, MAX_CHUNK, 4, aio, pin=torch.cuda.is_available())
     nv.fill(lambda lo, hi, o: o.zero_())
     nvme_t = timed(nv)
     nv.close()
@@ -142,6 +142,8 @@ def train_child(args) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     d, layers = args.dim, args.layers
     cfg = model_config(args.where, str(args.path), d * d)
+    for block in ("offload_optimizer", "offload_param"):  # pinned staging where CUDA is
+        cfg["zero_optimization"][block]["pin_memory"] = torch.cuda.is_available()
     if args.engine == "deepspeed":  # the anchor: DeepSpeed's own NVMe offload, same config
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import _ds_compat
@@ -153,8 +155,6 @@ def train_child(args) -> None:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=_ds_compat.backend(), verbose=False)
-        for block in ("offload_optimizer", "offload_param"):  # no pinned memory without CUDA
-            cfg["zero_optimization"][block]["pin_memory"] = torch.cuda.is_available()
         with deepspeed.zero.Init(config_dict_or_path=cfg, dtype=torch.bfloat16):
             model = torch.nn.Sequential(*[Residual(d) for _ in range(layers)])
         engine, *_ = deepspeed.initialize(
@@ -168,7 +168,7 @@ def train_child(args) -> None:
             model = torch.nn.Sequential(*[Residual(d) for _ in range(layers)])
         engine, *_ = zero_offload.initialize(model=model, config=cfg)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(8, d, generator=g).bfloat16()
+    x = torch.randn(8, d, generator=g).bfloat16().to(engine.device)
     losses, times = [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -180,7 +180,9 @@ def train_child(args) -> None:
     report = engine.memory_report() if hasattr(engine, "memory_report") else {}
     with open("/proc/self/status") as f:
         hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    print(json.dumps({"losses": losses, "times": times, "peak_rss": hwm, "memory": report}))
+    gpu_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    print(json.dumps({"losses": losses, "times": times, "peak_rss": hwm, "gpu_peak": gpu_peak,
+                      "memory": report}))  # fmt: skip
     # No destroy(): at stage 3 it hands the params back to zero.Init form, the whole model in
     # host memory (what a later engine starts from), which is not what is measured here. The
     # swap files go at exit.
@@ -310,8 +312,9 @@ def main() -> None:
             if "error" in r:
                 print(f"  {name}: {r['error']}")
                 continue
+            gpu = f"  GPU peak {r['gpu_peak'] / GIB:.2f} GiB" if r.get("gpu_peak") else ""
             print(f"  {name:13} median step {statistics.median(r['times'][1:] or r['times']):.2f} s"
-                  f"  peak RSS {r['peak_rss'] / GIB:.2f} GiB  losses {r['losses']}")  # fmt: skip
+                  f"  peak RSS {r['peak_rss'] / GIB:.2f} GiB{gpu}  losses {r['losses']}")  # fmt: skip
         if "error" not in host_run and "error" not in nv_run:
             a = statistics.median(nv_run["times"][1:] or nv_run["times"])
             b = statistics.median(host_run["times"][1:] or host_run["times"])

@@ -12,7 +12,7 @@
 #                run on the CPU, see tests/conftest.py)
 #   tests-on-gpu the same with ZERO_OFFLOAD_TEST_DEVICE=cuda: every engine on the GPU, to find
 #                what is not device-agnostic (log: tests_on_gpu.log)
-#   env pcie overlap sizes throughput throughput_large
+#   env pcie overlap sizes throughput throughput_large nvme
 #                parts of benchmarks/gpu_suite.py (consecutive ones run in one call of it)
 # Logs, JSON and the suite's Markdown land in OUTDIR.
 set -uo pipefail
@@ -36,6 +36,18 @@ PYTHONPATH=/tmp/site_ds:$PYTHONPATH python3 -c "import deepspeed" 2>/dev/null \
   || install /tmp/site_ds .whl/deepspeed-*.whl .whl/hjson-*.whl
 if ! ls src/zero_offload/_host_adam*.so >/dev/null 2>&1; then
   python3 setup.py -q build_ext --inplace -j 16 >"$out/build.log" 2>&1 || { tail -20 "$out/build.log"; exit 2; }
+fi
+# libaio (headers and library) for DeepSpeed's NVMe op, the nvme part's anchor: unpacked beside
+# the system, never into it, and found through the compiler's and loader's search paths.
+if ls .whl/libaio*.deb >/dev/null 2>&1 && [ ! -d /tmp/libaio ]; then
+  for f in .whl/libaio*.deb; do dpkg -x "$f" /tmp/libaio; done
+fi
+if [ -d /tmp/libaio ]; then
+  aio_lib=/tmp/libaio/usr/lib/x86_64-linux-gnu
+  [ -e "$aio_lib/libaio.so" ] || ln -sf "$(ls "$aio_lib"/libaio.so.1* | head -1)" "$aio_lib/libaio.so"
+  export CPATH=/tmp/libaio/usr/include${CPATH:+:$CPATH} CFLAGS="-I/tmp/libaio/usr/include"
+  export LIBRARY_PATH=$aio_lib${LIBRARY_PATH:+:$LIBRARY_PATH} LDFLAGS="-L$aio_lib"
+  export LD_LIBRARY_PATH=$aio_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
 python3 - <<'EOF' || exit 2
 import torch, zero_offload
@@ -73,7 +85,7 @@ for step in "$@"; do
         | tee "$out/tests_on_gpu.log" | tail -40
       [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
       ;;
-    env | pcie | overlap | sizes | throughput | throughput_large) parts+=("$step") ;;
+    env | pcie | overlap | sizes | throughput | throughput_large | nvme) parts+=("$step") ;;
     *) echo "unknown step: $step"; exit 2 ;;
   esac
 done

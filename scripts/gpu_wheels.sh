@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Wheels the GPU machine lacks, for Python 3.12 on x86-64 Linux, into .whl/ (git-ignored):
 # pydantic (this package's config models) and what DeepSpeed needs beyond that machine's image
-# (hjson), plus a DeepSpeed wheel built here without prebuilt ops (its ops JIT-compile there).
+# (hjson), plus a DeepSpeed wheel built here without prebuilt ops (its ops JIT-compile there),
+# and libaio's Debian packages for DeepSpeed's NVMe op.
 # scripts/gpu_run.sh installs them with `pip install --no-index --no-deps --target`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,5 +23,11 @@ if ! ls .whl/deepspeed-"$DS_VERSION"-*.whl >/dev/null 2>&1; then
   python -m pip download -q --no-deps --no-binary :all: "deepspeed==$DS_VERSION" -d "$tmp"
   DS_BUILD_OPS=0 python -m pip wheel -q --no-deps --no-build-isolation "$tmp"/deepspeed-*.tar.gz -w .whl
   rm -rf "$tmp"
+fi
+# libaio for DeepSpeed's NVMe op (the nvme part's anchor): Debian's packages, unpacked there by
+# gpu_run.sh into /tmp/libaio.
+if ! ls .whl/libaio-dev_*.deb >/dev/null 2>&1; then
+  (cd .whl && apt-get download -q libaio-dev "$(apt-cache depends libaio-dev \
+    | awk '/Depends: libaio/{print $2}')")
 fi
 ls -la .whl

@@ -250,3 +250,35 @@ def test_cuda_checkpoint_roundtrip(case, tmp_path):
     assert (b.global_steps, b.micro_steps, b.loss_scale) == (a.global_steps, a.micro_steps,
                                                              a.loss_scale)  # fmt: skip
     assert run(b, data[2:]) == pytest.approx(run(a, data[2:]), rel=1e-3)
+
+
+def test_cuda_nvme_offload_equals_host_offload(tmp_path):
+    """The optimizer state on NVMe (stages 2 and 3) and the stage-3 params too, on the GPU with
+    pinned swap buffers (uploads straight from them): within parity of plain PyTorch, and
+    bitwise the same run with host offload."""
+    from test_nvme_offload import _cases
+
+    cases = [dict(c, pin_memory=True) for c in _cases(str(tmp_path), 1) if c["stage"] >= 2]
+    results = run_cases(cases)
+    for host, nvme in zip(results[::2], results[1::2]):
+        case = nvme["case"]
+        assert nvme["case"]["offload"] == "nvme" and host["case"]["offload"] == "cpu"
+        if case["dtype"] == "fp32":
+            assert nvme["grad_err"] < 1e-4, case
+            assert nvme["param_err"] < 1e-3, case
+        assert host["losses"] == nvme["losses"], case
+        for n, t in host["params"].items():
+            assert torch.equal(t, nvme["params"][n]), (case, n)
+        assert any(k.startswith("nvme.") for k in nvme["memory"]), nvme["memory"]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_cuda_nvme_many_chunks_equal_host_offload(tmp_path, dtype):
+    """Both states on NVMe over a dozen update chunks, pinned record buffers, a param cache
+    smaller than the model and fetches served by the read-ahead: bitwise host offload."""
+    from test_nvme_offload import _mlp_run
+
+    want = _mlp_run(tmp_path, "cpu", dtype, 3, pin=True)
+    got = _mlp_run(tmp_path / "swap", "nvme", dtype, 3, pin=True)
+    assert got[0] == want[0]
+    assert torch.equal(got[1], want[1])

@@ -133,3 +133,18 @@ def test_suite_runs_on_the_cpu(tmp_path: Path) -> None:
             next(r for r in sizes["rows"] if r["mode"] == "stage2+opt")["rung"]
         ]["hidden"]
     )
+
+
+def test_nvme_part_runs_on_the_cpu(tmp_path: Path) -> None:
+    """The nvme part: disk, update path and a stage-3 step on NVMe against host offload, with
+    equal losses, land in the report."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_suite.py"), "--tiny", "--out",
+         str(tmp_path), "--parts", "env", "nvme", "--nvme-path", str(tmp_path / "swap")],
+        capture_output=True, text=True, timeout=900, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    md = (tmp_path / "gpu_suite.md").read_text()
+    assert "### NVMe offload (nvme_offload.py)" in md and "status: ok" in md
+    assert "[disk]" in md and "[update]" in md
+    assert "losses equal: True" in md

@@ -494,12 +494,14 @@ class _Mlp(torch.nn.Module):
         return self.norm(x).float().square().mean()
 
 
-def _mlp_run(path: Path, where: str, dtype: str, buffers: int) -> tuple[list, torch.Tensor]:
+def _mlp_run(
+    path: Path, where: str, dtype: str, buffers: int, pin: bool = False
+) -> tuple[list, torch.Tensor]:
     import zero_offload
 
     torch.manual_seed(0)
     model = _Mlp()
-    block = {"device": where}
+    block = {"device": where, "pin_memory": pin}
     if where == "nvme":
         path.mkdir(parents=True, exist_ok=True)
         block |= {"nvme_path": str(path)}
@@ -528,7 +530,7 @@ def _mlp_run(path: Path, where: str, dtype: str, buffers: int) -> tuple[list, to
     losses = []
     for _ in range(4):
         for _ in range(2):
-            loss = engine(torch.randn(4, 48, generator=g).to(engine.dtype))
+            loss = engine(torch.randn(4, 48, generator=g).to(engine.device, engine.dtype))
             engine.backward(loss)
             engine.step()
             losses.append(float(loss.detach()))
