@@ -151,6 +151,43 @@ def test_cuda_large_pinned_buffer_is_registered_without_rounding():
     assert torch.equal(buf, src.cpu())
 
 
+def test_cuda_failed_registration_falls_back_and_leaves_no_error_behind(monkeypatch):
+    """A refused cudaHostRegister (here: the range is registered already) gives a pinned buffer
+    from the caching allocator, and the runtime's last error it set is cleared: the next kernel
+    launch does not raise it as its own."""
+    from zero_offload.runtime import streams
+
+    numel = streams.REGISTER_MIN_BYTES // 4
+    held = streams.alloc_host(numel, torch.float32, pin=True)  # registered in place
+    real = torch.cuda.cudart()
+
+    class RegistersHeldAgain:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            return real.cudaHostRegister(held.data_ptr(), nbytes, flags)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: RegistersHeldAgain())
+    buf = streams.alloc_host(numel, torch.float32, pin=True)
+    assert buf.is_pinned() and buf.data_ptr() != held.data_ptr()
+    x = torch.zeros(4, device="cuda").add_(1)  # a kernel launch, checked by torch
+    torch.cuda.synchronize()
+    assert x.sum().item() == 4
+
+
+def test_cuda_pinned_swap_buffers_are_aligned_and_exact():
+    """NVMe swap buffers in pinned memory: 4096-byte aligned for direct I/O, and no extra page
+    that would double a power-of-two buffer in the pinned allocator."""
+    from zero_offload.nvme.aio import ALIGN, aligned_empty
+
+    for nbytes in (ALIGN, 1 << 20, (1 << 20) + 5):
+        buf = aligned_empty(nbytes, pin=True)
+        assert buf.is_pinned() and buf.data_ptr() % ALIGN == 0
+        assert buf.numel() == -(-nbytes // ALIGN) * ALIGN
+        assert buf.untyped_storage().nbytes() in (buf.numel(), buf.numel() + ALIGN)
+
+
 def test_cuda_delayed_update_uploads_land_before_staging_is_rewritten():
     """flush's async uploads read the pinned staging buffer; the delayed host pass submitted
     right after it rewrites staging. Held behind a busy compute stream, the uploads must still

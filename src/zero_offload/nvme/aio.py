@@ -44,6 +44,8 @@ from typing import Any, Protocol
 
 import torch
 
+from ..runtime.streams import pin_failed
+
 __all__ = [
     "ALIGN",
     "AioEngine",
@@ -99,7 +101,19 @@ def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
     size = _round_up(nbytes)
-    raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
+    if pin and torch.cuda.is_available():
+        try:
+            # The pinned allocator's blocks are page-aligned as a rule: no extra page, which
+            # would push a power-of-two size into the next size class.
+            raw = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            if raw.data_ptr() % ALIGN == 0:
+                return raw
+            raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as e:  # pinning refused: pageable, warned once
+            pin_failed(str(e))
+            raw = torch.empty(size + ALIGN, dtype=torch.uint8)
+    else:
+        raw = torch.empty(size + ALIGN, dtype=torch.uint8)
     start = -raw.data_ptr() % ALIGN
     return raw[start : start + size]  # the slice keeps raw's storage alive
 

@@ -129,11 +129,13 @@ class GradShard:
         self.host_index = (self.host_index + 1) % len(self.host)
 
     def zero(self) -> None:
-        """Start a new accumulation window."""
+        """Start a new accumulation window: every accumulator is zero. The device shard too,
+        although a first micro-step overwrites it: after a backward that raised part way (then
+        ``zero_grad``), the next backward of the window is not a first one and adds."""
         if self.flat_grad is not None:
             self.flat_grad.zero_()
-        if self.device_shard is not None and self.accum_dtype != self.group.dtype:
-            self.device_shard.zero_()  # no first micro-step writes it directly
+        if self.device_shard is not None:
+            self.device_shard.zero_()
         self.sumsq.zero_()
 
     def nbytes(self) -> dict[str, int]:

@@ -87,7 +87,7 @@ class Reducer:
         for g in groups:
             for i, p in enumerate(g.params):
                 self.handles.append(p.register_post_accumulate_grad_hook(self._hook(g.index, i)))
-        scope.on_end(self._finish_backward, self._reset)
+        scope.on_end(self._finish_backward, self._abandon)
 
     # ---- per-backward state --------------------------------------------------------------------
     def _reset(self) -> None:
@@ -98,6 +98,21 @@ class Reducer:
         self.next = 0  # index into self.order of the next bucket to launch
         self.inflight: list = []
         self.arrived: set[tuple[int, int]] = set()  # (group, param) that got a gradient
+
+    def _abandon(self) -> None:
+        """A backward that raised part way: the reductions it launched finish before anything
+        else touches their buffers (``zero_grad`` on the compute stream, the next backward);
+        their results are dropped. Without this, a gloo handle or the reduce and d2h streams
+        could write the gradient shards after they were zeroed."""
+        for work, *_ in self.inflight:
+            if work is not None:
+                try:
+                    work.wait()
+                except Exception:  # the backward's own error is the one raised
+                    pass
+        self.streams.wait(None, self.stream)
+        self.streams.wait(None, self.streams.d2h)
+        self._reset()
 
     def prepare(self, first: bool, last: bool, grad_factor: float = 1.0) -> None:
         """Called by the engine's backward prologue."""

@@ -284,6 +284,10 @@ class ShardOptimizer:
         if upload:  # uploads overwrite params: only after the compute stream is done with them
             self.streams.wait(self.streams.h2d, None)
 
+        # Only a device home's copies run behind the host's back; a host or NVMe home's writes
+        # are host copies, done when they return.
+        upload_is_async = not (self.home.on_host or self.home.on_nvme)
+
         def body(lo: int, hi: int, v: dict[str, torch.Tensor]) -> None:
             out = None if self.staging is None else self._staged(lo, hi)
             with label(HOST_UPDATE):
@@ -302,7 +306,7 @@ class ShardOptimizer:
                 )
             if upload:  # chunk k travels while chunk k+1 computes
                 self._upload(lo, hi, v["master"])
-                if self.nvme and self.staging is None and self.streams.cuda:
+                if self.nvme and self.staging is None and self.streams.cuda and upload_is_async:
                     # fp32 uploads read the NVMe record buffer, which the next read reuses
                     self.streams.h2d.synchronize()
 

@@ -10,6 +10,8 @@ order, so every wait is a no-op.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import weakref
 
 import torch
@@ -75,9 +77,16 @@ def _registered(numel: int, dtype: torch.dtype, nbytes: int) -> torch.Tensor | N
     """A page-aligned pageable buffer of exactly ``nbytes`` (plus < one page), page-locked with
     cudaHostRegister; None if registering fails (the caller then uses the caching allocator).
 
-    Invariant: the pages are unregistered when the returned tensor object is collected, never
+    Invariants: the pages are unregistered when the returned tensor object is collected, never
     after its memory is freed (the storage outlives the tensor object, views included), so the
-    worst case is a buffer that stops being pinned while a view of it is still in use."""
+    worst case is a buffer that stops being pinned while a view of it is still in use; the
+    device is synchronized first, so no copy queued from or to it is still running. A failed
+    registration leaves the CUDA runtime's last error set, which torch's next kernel-launch
+    check would raise as its own: it is cleared, and without a way to clear it (a runtime
+    linked statically) nothing is registered."""
+    clear_error = _cuda_clear_error()
+    if clear_error is None:
+        return None
     raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
     start = (-raw.data_ptr()) % _PAGE
     t = raw[start : start + nbytes].view(dtype)
@@ -85,9 +94,34 @@ def _registered(numel: int, dtype: torch.dtype, nbytes: int) -> torch.Tensor | N
     cudart = torch.cuda.cudart()
     err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
     if int(err) != 0:
+        clear_error()
         return None
-    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    weakref.finalize(t, _unregister, t.data_ptr())
     return t
+
+
+def _unregister(ptr: int) -> None:
+    try:
+        torch.cuda.synchronize()  # no queued copy still reads or writes the pages
+    except RuntimeError:
+        pass  # CUDA already torn down (interpreter exit): nothing is running either
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+@functools.cache
+def _cuda_clear_error():
+    """``cudaGetLastError`` of the CUDA runtime torch loaded (it reads and resets the last
+    error), or None where that runtime is not a shared library of this process."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({ln.split()[-1] for ln in f if "/libcudart.so" in ln})
+    except OSError:
+        return None
+    if not paths:
+        return None
+    fn = ctypes.CDLL(paths[0]).cudaGetLastError
+    fn.restype = ctypes.c_int
+    return fn
 
 
 _warned = False
