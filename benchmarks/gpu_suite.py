@@ -33,6 +33,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -129,7 +130,7 @@ def part_commands(args: argparse.Namespace, out: Path, largest: dict | None) -> 
         + (["--tiny", "--max-runs", "2"] if tiny else []),
         "nvme": py
         + [str(HERE / "nvme_offload.py"), "--path", str(args.nvme_path)]
-        + [*("--threads", str(args.nvme_threads))]
+        + [*("--threads", str(args.nvme_threads), "--run-timeout", str(args.run_timeout))]
         + (
             "--dim 256 --layers 4 --steps 2 --update-m 1 --disk-gib 0.0625 --reps 1 --skip cap".split()
             if tiny
@@ -173,14 +174,19 @@ def run_part(name: str, cmd: list[str], out: Path, timeout: float) -> dict[str, 
     t0 = time.perf_counter()
     log = out / f"{name}.log"
     print(f"== {name}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-    try:
-        with open(log, "w") as f:
-            done = subprocess.run(
-                cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=HERE.parent
-            )
-        status = "ok" if done.returncode == 0 else f"exit {done.returncode}"
-    except subprocess.TimeoutExpired:
-        status = f"timed out after {timeout:.0f} s"
+    with open(log, "w") as f:
+        # Its own session, so a timeout ends the part's workers too (they hold GPU memory).
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, cwd=HERE.parent, start_new_session=True
+        )
+        try:
+            status = "ok" if proc.wait(timeout=timeout) == 0 else f"exit {proc.returncode}"
+        except BaseException as e:  # a timeout, or the suite itself interrupted
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if not isinstance(e, subprocess.TimeoutExpired):
+                raise
+            status = f"timed out after {timeout:.0f} s"
     took = time.perf_counter() - t0
     print(f"== {name}: {status} ({took:.0f} s)", file=sys.stderr, flush=True)
     return {"status": status, "seconds": took, "command": cmd}
@@ -290,6 +296,13 @@ def report(info: dict[str, Any], status: dict[str, Any], out: Path) -> str:
     return "\n".join(parts)
 
 
+def write_report(info: dict[str, Any], status: dict[str, Any], out: Path) -> str:
+    text = report(info, status, out)
+    (out / "gpu_suite.md").write_text(text + "\n")
+    (out / "gpu_suite.json").write_text(json.dumps({"env": info, "parts": status}, indent=1))
+    return text
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for the report and logs")
@@ -309,7 +322,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--large-heads", type=int, default=None)
     p.add_argument("--nvme-path", type=Path, default=Path("/tmp/zero_offload_nvme_bench"),
                    help="a folder on the disk the nvme part swaps to")  # fmt: skip
-    p.add_argument("--nvme-layers", type=int, default=32, help="nvme part: Linear 4096 layers")
+    p.add_argument(
+        "--nvme-layers",
+        type=int,
+        default=64,
+        help="nvme part: Linear 4096 layers (64: 1.07B params; the cap run needs the state's "
+        "third to exceed the host grad shard, the pools and CUDA's own memory)",
+    )
     p.add_argument("--nvme-threads", type=int, default=4, help="nvme part: aio threads")
     p.add_argument("--run-timeout", type=float, default=600, help="seconds per training run")
     p.add_argument("--part-timeout", type=float, default=1800, help="seconds per part")
@@ -340,10 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                             "give --large-layers/--large-hidden/--large-heads)", "seconds": 0.0}  # fmt: skip
             continue
         status[name] = run_part(name, cmds[name], out, args.part_timeout)
-    text = report(info, status, out)
-    (out / "gpu_suite.md").write_text(text + "\n")
-    (out / "gpu_suite.json").write_text(json.dumps({"env": info, "parts": status}, indent=1))
-    print(text)
+        write_report(info, status, out)  # after every part: a cut-off call keeps the finished
+    print(write_report(info, status, out))
     return 0 if all(s["status"] == "ok" for s in status.values()) else 1
 
 

@@ -175,6 +175,8 @@ def train_child(args) -> None:
         loss = (engine(x).float() - 1.0).square().mean()
         engine.backward(loss)
         engine.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the step's queued GPU work belongs to its time
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
     report = engine.memory_report() if hasattr(engine, "memory_report") else {}
@@ -230,7 +232,12 @@ def run_child(args, where: str, cap: int | None = None, engine: str = "zero_offl
         def pre() -> None:  # in the child, before exec: join the capped group
             (cg / "cgroup.procs").write_text(str(os.getpid()))
 
-    p = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=pre)
+    try:
+        p = subprocess.run(
+            cmd, capture_output=True, text=True, preexec_fn=pre, timeout=args.run_timeout
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.run_timeout:.0f} s", "cap_how": how}
     peak = _cgroup_peak(cg) if cap is not None else None
     if p.returncode != 0:
         tail = p.stderr[-1500:] or "(killed: no output)"
@@ -260,6 +267,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--cap-ratio", type=float, default=3.0)
+    ap.add_argument("--run-timeout", type=float, default=1200, help="seconds per training run")
     ap.add_argument("--skip", nargs="*", default=[], choices=["disk", "update", "step", "cap"])
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--where", default="nvme")

@@ -48,13 +48,26 @@ if [ -d /tmp/libaio ]; then
   export CPATH=/tmp/libaio/usr/include${CPATH:+:$CPATH} CFLAGS="-I/tmp/libaio/usr/include"
   export LIBRARY_PATH=$aio_lib${LIBRARY_PATH:+:$LIBRARY_PATH} LDFLAGS="-L$aio_lib"
   export LD_LIBRARY_PATH=$aio_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  # On CUDA the op also links -lcuda: the toolkit's stub (the driver has only libcuda.so.1).
+  stubs="${CUDA_HOME:-/usr/local/cuda}/lib64/stubs"
+  [ -e "$stubs/libcuda.so" ] && export LIBRARY_PATH=$LIBRARY_PATH:$stubs
 fi
 python3 - <<'EOF' || exit 2
 import torch, zero_offload
 from zero_offload.kernels.host_adam import kernel_info
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
 print("torch", torch.__version__, "| GPU", gpu, "| host Adam", kernel_info())
+try:  # DeepSpeed's op builders compile a probe through distutils (Python 3.12: setuptools' copy)
+    import distutils.ccompiler  # noqa: F401
+except ImportError as e:
+    print("no distutils (DeepSpeed's NVMe op cannot build):", e)
 EOF
+# A one-rank NCCL group, as every benchmark row makes: a broken one shows here, in seconds.
+if python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29555 timeout 120 python3 -c \
+    "import torch.distributed as d; d.init_process_group('nccl'); d.barrier(); print('nccl ok')" \
+    || echo "nccl: a one-rank group failed"
+fi
 
 status=0
 parts=()

@@ -66,7 +66,7 @@ def init_distributed(
                 "init_distributed: init_method needs rank >= 0 and world_size >= 1 "
                 f"(got rank={rank}, world_size={world_size})"
             )
-        backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = dist_backend or ("nccl" if _rt.uses_cuda() else "gloo")
         method = (
             init_method or f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{distributed_port}"
         )

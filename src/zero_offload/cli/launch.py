@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="ranks per node (default: the CUDA devices here, or 1 without CUDA; "
-        "without CUDA, N means N CPU ranks on gloo)",
+        "without CUDA or with ZERO_OFFLOAD_DEVICE=cpu, N means N CPU ranks on gloo)",
     )
     parser.add_argument("--node_rank", type=int, default=0, help="this node's rank (default 0)")
     parser.add_argument(
@@ -111,7 +111,9 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    from ..runtime.dist import uses_cuda
+
+    cuda_devices = torch.cuda.device_count() if uses_cuda() else 0
     try:
         argv = torchrun_argv(args, cuda_devices)
     except ValueError as err:

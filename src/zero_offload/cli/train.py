@@ -264,9 +264,10 @@ def run(args: argparse.Namespace) -> int:
 
     import zero_offload
     from zero_offload.config import ConfigError
+    from zero_offload.runtime.dist import uses_cuda
 
     try:
-        cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        cuda_bf16 = uses_cuda() and torch.cuda.is_bf16_supported()
         ds_config, steps, notes = resolve_config(
             args.config, args.steps, cuda_bf16, args.batch_size
         )

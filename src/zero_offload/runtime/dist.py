@@ -24,6 +24,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's (and DeepSpeed's) default
 TIMEOUT_ENV = "ZERO_OFFLOAD_TIMEOUT"  # seconds; set by `zero-offload launch --timeout`
+DEVICE_ENV = "ZERO_OFFLOAD_DEVICE"  # "cpu" or "cuda": where the engine runs (default: CUDA if any)
 
 
 class CollectiveError(RuntimeError):
@@ -74,7 +75,7 @@ def init_distributed(
     if timeout is None:
         timeout = os.environ.get(TIMEOUT_ENV) or None
     td = as_timeout(timeout)
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = dist_backend or ("nccl" if uses_cuda() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(local_rank())
     dist.init_process_group(backend=backend, timeout=td)
@@ -167,10 +168,16 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def uses_cuda() -> bool:
+    """CUDA is available and ``ZERO_OFFLOAD_DEVICE`` does not ask for the CPU: the default
+    backend is nccl and the launcher counts GPUs only then."""
+    return torch.cuda.is_available() and os.environ.get(DEVICE_ENV, "").lower() != "cpu"
+
+
 def default_device() -> torch.device:
     """CUDA when available, unless the process group is gloo (CPU collectives) or
     ZERO_OFFLOAD_DEVICE=cpu asks for the CPU."""
-    forced = os.environ.get("ZERO_OFFLOAD_DEVICE", "").lower()
+    forced = os.environ.get(DEVICE_ENV, "").lower()
     if forced not in ("", "cpu", "cuda"):
         raise ValueError(f"ZERO_OFFLOAD_DEVICE must be 'cpu' or 'cuda', got {forced!r}")
     if forced == "cuda" and not torch.cuda.is_available():
