@@ -411,3 +411,12 @@ def test_measure_disk_bandwidth(backend, tmp_path):
         assert res[key] > 0
     assert res["backend"] == ("pthreads" if backend == "cpp" else "python-threads")
     assert list(tmp_path.iterdir()) == []  # the scratch file is removed
+
+
+def test_a_missing_compiled_module_is_named():
+    from zero_offload._native import load_optional
+
+    mod, why = load_optional("zero_offload._not_built")
+    assert mod is None and "No module named 'zero_offload._not_built'" in why
+    mod, why = load_optional("zero_offload._aio")
+    assert (mod is None) == (aio._C is None)

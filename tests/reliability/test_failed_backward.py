@@ -103,3 +103,43 @@ def test_failed_backward_then_zero_grad_equals_a_clean_run(stage, offload):
 @pytest.mark.parametrize("stage,offload", [(0, False), (2, False), (2, True), (3, True)])
 def test_failed_backward_on_two_ranks(stage, offload):
     assert run_ranks(2, _compare, stage, offload, True)
+
+
+@pytest.mark.parametrize("stage,offload", [(0, False), (2, False), (2, True), (3, False)])
+def test_zero_grad_mid_window_discards_like_torch(stage, offload):
+    """``zero_grad()`` between the micro-steps of a window drops what they accumulated, on
+    every stage (the stage-2/3 device shard is then written by the next backward, not added
+    into): the step equals torch's on the last micro-step's gradient alone."""
+    import zero_offload
+
+    torch.manual_seed(0)
+    model = _Deep()
+    ref = _Deep()
+    ref.load_state_dict(model.state_dict())
+    zero = {"stage": stage, "reduce_bucket_size": 300, "stage3_param_persistence_threshold": 0}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+        "zero_optimization": zero,
+        "steps_per_print": 10**6,
+    }
+    engine, *_ = zero_offload.initialize(model=model, config=cfg)
+    if stage == 3:
+        assert all(p.numel() == 0 < p.ds_numel for p in model.parameters())
+    g = torch.Generator().manual_seed(5)
+    x1, x2 = torch.randn(4, WIDTH, generator=g), torch.randn(4, WIDTH, generator=g)
+    engine.backward(engine(x1))
+    engine.step()
+    engine.zero_grad()
+    engine.backward(engine(x2))
+    engine.step()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)
+    (ref(x2) / 2).backward()
+    opt.step()
+    from zero_offload.utils import safe_get_full_fp32_param
+
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(safe_get_full_fp32_param(p), q.detach(), rtol=1e-5, atol=1e-6)

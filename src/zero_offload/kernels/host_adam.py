@@ -31,7 +31,6 @@ Semantics (DeepSpeed's CPU Adam, ``csrc/includes/cpu_adam.h``), fp32 arithmetic:
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 import os
@@ -39,6 +38,8 @@ import warnings
 from typing import Any
 
 import torch
+
+from .._native import load_optional
 
 __all__ = [
     "default_threads",
@@ -53,15 +54,7 @@ _KERNEL_ENV = "ZERO_OFFLOAD_KERNEL"
 _ISA_ENV = "ZERO_OFFLOAD_ISA"
 _REFERENCE_CHUNK = 1 << 20  # elements per chunk of the reference path (bounds temporaries)
 
-try:
-    # import_module (not "from zero_offload import ...") so that a missing module reports
-    # "No module named ...", also while zero_offload/__init__.py is still initialising.
-    _C = importlib.import_module("zero_offload._host_adam")
-
-    _IMPORT_ERROR: str | None = None
-except Exception as exc:  # ImportError, or an OSError from a broken .so
-    _C = None
-    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+_C, _IMPORT_ERROR = load_optional("zero_offload._host_adam")
 
 if _C is not None and os.environ.get(_ISA_ENV):
     try:

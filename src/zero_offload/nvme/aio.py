@@ -32,7 +32,6 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import errno
-import importlib
 import os
 import threading
 import time
@@ -44,6 +43,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .._native import load_optional
 from ..runtime.streams import pin_failed
 
 __all__ = [
@@ -61,14 +61,7 @@ ALIGN = 4096  # direct I/O alignment of buffer addresses, byte counts and file o
 _AIO_ENV = "ZERO_OFFLOAD_AIO"
 _BASELINE_BLOCK = 1 << 20
 
-try:
-    # import_module: a missing module reports "No module named ...", also during package init.
-    _C = importlib.import_module("zero_offload._aio")
-
-    _IMPORT_ERROR: str | None = None
-except Exception as exc:  # ImportError, or an OSError from a broken .so
-    _C = None
-    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+_C, _IMPORT_ERROR = load_optional("zero_offload._aio")
 
 _fallback_warned = False
 

@@ -58,6 +58,8 @@ class GradShard:
         )
         self.host_index = 0
         self.sumsq = torch.zeros((), dtype=torch.float32, device=dev)
+        self.zeroed = False  # zero() since the last backward began
+        self.writes = True  # the current backward writes the device shard (see begin_backward)
         self.d2h_done = None  # event after the last host copy of this step (CUDA only)
 
     def ensure_device_accumulator(self) -> None:
@@ -81,11 +83,11 @@ class GradShard:
         """Stage 0/1: the flat-grad range that is the bucket's reduction input."""
         return self.flat_grad[b.start : b.start + b.numel]
 
-    def reduce_target(self, seg: Segment, first: bool) -> torch.Tensor | None:
+    def reduce_target(self, seg: Segment) -> torch.Tensor | None:
         """Where a collective may write this rank's reduced segment directly, or None for a temp."""
         if self.stage <= 1:
             return self.flat_grad[seg.flat_start : seg.flat_start + seg.numel]
-        if self.device_shard is not None and first and self.accum_dtype == self.group.dtype:
+        if self.device_shard is not None and self.writes and self.accum_dtype == self.group.dtype:
             return self.device_shard[seg.shard_start : seg.shard_start + seg.numel]
         return None  # later micro-steps add; another accumulator dtype always adds (zeroed)
 
@@ -129,14 +131,22 @@ class GradShard:
         self.host_index = (self.host_index + 1) % len(self.host)
 
     def zero(self) -> None:
-        """Start a new accumulation window: every accumulator is zero. The device shard too,
-        although a first micro-step overwrites it: after a backward that raised part way (then
-        ``zero_grad``), the next backward of the window is not a first one and adds."""
+        """Start a new accumulation window. The 16-bit device shard is not cleared (no pass over
+        it): the next backward writes it instead of adding, even where it is not the window's
+        first one (after a backward that raised part way, then ``zero_grad``)."""
         if self.flat_grad is not None:
             self.flat_grad.zero_()
-        if self.device_shard is not None:
-            self.device_shard.zero_()
+        if self.device_shard is not None and self.accum_dtype != self.group.dtype:
+            self.device_shard.zero_()  # another accumulator dtype is always added into
+        self.zeroed = True
         self.sumsq.zero_()
+
+    def begin_backward(self, first: bool) -> None:
+        """Before each backward: does it write the device shard's segments (the window's first
+        backward, or the first since ``zero``) or add into them? Every segment is reduced once
+        per completed backward (unused params as zeros), so a writing backward covers it all."""
+        self.writes = first or self.zeroed
+        self.zeroed = False
 
     def nbytes(self) -> dict[str, int]:
         out = {}

@@ -77,7 +77,6 @@ class Reducer:
         self.pool_size = 0
         self.max_bucket = max((b.numel for g in groups for b in g.layout.buckets), default=0)
         self.reducing = False  # does this backward reduce (stage 2: always; 0/1: at boundary)
-        self.first = True  # first micro-step of the accumulation window
         self.last = True
         self.grad_factor = 1.0  # applied to each gradient before it accumulates
         self.scope = scope
@@ -116,7 +115,9 @@ class Reducer:
 
     def prepare(self, first: bool, last: bool, grad_factor: float = 1.0) -> None:
         """Called by the engine's backward prologue."""
-        self.first, self.last, self.grad_factor = first, last, grad_factor
+        self.last, self.grad_factor = last, grad_factor
+        for shard in self.shards:
+            shard.begin_backward(first)
         self.reducing = self.stage == 2 or last
         if grad_factor != 1.0 and not self._scaling:  # a plain loss.backward() with GAS > 1
             self._scaling = True
@@ -213,7 +214,7 @@ class Reducer:
                 out = inp
                 work = dist.all_reduce(inp, async_op=async_op)
             else:
-                out = shard.reduce_target(seg, self.first)
+                out = shard.reduce_target(seg)
                 if out is None:
                     out = torch.empty(seg.numel, dtype=inp.dtype, device=inp.device)
                 if self.use_rs:
