@@ -38,7 +38,7 @@ from typing import Any
 Interval = tuple[float, float]
 
 LABEL_PREFIX = "zero_offload."
-HOST_UPDATE = "zero_offload.host_update"  # runtime/labels.py
+HOST_UPDATE = "zero_offload.host_update"  # core/labels.py
 STEP = "bench.step"
 PHASES = ("bench.forward", "bench.backward", "bench.optimizer")
 COPIES = ("h2d", "d2h", "d2d")

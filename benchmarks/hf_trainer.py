@@ -145,7 +145,7 @@ def worker(spec_path: str) -> None:
     print("RESULT " + json.dumps(result), flush=True)
     # Both take their process group from the launcher's environment; tear it down before the
     # interpreter does, or gloo's threads can abort the exit ("terminate called without an
-    # active exception"; zero_offload.runtime.dist.shutdown explains the pause).
+    # active exception"; zero_offload.core.dist.shutdown explains the pause).
     import torch.distributed as dist
 
     if dist.is_initialized():

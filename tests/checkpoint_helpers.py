@@ -73,7 +73,7 @@ def build(case: dict):
 
 def train(engine, case: dict, first: int, last: int) -> list[float]:
     """Steps [first, last) of the run on this rank's share of each global batch."""
-    from zero_offload.runtime import dist
+    from zero_offload.core import dist
 
     world, rank, micro, gas = dist.world_size(), dist.rank(), case["micro"], case["gas"]
     data = batches(STEPS, world, gas, micro)  # depends only on the global batch size
@@ -196,7 +196,7 @@ def refused_saves(case: dict, root: str) -> list[str]:
     different tags under checkpoint.tag_validation "fail"): every rank must raise, and nothing
     may be published. Under "warn" (the default) different tags save under rank 0's."""
     from zero_offload.checkpoint import CheckpointError
-    from zero_offload.runtime import dist
+    from zero_offload.core import dist
 
     with one_thread():
         engine, _ = build(case)
@@ -223,7 +223,7 @@ def refused_load(case: dict, root: str) -> dict:
 
     from zero_offload.checkpoint import CheckpointError
     from zero_offload.checkpoint.tensor_file import read_header
-    from zero_offload.runtime import dist
+    from zero_offload.core import dist
 
     dst = Path(root) / "damaged"
     if dist.rank() == 0:

@@ -41,7 +41,7 @@ def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
         del out
         gc.collect()  # engines (hooks, async work handles) go while the process group lives
         dist.barrier()
-        from zero_offload.runtime.dist import shutdown
+        from zero_offload.core.dist import shutdown
 
         shutdown()  # lets gloo's threads release their tensors before the interpreter exits
     except BaseException:

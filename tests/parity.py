@@ -165,7 +165,7 @@ def run_engine(
     ``engine.backward(loss)``."""
     import zero_offload
     import zero_offload.zero
-    from zero_offload.runtime import dist
+    from zero_offload.core import dist
     from zero_offload.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     world, rank = dist.world_size(), dist.rank()
@@ -225,7 +225,7 @@ def displacement_err(params: dict, ref: dict, init: dict) -> float:
 
 def run_cases(cases: list[dict]) -> list[dict]:
     """Each case: engine config kwargs + steps/micro/gas; returns measured errors per case."""
-    from zero_offload.runtime import dist
+    from zero_offload.core import dist
 
     world = dist.world_size()
     out = []

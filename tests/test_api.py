@@ -156,7 +156,7 @@ def _broadcast_and_unused():
     base = run_cases([dict(stage=1, offload=False, gas=1, clip=0.0, overlap=True)])[0]
     model = make_model()
     engine, *_ = zero_offload.initialize(model=model, config=cfg)
-    from zero_offload.runtime import dist
+    from zero_offload.core import dist
 
     for x, y in batches(4, 2, 1, 2):
         r0 = dist.rank() * 2

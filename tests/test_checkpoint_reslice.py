@@ -17,7 +17,7 @@ from zero_offload.checkpoint.reslice import (
     shard_pieces,
     source_segments,
 )
-from zero_offload.runtime.layout import build_layout
+from zero_offload.core.layout import build_layout
 
 
 def _params(numels: list[int]) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ import zero_offload
 from zero_offload.checkpoint import CheckpointError
 from zero_offload.config import ConfigError
 from zero_offload.ops.adam import DeepSpeedCPUAdam
-from zero_offload.runtime.guards import NoOptimizerError
+from zero_offload.runtime.engine.guards import NoOptimizerError
 
 STEPS, MICRO, GAS = 3, 2, 2
 PLACEMENTS = [(0, False), (1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]

@@ -133,7 +133,7 @@ def test_cuda_stage3_params_on_pinned_host_and_released():
 def test_cuda_large_pinned_buffer_is_registered_without_rounding():
     """A large pinned host buffer is page-locked in place: pinned (async copies work), and the
     process grows by its size, not by the next power of two (the caching host allocator's)."""
-    from zero_offload.runtime.streams import REGISTER_MIN_BYTES, alloc_host
+    from zero_offload.core.streams import REGISTER_MIN_BYTES, alloc_host
 
     def rss() -> int:
         with open("/proc/self/status") as f:
@@ -155,7 +155,7 @@ def test_cuda_failed_registration_falls_back_and_leaves_no_error_behind(monkeypa
     """A refused cudaHostRegister (here: the range is registered already) gives a pinned buffer
     from the caching allocator, and the runtime's last error it set is cleared: the next kernel
     launch does not raise it as its own."""
-    from zero_offload.runtime import streams
+    from zero_offload.core import streams
 
     numel = streams.REGISTER_MIN_BYTES // 4
     held = streams.alloc_host(numel, torch.float32, pin=True)  # registered in place

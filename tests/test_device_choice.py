@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zero_offload.runtime import dist
+from zero_offload.core import dist
 
 
 @pytest.fixture

@@ -181,7 +181,7 @@ def test_comm_names_in_a_world_of_one():
 def test_comm_init_method_makes_the_rank_gpu_current_before_nccl_starts(monkeypatch):
     """nccl with an explicit rank: the rank's GPU is current before the group exists (its first
     collective and object collectives run there), and the engine picks the same one."""
-    from zero_offload.runtime import dist as rt
+    from zero_offload.core import dist as rt
 
     calls = []
     monkeypatch.setenv("LOCAL_RANK", "0")
@@ -200,7 +200,7 @@ def test_comm_init_method_makes_the_rank_gpu_current_before_nccl_starts(monkeypa
 
 def test_engine_makes_its_cuda_device_current(monkeypatch):
     """The engine's streams and events use the current device: it must be the engine's."""
-    from zero_offload.runtime import dist as rt
+    from zero_offload.core import dist as rt
 
     class Stop(Exception):
         pass
@@ -245,7 +245,7 @@ def test_zero_to_fp32_returns_the_master_weights(tmp_path):
 
 
 def test_module_cast_keeps_buffers_in_their_dtype():
-    from zero_offload.runtime.module_cast import cast_params_
+    from zero_offload.runtime.engine.module_cast import cast_params_
 
     model = make_model()
     model.register_buffer("inv_freq", torch.rand(8, dtype=torch.float32) * 1e-3 + 1.0)

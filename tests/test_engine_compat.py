@@ -18,7 +18,7 @@ from parity import (
 from safetensors import safe_open
 
 import zero_offload
-from zero_offload.runtime.status import ZeroParamStatus
+from zero_offload.core.status import ZeroParamStatus
 from zero_offload.utils import RepeatingLoader, safe_get_full_fp32_param
 
 THRESHOLD_0 = {"stage3_param_persistence_threshold": 0}

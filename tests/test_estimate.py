@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from zero_offload.cli.main import main
-from zero_offload.runtime.memory import expected_bytes
+from zero_offload.runtime.engine.memory import expected_bytes
 
 
 def test_seed_numbers_1p5b_on_8_ranks(capsys):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hf_route_helpers import assert_close_losses, ds_config, run_script, tiny_llama_dir
 
-ENGINE = "zero_offload.runtime.engine.ZeroOffloadEngine"
+ENGINE = "zero_offload.runtime.engine.engine.ZeroOffloadEngine"
 BASE = {"steps": 4, "micro": 2, "gas": 2}
 
 

@@ -85,7 +85,7 @@ class _Rows:
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_each_rank_reads_only_the_rows_of_its_chunk(shape, world):
     from zero_offload.hf.partitioned_load import _chunk
-    from zero_offload.runtime.init_partition import InitShard
+    from zero_offload.runtime.stage3.init_partition import InitShard
 
     full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
     flat = full.reshape(-1)

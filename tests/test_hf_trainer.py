@@ -27,7 +27,7 @@ from hf_route_helpers import (
 
 FP32, BF16 = 1e-4, 2e-2
 EVAL = {"eval_strategy": "steps", "eval_steps": 2, "per_device_eval_batch_size": 2}
-ENGINE = "zero_offload.runtime.engine.ZeroOffloadEngine"
+ENGINE = "zero_offload.runtime.engine.engine.ZeroOffloadEngine"
 
 # (name, stage, offload_optimizer, offload_param, optimizer block in the config)
 MATRIX = [
@@ -310,7 +310,7 @@ def test_example_runs_as_written(tmp_path):
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "trained by zero_offload.runtime.engine.ZeroOffloadEngine" in done.stdout
+    assert "trained by zero_offload.runtime.engine.engine.ZeroOffloadEngine" in done.stdout
     saved = transformers.AutoModelForCausalLM.from_pretrained(str(out / "final"))
     assert all(p.numel() > 0 for p in saved.parameters())
 

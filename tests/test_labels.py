@@ -12,7 +12,7 @@ from parity import batches, engine_config, make_model
 from torch.profiler import ProfilerActivity, profile
 
 import zero_offload
-from zero_offload.runtime import labels
+from zero_offload.core import labels
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

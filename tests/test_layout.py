@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_offload.runtime.layout import build_layout, layout_from_buckets
+from zero_offload.core.layout import build_layout, layout_from_buckets
 
 sizes = st.lists(st.integers(1, 3000), min_size=1, max_size=30)
 

@@ -12,7 +12,7 @@ CASES = [(0, False, 1), (1, False, 1), (2, False, 1), (1, True, 1), (2, True, 1)
 
 def accounting(dtype: str = "bf16") -> list[dict]:
     import zero_offload
-    from zero_offload.runtime import dist
+    from zero_offload.core import dist
 
     out = []
     for stage, offload, gas in CASES:

@@ -92,7 +92,7 @@ def test_destroy_restores_linear_forward(efficient):
 def test_attached_linear_pickles_and_copies():
     import pickle
 
-    from zero_offload.runtime.memory_efficient_linear import attach, detach
+    from zero_offload.runtime.stage3.memory_efficient_linear import attach, detach
 
     layer = torch.nn.Linear(4, 3)
     assert attach(layer) == [layer]

@@ -21,11 +21,11 @@ from distributed import run_ranks
 from parity import batches, engine_config, global_step, make_model, run_cases
 
 from zero_offload.config.errors import ConfigError
+from zero_offload.core.shard_state import KINDS, MemoryState
 from zero_offload.nvme.aio import AioEngine, AioPolicy
 from zero_offload.nvme.errors import NvmeSwapError
 from zero_offload.nvme.optimizer_state import NvmeOptimizerState
 from zero_offload.nvme.param_shard import NvmeParamShard
-from zero_offload.runtime.shard_state import KINDS, MemoryState
 
 GRAD_TOL, PARAM_TOL = 1e-5, 1e-3
 S3 = {"stage3_param_persistence_threshold": 0}
@@ -228,7 +228,7 @@ def _one_rank_fails(root: str) -> list:
     """Rank 1's write fails in group 0 of a step: both ranks raise (no rank waits in a
     collective), keep the last step, and a retry of the same batch then equals a run that
     never failed."""
-    from zero_offload.runtime import dist
+    from zero_offload.core import dist
 
     rank, data = dist.rank(), batches(4, 2, 2, 1)
     clean = _two_group_engine(Path(root) / f"clean{rank}")
@@ -457,7 +457,7 @@ def test_bad_path_leaves_a_stage3_model_untouched(tmp_path):
 
 def _preflight_on_two_ranks(root: str) -> list:
     import zero_offload
-    from zero_offload.runtime import dist
+    from zero_offload.core import dist
 
     path = Path(root) / ("ok" if dist.rank() == 0 else "missing")
     cfg = engine_config(

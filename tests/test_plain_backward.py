@@ -10,7 +10,7 @@ from distributed import run_ranks
 from parity import displacement_err, engine_config, make_model, run_cases
 
 import zero_offload
-from zero_offload.runtime.guards import EngineUsageError
+from zero_offload.runtime.engine.guards import EngineUsageError
 
 GRAD_TOL, PARAM_TOL = 1e-5, 1e-3
 THRESHOLD_0 = {"stage3_param_persistence_threshold": 0}

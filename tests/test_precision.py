@@ -45,7 +45,7 @@ def test_bf16_tracks_fp32_world2():
 
 def overflow_case(stage: int, offload: bool) -> dict:
     import zero_offload
-    from zero_offload.runtime import dist
+    from zero_offload.core import dist
     from zero_offload.utils import safe_get_full_fp32_param
 
     cfg = engine_config(

@@ -21,7 +21,7 @@ from parity import (
 
 import zero_offload
 from zero_offload.config import ConfigError
-from zero_offload.runtime.guards import EngineUsageError
+from zero_offload.runtime.engine.guards import EngineUsageError
 from zero_offload.utils import safe_get_full_fp32_param, safe_get_full_grad
 
 MICRO, GAS = 2, 2

@@ -80,7 +80,7 @@ def _engine(stage=3, model=None, **zero):
 
 def _attributes_and_modifier(world: int) -> dict:
     import zero_offload.zero as zero
-    from zero_offload.runtime import dist
+    from zero_offload.core import dist
     from zero_offload.utils import safe_get_full_fp32_param
 
     engine, model = _engine(offload_param={"device": "cpu"}, stage3_param_persistence_threshold=0)

@@ -16,8 +16,8 @@ def _train_and_export(out: str, world: int = 1):
 
     import zero_offload
     from zero_offload.checkpoint.module_state import module_state
+    from zero_offload.core.status import PartitionedParamError
     from zero_offload.hf import CausalLMLoss, export_pretrained
-    from zero_offload.runtime.status import PartitionedParamError
     from zero_offload.utils import safe_get_full_fp32_param
 
     rank = zero_offload.comm.get_rank()

@@ -79,7 +79,7 @@ class _Errors:
 
 def _pieces(local: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's local piece, in rank order."""
-    from zero_offload.runtime import dist
+    from zero_offload.core import dist
 
     out = [None] * dist.world_size()
     dist.all_gather_object(out, local.cpu())
@@ -87,7 +87,7 @@ def _pieces(local: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _set_local(set_fn, param, full: torch.Tensor, sizes: list[int], *key) -> None:
-    from zero_offload.runtime import dist
+    from zero_offload.core import dist
 
     start = sum(sizes[: dist.rank()])
     set_fn(param, full.reshape(-1)[start : start + sizes[dist.rank()]].clone(), *key)
@@ -99,7 +99,7 @@ def _run_case(case: dict) -> list[str]:
     import zero_offload
     import zero_offload.zero as zero
     from zero_offload import utils as u
-    from zero_offload.runtime import dist
+    from zero_offload.core import dist
 
     world, rank = dist.world_size(), dist.rank()
     stage = case["stage"]
@@ -284,7 +284,7 @@ def _run_case(case: dict) -> list[str]:
 
 def _sweep(cases: list[dict]) -> list[list[str]]:
     """Every case on this rank; every rank's failures (gathered, so rank 1's are seen too)."""
-    from zero_offload.runtime import dist
+    from zero_offload.core import dist
 
     mine = [[f"{case}: {f}" for f in _run_case(copy.deepcopy(case))] for case in cases]
     out = [None] * dist.world_size()

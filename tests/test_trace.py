@@ -214,7 +214,7 @@ def test_load_reads_plain_and_gzipped_traces(tmp_path):
 
 
 def test_label_names_match_the_runtime():
-    from zero_offload.runtime import labels
+    from zero_offload.core import labels
 
     assert tr.HOST_UPDATE == labels.HOST_UPDATE
     assert all(n.startswith(tr.LABEL_PREFIX) for n in labels.ALL)

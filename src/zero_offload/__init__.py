@@ -21,7 +21,7 @@ _LAZY = {
         ".checkpoint",
         "get_fp32_state_dict_from_zero_checkpoint",
     ),
-    "init_distributed": (".runtime.dist", "init_distributed"),
+    "init_distributed": (".core.dist", "init_distributed"),
     "ZeroOffloadEngine": (".runtime.engine", "ZeroOffloadEngine"),
     "DeepSpeedEngine": (".runtime.engine", "ZeroOffloadEngine"),
     "as_deepspeed": ("._as_deepspeed", "as_deepspeed"),

@@ -8,8 +8,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from .runtime import dist
-from .runtime.engine import ZeroOffloadEngine
+from .core import dist
+from .runtime.engine.engine import ZeroOffloadEngine
 
 log = logging.getLogger("zero_offload")
 

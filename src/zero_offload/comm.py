@@ -14,7 +14,7 @@ import os
 import torch
 import torch.distributed as _dist
 
-from .runtime import dist as _rt
+from .core import dist as _rt
 
 ReduceOp = _dist.ReduceOp
 

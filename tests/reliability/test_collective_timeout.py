@@ -10,7 +10,7 @@ import time
 import pytest
 from distributed import _free_port, answer_of
 
-from zero_offload.runtime.dist import as_timeout
+from zero_offload.core.dist import as_timeout
 
 
 def _rank(rank: int, port: int, queue) -> None:
@@ -67,7 +67,7 @@ def test_launcher_timeout_reaches_the_ranks(tmp_path):
     worker = tmp_path / "worker.py"
     worker.write_text(
         "import os, sys\n"
-        "from zero_offload.runtime.dist import TIMEOUT_ENV, as_timeout\n"
+        "from zero_offload.core.dist import TIMEOUT_ENV, as_timeout\n"
         "t = as_timeout(os.environ[TIMEOUT_ENV]).total_seconds()\n"
         "open(os.path.join(sys.argv[1], 'rank' + os.environ['RANK']), 'w').write(str(t))\n"
     )

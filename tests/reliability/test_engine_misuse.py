@@ -6,7 +6,7 @@ import pytest
 import reliability_helpers as h
 import torch
 
-from zero_offload.runtime.guards import EngineUsageError, NonFiniteHyperparameterError
+from zero_offload.runtime.engine.guards import EngineUsageError, NonFiniteHyperparameterError
 
 PLACEMENTS = [(0, False), (1, False), (2, False), (1, True), (2, True)]
 

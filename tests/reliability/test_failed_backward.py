@@ -45,7 +45,7 @@ class _Deep(torch.nn.Module):
 
 def _train(stage: int, offload: bool, overlap: bool, fail: bool) -> list[torch.Tensor]:
     import zero_offload
-    from zero_offload.runtime import dist
+    from zero_offload.core import dist
     from zero_offload.utils import safe_get_full_fp32_param
 
     torch.manual_seed(0)

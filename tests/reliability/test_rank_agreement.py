@@ -10,7 +10,7 @@ from distributed import run_ranks
 def _seeded_by_rank(stage: int, offload: bool) -> dict:
     import reliability_helpers as h
 
-    from zero_offload.runtime import dist
+    from zero_offload.core import dist
 
     rank = dist.rank()
     model = h.net(seed=100 + rank)  # each rank builds different initial weights
@@ -59,7 +59,7 @@ def _mismatched(kind: str) -> str:
     import reliability_helpers as h
 
     import zero_offload
-    from zero_offload.runtime import dist
+    from zero_offload.core import dist
 
     rank = dist.rank()
     cfg = h.config(stage=2)

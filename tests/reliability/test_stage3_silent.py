@@ -45,7 +45,7 @@ def test_edits_without_modifier_rank_are_discarded(world):
 @pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.parametrize("how", ["unfrozen", "created"])
 def test_a_param_the_engine_cannot_train_stops_the_step(stage, how):
-    from zero_offload.runtime.guards import EngineUsageError
+    from zero_offload.runtime.engine.guards import EngineUsageError
 
     model = make_model()
     cfg = engine_config(stage, False, 1, 2, 0.0, overlap=False)

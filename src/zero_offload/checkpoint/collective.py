@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from ..runtime import dist
+from ..core import dist
 from .format import CheckpointError
 
 log = logging.getLogger("zero_offload")

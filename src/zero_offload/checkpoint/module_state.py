@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.status import require_whole
+from ..core.status import require_whole
 from .format import CheckpointError
 
 

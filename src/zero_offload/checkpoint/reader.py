@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..runtime.layout import FlatLayout, layout_from_buckets
+from ..core.layout import FlatLayout, layout_from_buckets
 from . import atomic
 from .format import (
     FORMAT,

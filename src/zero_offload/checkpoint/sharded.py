@@ -446,7 +446,7 @@ def gathered(engine, items: Sequence[Item]) -> Iterator[Item]:
     if store is None:
         yield from items
         return
-    from ..runtime.status import ZeroParamStatus
+    from ..core.status import ZeroParamStatus
 
     store.quiesce()
     mine: set[int] = set()

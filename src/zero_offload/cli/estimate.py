@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..runtime.memory import per_param_table
+    from ..runtime.engine.memory import per_param_table
     from .errors import report
 
     if args.model == "gpt2":

@@ -73,7 +73,7 @@ def torchrun_argv(args: argparse.Namespace, cuda_devices: int) -> list[str]:
     if not 1 <= args.master_port <= 65535:
         raise ValueError(f"--master_port must be in [1, 65535], got {args.master_port}")
     if getattr(args, "timeout", None) is not None:
-        from ..runtime.dist import as_timeout
+        from ..core.dist import as_timeout
 
         try:
             as_timeout(args.timeout)
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    from ..runtime.dist import uses_cuda
+    from ..core.dist import uses_cuda
 
     cuda_devices = torch.cuda.device_count() if uses_cuda() else 0
     try:
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"zero-offload launch: error: {err}", file=sys.stderr)
         return 2
     ranks_per_node = args.num_gpus if args.num_gpus is not None else max(cuda_devices, 1)
-    from ..runtime.dist import TIMEOUT_ENV
+    from ..core.dist import TIMEOUT_ENV
 
     user_timeout = os.environ.get(TIMEOUT_ENV)
     if args.timeout is not None:  # read by init_distributed() in every rank

@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
 
     import zero_offload
     from zero_offload.config import ConfigError
-    from zero_offload.runtime.dist import uses_cuda
+    from zero_offload.core.dist import uses_cuda
 
     try:
         cuda_bf16 = uses_cuda() and torch.cuda.is_bf16_supported()

@@ -112,7 +112,7 @@ def _load_plan(ds_config: dict | None):
     import warnings
 
     from zero_offload.config import load_config
-    from zero_offload.runtime import dist
+    from zero_offload.core import dist
 
     with warnings.catch_warnings():  # initialize() reports the config's warnings once
         warnings.simplefilter("ignore")

@@ -24,7 +24,7 @@ from ..comm import (  # noqa: F401
     is_initialized,
 )
 from ..comm import init_distributed as _init_distributed
-from ..runtime import dist as _rt
+from ..core import dist as _rt
 from ._common import not_provided_getattr
 
 __getattr__ = not_provided_getattr(__name__)

@@ -34,7 +34,7 @@ from ..checkpoint.sharded import (
     full_shape,
     gathered,
 )
-from ..runtime.status import require_whole
+from ..core.status import require_whole
 
 log = logging.getLogger("zero_offload")
 

@@ -44,7 +44,7 @@ from typing import Any, Protocol
 import torch
 
 from .._native import load_optional
-from ..runtime.streams import pin_failed
+from ..core.streams import pin_failed
 
 __all__ = [
     "ALIGN",

@@ -3,7 +3,7 @@ parameter's fp32 master weight, optimizer state (Adam's ``"exp_avg"``, ``"exp_av
 optimizer's state tensors by their keys) and gradient, whole (``safe_*_full_*``) or as this rank's
 piece (``safe_*_local_*``, ZeRO stage 3 only), at every stage and placement.
 
-Where the values live (runtime/layout.py): a trainable param sits in one bucket of its flat group,
+Where the values live (core/layout.py): a trainable param sits in one bucket of its flat group,
 and rank r owns the r-th slice of every bucket (stage 0: all of it). The rank's fp32 master shard
 and Adam state (the shard optimizer's ``master``, ``exp_avg``, ``exp_avg_sq``: on the device, or
 in host memory with ``offload_optimizer``) and its reduced gradient (grad_shard.py, scaled by the
@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core import dist
+from ..core.status import ZeroParamStatus
 from ..nvme.state_range import StateRange
-from ..runtime import dist
-from ..runtime.status import ZeroParamStatus
 
 
 class Zero3OnlyError(AssertionError, ValueError):
@@ -134,7 +134,7 @@ def _lookup(param: torch.Tensor, fn: str, local: bool = False) -> _Where | None:
 
 def _state_tensor(engine, gi: int, key: str, fn: str) -> torch.Tensor:
     """This rank's shard of optimizer state ``key``: Adam's moments, or with a client optimizer
-    (runtime/client_update.py) its own state over the master shard. As DeepSpeed: any state
+    (runtime/update/client_update.py) its own state over the master shard. As DeepSpeed: any state
     tensor shaped like the master shard has a key ("step" has none)."""
     so = engine.shard_opts[gi]
     client = getattr(so, "client", None)

@@ -1,7 +1,7 @@
 """DeepSpeed's ``deepspeed.zero`` names: build partitioned models (``Init``), see or edit full
 params of a partitioned model (``GatheredParameters``), and declare cross-module param use."""
 
-from ..runtime.status import ZeroParamStatus
+from ..core.status import ZeroParamStatus
 from .gathered import GatheredParameters, register_external_parameter, unwrap_model_for_generation
 from .init import Init
 

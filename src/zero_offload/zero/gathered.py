@@ -13,8 +13,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from ..runtime import dist
-from ..runtime.init_partition import full_value, write_back
+from ..core import dist
+from ..runtime.stage3.init_partition import full_value, write_back
 
 
 def _as_list(params) -> list[torch.nn.Parameter]:

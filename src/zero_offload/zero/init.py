@@ -18,8 +18,8 @@ import os
 
 import torch
 
-from ..runtime import dist
-from ..runtime.init_partition import partition_at_init
+from ..core import dist
+from ..runtime.stage3.init_partition import partition_at_init
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ...runtime.layout import build_layout
+from ...core.layout import build_layout
 from .. import atomic
 from ..format import (
     FORMAT,

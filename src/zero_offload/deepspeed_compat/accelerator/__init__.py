@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ...runtime import dist as _rt
+from ...core import dist as _rt
 from .._common import DeepSpeedNotProvidedError, not_provided_getattr
 
 __all__ = ["get_accelerator"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from ...runtime.dataloader import RepeatingLoader  # noqa: F401
+from ...core.dataloader import RepeatingLoader  # noqa: F401
 from ...utils import (  # noqa: F401
     get_z3_leaf_modules,
     safe_get_full_fp32_param,

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from ....runtime.status import ZeroParamStatus
+from ....core.status import ZeroParamStatus
 from ....zero import GatheredParameters, register_external_parameter
 from ....zero import Init as _Init
 from ..._common import as_zero_offload_config, not_provided_getattr

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import torch
 
-from ..config.errors import ConfigError
-from ..nvme.aio import AioEngine
-from ..nvme.optimizer_state import NvmeOptimizerState
-from ..nvme.param_shard import NvmeParams
-from ..nvme.preflight import check_nvme_path
-from . import dist
-from .flat_group import FlatGroup
+from ...config.errors import ConfigError
+from ...core import dist
+from ...core.flat_group import FlatGroup
+from ...core.shard_state import MemoryState, ShardState
+from ...nvme.aio import AioEngine
+from ...nvme.optimizer_state import NvmeOptimizerState
+from ...nvme.param_shard import NvmeParams
+from ...nvme.preflight import check_nvme_path
 from .placement import CHUNK_ALIGN, Placement
-from .shard_state import MemoryState, ShardState
 
 OPTIMIZER_PATH_KEY = "zero_optimization.offload_optimizer.nvme_path"
 PARAM_PATH_KEY = "zero_optimization.offload_param.nvme_path"

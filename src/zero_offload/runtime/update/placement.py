@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-from ..nvme.aio import AioPolicy
+from ...nvme.aio import AioPolicy
 
 Where = Literal["device", "host", "nvme"]
 _FROM_CONFIG: dict[str, Where] = {"none": "device", "cpu": "host", "nvme": "nvme"}

@@ -31,12 +31,12 @@ import collections
 
 import torch
 
-from . import dist
-from .backward_scope import BackwardScope
-from .flat_group import FlatGroup
+from ...core import dist
+from ...core.flat_group import FlatGroup
+from ...core.labels import REDUCE, label
+from ...core.streams import Streams
+from ..backward_scope import BackwardScope
 from .grad_shard import GradShard
-from .labels import REDUCE, label
-from .streams import Streams
 
 
 class Reducer:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .flat_group import FlatGroup
-from .layout import FlatLayout, build_unit_layout
+from ...core.flat_group import FlatGroup
+from ...core.layout import FlatLayout, build_unit_layout
 
 
 def scheduled_modules(module: torch.nn.Module) -> list[tuple[torch.nn.Module, list]]:

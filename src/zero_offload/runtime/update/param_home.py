@@ -16,9 +16,9 @@ from typing import Protocol
 
 import torch
 
-from . import dist
-from .flat_group import FlatGroup
-from .streams import Streams
+from ...core import dist
+from ...core.flat_group import FlatGroup
+from ...core.streams import Streams
 
 
 class ParamHome(Protocol):

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from .flat_group import FlatGroup
-from .labels import GRAD_D2H, GRAD_WAIT, label
-from .layout import Bucket, Segment
-from .streams import Streams, alloc_host
+from ...core.flat_group import FlatGroup
+from ...core.labels import GRAD_D2H, GRAD_WAIT, label
+from ...core.layout import Bucket, Segment
+from ...core.streams import Streams, alloc_host
 
 
 class GradShard:

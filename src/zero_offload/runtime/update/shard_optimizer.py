@@ -28,15 +28,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.host_adam import host_adam_step
+from ...core.flat_group import FlatGroup
+from ...core.labels import HOST_UPDATE, PARAM_H2D, label
+from ...core.shard_state import ShardState
+from ...core.streams import Streams, alloc_host
+from ...kernels.host_adam import host_adam_step
+from ..reduce.grad_shard import GradShard
 from .client_update import ClientUpdate
-from .flat_group import FlatGroup
-from .grad_shard import GradShard
-from .labels import HOST_UPDATE, PARAM_H2D, label
 from .param_home import ParamHome
 from .placement import Placement
-from .shard_state import ShardState
-from .streams import Streams, alloc_host
 
 
 @dataclass(frozen=True)

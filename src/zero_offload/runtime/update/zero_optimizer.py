@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .flat_group import FlatGroup
+from ...core.flat_group import FlatGroup
 from .shard_optimizer import ShardOptimizer
 
 
@@ -46,7 +46,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         name; still an AttributeError, so ``hasattr`` answers False."""
         if name.startswith("_"):
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
-        from .._as_deepspeed import DeepSpeedNotProvidedError
+        from ..._as_deepspeed import DeepSpeedNotProvidedError
 
         raise DeepSpeedNotProvidedError(
             f"engine.optimizer.{name}", " (DeepSpeed's ZeRO optimizer internals)"

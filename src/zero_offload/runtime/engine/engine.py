@@ -17,35 +17,36 @@ import weakref
 
 import torch
 
-from ..config.auto_sizes import resolve_auto_sizes
-from ..config.runtime_keys import DTYPES
-from ..nvme.aio import AioEngine
-from ..nvme.errors import NvmeSwapError
-from ..utils.z3_leaf_module import apply_leaf_config
-from . import dist, guards
-from .backward_scope import ENGINE, PLAIN, BackwardScope, in_backward
-from .consistency import synchronize_start
+from ...config.auto_sizes import resolve_auto_sizes
+from ...config.runtime_keys import DTYPES
+from ...core import dist
+from ...core.consistency import synchronize_start
+from ...core.flat_group import FlatGroup
+from ...core.streams import Streams
+from ...nvme.aio import AioEngine
+from ...nvme.errors import NvmeSwapError
+from ...utils.z3_leaf_module import apply_leaf_config
+from ..backward_scope import ENGINE, PLAIN, BackwardScope, in_backward
+from ..reduce.grad_shard import GradShard
+from ..reduce.reducer import Reducer
+from ..stage3.fetch_schedule import FetchSchedule
+from ..stage3.init_partition import materialize
+from ..stage3.memory_efficient_linear import attach as attach_linear
+from ..stage3.memory_efficient_linear import detach as detach_linear
+from ..stage3.param_store import ParamStore, ShardHome, Stage3Policy
+from ..stage3.partition_units import move_buffers, unit_ids, unit_layout
+from ..update.param_home import FlatHome
+from ..update.placement import Placement, run_name
+from ..update.shard_optimizer import ShardOptimizer, UpdatePolicy
+from ..update.state_build import build_nvme_params, build_states, preflight
+from ..update.zero_optimizer import ZeroOptimizer
+from . import guards
 from .engine_api import DeepSpeedEngineAPI
 from .engine_compat import DeepSpeedCompatAPI
-from .fetch_schedule import FetchSchedule
-from .flat_group import FlatGroup
-from .grad_shard import GradShard
-from .init_partition import materialize
 from .loss_scaler import build_loss_scaler
 from .memory import expected_bytes
-from .memory_efficient_linear import attach as attach_linear
-from .memory_efficient_linear import detach as detach_linear
 from .module_cast import cast_params_
 from .overflow import OverflowMonitor
-from .param_home import FlatHome
-from .param_store import ParamStore, ShardHome, Stage3Policy
-from .partition_units import move_buffers, unit_ids, unit_layout
-from .placement import Placement, run_name
-from .reducer import Reducer
-from .shard_optimizer import ShardOptimizer, UpdatePolicy
-from .state_build import build_nvme_params, build_states, preflight
-from .streams import Streams
-from .zero_optimizer import ZeroOptimizer
 
 log = logging.getLogger("zero_offload")
 
@@ -598,7 +599,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
     ):
-        from ..checkpoint import save_checkpoint
+        from ...checkpoint import save_checkpoint
 
         return save_checkpoint(
             self,
@@ -620,7 +621,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         custom_load_fn=None,
     ):
         """DeepSpeed's signature and argument order."""
-        from ..checkpoint import load_checkpoint
+        from ...checkpoint import load_checkpoint
 
         if custom_load_fn is not None:
             raise NotImplementedError(
@@ -645,7 +646,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         max_shard_size: int | str | None = None,
     ):
         """DeepSpeed's; ``max_shard_size`` (this project's): Hugging Face's sharded layout."""
-        from ..checkpoint import save_16bit_model
+        from ...checkpoint import save_16bit_model
 
         return save_16bit_model(
             self, save_dir, save_filename, exclude_frozen_parameters, max_shard_size

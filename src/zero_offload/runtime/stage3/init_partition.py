@@ -13,8 +13,8 @@ import math
 
 import torch
 
-from . import dist
-from .status import ZeroParamStatus
+from ...core import dist
+from ...core.status import ZeroParamStatus
 
 _ids = itertools.count()
 

@@ -34,14 +34,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..nvme.param_shard import NvmeParams, NvmeParamShard
-from . import dist
-from .flat_group import FlatGroup
+from ...core import dist
+from ...core.flat_group import FlatGroup
+from ...core.labels import FETCH, label
+from ...core.shard_state import ShardState
+from ...core.status import ZeroParamStatus
+from ...core.streams import Streams, alloc_host
+from ...nvme.param_shard import NvmeParams, NvmeParamShard
 from .init_partition import InitShard, full_value, next_ds_id
-from .labels import FETCH, label
-from .shard_state import ShardState
-from .status import ZeroParamStatus
-from .streams import Streams, alloc_host
 
 
 @dataclass(frozen=True)

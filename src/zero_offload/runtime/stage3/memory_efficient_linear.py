@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .status import ZeroParamStatus
+from ...core.status import ZeroParamStatus
 
 
 class Zero3Linear(torch.autograd.Function):

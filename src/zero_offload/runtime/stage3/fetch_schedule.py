@@ -38,12 +38,12 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import dist
-from .backward_scope import BackwardScope, in_backward
-from .consistency import RankMismatchError
+from ...core import dist
+from ...core.consistency import RankMismatchError
+from ...core.status import ZeroParamStatus
+from ..backward_scope import BackwardScope, in_backward
 from .param_store import ParamStore, Stage3Policy
 from .partition_units import scheduled_modules
-from .status import ZeroParamStatus
 
 
 class _AfterBackward(torch.autograd.Function):

@@ -1,0 +1,1 @@
+"""Gradient reduction: backward hooks, buckets, collectives, and the rank's gradient shard."""
