@@ -18,6 +18,18 @@ from .format import CheckpointError
 log = logging.getLogger("zero_offload")
 
 
+def agree(device: torch.device, err: BaseException | None, what: str, cleanup=None) -> None:
+    """Every rank raises if any rank failed ``what`` (a failing rank re-raises its own error),
+    after ``cleanup``: a collective, called by every rank at the same point."""
+    failed = failed_ranks(device, err is None)
+    if failed:
+        if cleanup is not None:
+            cleanup()
+        if err is not None:
+            raise err
+        raise CheckpointError(f"{what} failed on rank(s) {failed}; nothing was published")
+
+
 def failed_ranks(device: torch.device, ok: bool) -> list[int]:
     """Every rank learns which ranks reported ``ok=False``."""
     world = dist.world_size()

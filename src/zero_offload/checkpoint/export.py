@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .format import MODEL_FILE, CheckpointError, CheckpointNotFoundError, shard_tensor
+from .module_state import tied_patterns
 from .reader import CheckpointReader, GroupMeta
 from .sharded import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -287,7 +288,6 @@ def _hf_expectations(folder: Path) -> _Expect:
             "folder (the one training started from, or the run folder's hf_model/)"
         )
     from ..hf.deps import require_transformers
-    from ..hf.export import _tied_patterns
 
     transformers = require_transformers()
     config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
@@ -308,7 +308,7 @@ def _hf_expectations(folder: Path) -> _Expect:
         type(model).__name__,
         list(model.state_dict()),
         tied,
-        _tied_patterns(model),
+        tied_patterns(model),
     )
 
 

@@ -66,3 +66,13 @@ def alias_map(sd: dict[str, torch.Tensor], prefer: set[str]) -> dict[str, str]:
             canon = next((k for k in keys if k in prefer), keys[0])
             out.update({k: canon for k in keys if k != canon})
     return out
+
+
+def tied_patterns(model: torch.nn.Module) -> list[str]:
+    """transformers' declared tied-weight targets (the keys save_pretrained drops)."""
+    out: list[str] = []
+    for name, sub in model.named_modules():
+        tied = getattr(sub, "_tied_weights_keys", None) or {}
+        keys = tied.keys() if isinstance(tied, dict) else tied
+        out += [f"{name}.{k}" if name else k for k in keys]
+    return out

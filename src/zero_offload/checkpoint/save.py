@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from . import atomic, rng
-from .collective import agree_on_tag, failed_ranks
+from .collective import agree, agree_on_tag
 from .format import (
     FORMAT,
     FORMAT_VERSION,
@@ -44,15 +44,7 @@ log = logging.getLogger("zero_offload")
 
 def _agree(engine, err: BaseException | None, what: str, cleanup=None) -> None:
     """Raise on every rank if any rank failed ``what`` (the failing rank re-raises its own error)."""
-    failed = failed_ranks(engine.device, err is None)
-    if failed:
-        if cleanup is not None:
-            cleanup()
-        if err is not None:
-            raise err
-        raise CheckpointError(
-            f"checkpoint {what} failed on rank(s) {failed}; nothing was published"
-        )
+    agree(engine.device, err, f"checkpoint {what}", cleanup)
 
 
 def _hyper_json(hyper: dict) -> dict:

@@ -397,14 +397,9 @@ def write_stream(
 # ---- engine streams (stage 0-3) ----------------------------------------------------------------
 def _agree(engine, err: BaseException | None, what: str) -> None:
     """Every rank raises if any rank failed ``what`` (a failing rank raises its own error)."""
-    from .collective import failed_ranks
+    from .collective import agree
 
-    device = getattr(engine, "device", torch.device("cpu"))
-    failed = failed_ranks(device, err is None)
-    if failed:
-        if err is not None:
-            raise err
-        raise CheckpointError(f"{what} failed on rank(s) {failed}; nothing was published")
+    agree(getattr(engine, "device", torch.device("cpu")), err, what)
 
 
 @dataclass

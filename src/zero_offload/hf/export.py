@@ -25,11 +25,12 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import atomic
+from ..checkpoint.collective import agree
+from ..checkpoint.module_state import tied_patterns
 from ..checkpoint.sharded import (
     DEFAULT_MAX_SHARD_SIZE,
     ExportResult,
     Item,
-    _agree,
     export_items,
     full_shape,
     gathered,
@@ -149,16 +150,6 @@ class _LayerMerge:
                 layer.merged_adapters[:] = merged_before
 
 
-def _tied_patterns(model: torch.nn.Module) -> list[str]:
-    """transformers' declared tied-weight targets (the keys save_pretrained drops)."""
-    out: list[str] = []
-    for name, sub in model.named_modules():
-        tied = getattr(sub, "_tied_weights_keys", None) or {}
-        keys = tied.keys() if isinstance(tied, dict) else tied
-        out += [f"{name}.{k}" if name else k for k in keys]
-    return out
-
-
 def pretrained_items(hf_model: torch.nn.Module) -> list[Item]:
     """The tensors ``save_pretrained`` writes for ``hf_model`` (merged, for a peft model), in
     state-dict order: a tied param once (under the name transformers keeps), persistent buffers,
@@ -192,7 +183,7 @@ def pretrained_items(hf_model: torch.nn.Module) -> list[Item]:
 
     walk(base, "")
     ignore = set(getattr(base, "_keys_to_ignore_on_save", None) or [])
-    patterns = _tied_patterns(base)
+    patterns = tied_patterns(base)
     names_of: dict[int, list[str]] = {}
     for key, t, _, _ in entries:
         names_of.setdefault(id(t), []).append(key)
@@ -298,7 +289,7 @@ def _save_adapter(engine, peft_model: torch.nn.Module, folder: Path) -> list[str
             except Exception as e:
                 shutil.rmtree(atomic.staging_dir(folder.parent, folder.name), ignore_errors=True)
                 err = e
-    _agree(engine, err, f"adapter export to {folder}")
+    agree(getattr(engine, "device", torch.device("cpu")), err, f"adapter export to {folder}")
     return [str(folder)] if rank == 0 else []
 
 

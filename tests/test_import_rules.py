@@ -1,0 +1,105 @@
+"""The package's layering (docs/architecture.md, "Who may import what"), checked on the source.
+
+Every import is resolved to its absolute module, including imports inside functions: a lazy
+import is still an arrow. A rule names the importing folder and the folders it may not reach.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "src" / "zero_offload"
+
+# importing folder -> folders it must not import (dotted, relative to zero_offload)
+FORBIDDEN = {
+    "core": ("runtime", "nvme", "checkpoint", "utils", "hf", "zero", "cli", "api", "config"),
+    "nvme": ("runtime", "checkpoint", "utils", "hf"),
+    "checkpoint": ("runtime", "hf", "utils"),
+    "utils": ("runtime",),
+    "runtime.reduce": ("runtime.engine", "runtime.stage3", "runtime.update"),
+    "runtime.stage3": ("runtime.engine", "runtime.update"),
+    "runtime.update": ("runtime.engine", "runtime.stage3"),
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(module: str, is_package: bool, source: str) -> list[tuple[int, str, list[str]]]:
+    """(line, absolute module, imported names) for every ``import`` / ``from`` in the source."""
+    package = module if is_package else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out.append((node.lineno, target, [a.name for a in node.names]))
+    return out
+
+
+def _within(module: str, folder: str) -> bool:
+    full = f"zero_offload.{folder}"
+    return module == full or module.startswith(full + ".")
+
+
+def _top(module: str) -> str:
+    """The top-level folder (or module) of zero_offload that ``module`` belongs to."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "zero_offload" and len(parts) > 1 else parts[0]
+
+
+# (importing folder, imported module) arrows allowed despite FORBIDDEN
+ALLOWED = {
+    # the optional-dependency loader imports nothing of the package
+    ("checkpoint", "hf.deps"),
+}
+
+
+def _violations(module: str, is_package: bool, source: str) -> list[str]:
+    found = []
+    for line, target, names in _imports(module, is_package, source):
+        reached = [target] + [f"{target}.{n}" for n in names]
+        for folder, banned in FORBIDDEN.items():
+            if not _within(module, folder):
+                continue
+            for other in banned:
+                if (folder, target.removeprefix("zero_offload.")) in ALLOWED:
+                    continue
+                if any(_within(r, other) for r in reached):
+                    found.append(f"{module}:{line} imports {target} ({folder} -> {other})")
+        # a private name is private to its top-level folder
+        private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+        if private and target.startswith("zero_offload") and _top(target) != _top(module):
+            found.append(f"{module}:{line} imports private {private} from {target}")
+    return found
+
+
+def test_no_import_runs_back_up():
+    found = []
+    for path in sorted(PKG.rglob("*.py")):
+        found += _violations(_module_name(path), path.name == "__init__.py", path.read_text())
+    assert found == []
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("from ..runtime.engine import memory\n", "core -> runtime"),
+        ("from ..hf.export import _helper\n", "imports private"),
+    ],
+)
+def test_rules_catch_a_bad_import(source, expected):
+    """The checker itself: a bad import in a module of core/ is reported."""
+    found = _violations("zero_offload.core.planted", False, source)
+    assert any(expected in v for v in found), found
