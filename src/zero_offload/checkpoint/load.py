@@ -39,7 +39,8 @@ def _apply(
             live[key].copy_(ckpt.read_tensor(MODEL_FILE, target))
     if use_opt:
         saved = ckpt.groups
-        for g, so, gp, old in zip(engine.groups, engine.shard_opts, plan.groups, saved):
+        for og, gp, old in zip(engine.opt_groups, plan.groups, saved):
+            g, so = og.flat, og.optimizer
             for kind in SHARD_KINDS:  # kind by kind: an NVMe state's cached region is reused
                 for f, src, dst, n in gp.reads:
                     piece = ckpt.read_slice(f, shard_tensor(g.index, kind), src, src + n)
@@ -50,8 +51,8 @@ def _apply(
             _restore_hyper(g.hyper, old.hyper)
             so.params_from_master()  # the 16-bit params are the master's cast, as after a step
     else:
-        for so in engine.shard_opts:  # master from the loaded 16-bit weights
-            so.master_from_params()
+        for og in engine.opt_groups:  # master from the loaded 16-bit weights
+            og.optimizer.master_from_params()
     if not module_only:
         meta = ckpt.meta
         for k, v in meta["counters"].items():

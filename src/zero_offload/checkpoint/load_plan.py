@@ -95,7 +95,8 @@ def _plan_groups(engine, ckpt: CheckpointReader, plan: LoadPlan) -> None:
             f"{where}: {len(saved)} param groups saved, the engine has {len(engine.groups)}"
         )
     plan.groups = []
-    for g, so, old in zip(engine.groups, engine.shard_opts, saved):
+    for og, old in zip(engine.opt_groups, saved):
+        g, so = og.flat, og.optimizer
         shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in g.params]
         if list(g.names) != old.names:
             diff = next(

@@ -70,7 +70,7 @@ def _common_meta(engine, tag: str, client_state) -> dict:
 
     sched = engine.lr_scheduler
     groups = []
-    for g, so in zip(engine.groups, engine.shard_opts):
+    for g, so in ((og.flat, og.optimizer) for og in engine.opt_groups):
         layout = g.layout
         groups.append(
             {
@@ -120,7 +120,7 @@ def _write_rank_file(engine, stage: Path, groups: list) -> dict:
     same) and its RNG states."""
     entries = []
     if engine.stage >= 1 or engine.global_rank == 0:
-        for gi, so in enumerate(engine.shard_opts):
+        for gi, so in enumerate(og.optimizer for og in engine.opt_groups):
             entries += [_state_entry(shard_tensor(gi, k), so, k) for k in SHARD_KINDS]
     rng_json, rng_tensors = rng.capture(engine.device)
     entries += [Entry.of(k, v) for k, v in rng_tensors.items()]
@@ -185,7 +185,7 @@ def save_checkpoint(
     ``exclude_frozen_parameters``: the model file leaves out params that do not require grad
     (a load keeps the model's own values for them)."""
     engine.flush_delayed_update()  # the saved master must be the one the live params came from
-    client = next((so.client for so in engine.shard_opts if so.client is not None), None)
+    client = next((og.optimizer.client for og in engine.opt_groups if og.optimizer.client), None)
     if client is not None:  # the same on every rank: no rank starts a collective alone
         raise CheckpointError(
             f"save_checkpoint: the client optimizer {type(client.optimizer).__name__} keeps its "

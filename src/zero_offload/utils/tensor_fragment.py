@@ -89,7 +89,7 @@ class _Where:
 
 
 def _locate(engine, gi: int, i: int, param: torch.Tensor) -> _Where:
-    g = engine.groups[gi]
+    g = engine.opt_groups[gi].flat
     off, n = g.layout.offsets[i], g.layout.numels[i]
     b = next(b for b in g.layout.buckets if b.start <= off < b.start + b.numel)
     s = g.segments(engine.stage >= 1)[b.index]
@@ -136,7 +136,7 @@ def _state_tensor(engine, gi: int, key: str, fn: str) -> torch.Tensor:
     """This rank's shard of optimizer state ``key``: Adam's moments, or with a client optimizer
     (runtime/update/client_update.py) its own state over the master shard. As DeepSpeed: any state
     tensor shaped like the master shard has a key ("step" has none)."""
-    so = engine.shard_opts[gi]
+    so = engine.opt_groups[gi].optimizer
     client = getattr(so, "client", None)
     if client is None:
         return (
@@ -180,14 +180,14 @@ def _settle(engine, writing: bool) -> None:
 def _seg_views(engine, gi: int, what: str, key: str = "", fn: str = "") -> list[torch.Tensor]:
     """This rank's pieces of group ``gi``'s ``what`` ("fp32", "grad", or "state" ``key``), one
     per segment (segment k is the rank's slice of bucket k)."""
-    segs = engine.groups[gi].segments(engine.stage >= 1)
+    segs = engine.opt_groups[gi].flat.segments(engine.stage >= 1)
     if what == "grad":
-        gs = engine.grad_shards[gi]
+        gs = engine.opt_groups[gi].grads
         if not engine.offload:
             return gs.device_grads()
         t = gs.host_grad()
     elif what == "fp32":
-        t = _state_source(engine.shard_opts[gi].state, "master")
+        t = _state_source(engine.opt_groups[gi].optimizer.state, "master")
     else:
         t = _state_tensor(engine, gi, key, fn)
     return [t[s.shard_start : s.shard_start + s.numel] for s in segs]
@@ -196,7 +196,7 @@ def _seg_views(engine, gi: int, what: str, key: str = "", fn: str = "") -> list[
 def _gather_bucket(w: _Where, views: list[torch.Tensor]) -> torch.Tensor:
     """The whole bucket holding ``w``'s param, fp32 on the engine's device (a collective at
     stages 1-3; stage 0 ranks hold all of it)."""
-    g = w.engine.groups[w.gi]
+    g = w.engine.opt_groups[w.gi].flat
     piece = views[w.bucket.index].to(device=g.device, dtype=torch.float32)
     out = torch.empty(w.bucket.numel, dtype=torch.float32, device=g.device)
     if w.engine.stage == 0:
@@ -212,7 +212,7 @@ def _full(w: _Where, views: list[torch.Tensor], scale: float = 1.0) -> torch.Ten
 
 
 def _local(w: _Where, views: list[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
-    g = w.engine.groups[w.gi]
+    g = w.engine.opt_groups[w.gi].flat
     piece = views[w.bucket.index][w.in_seg()]
     value = piece.to(device=g.device, dtype=torch.float32, copy=True)
     return value.div_(scale) if scale != 1.0 else value
@@ -265,7 +265,7 @@ def _check_grad_window(engine, fn: str) -> None:
 
 def _refresh_norm(engine, gi: int) -> None:
     """The group's squared gradient norm (this rank's part) from its gradient as it is now."""
-    gs = engine.grad_shards[gi]
+    gs = engine.opt_groups[gi].grads
     views = _seg_views(engine, gi, "grad")
     sumsq = sum(
         (torch.linalg.vector_norm(v, dtype=torch.float32).square() for v in views),

@@ -35,6 +35,7 @@ from ..stage3.memory_efficient_linear import attach as attach_linear
 from ..stage3.memory_efficient_linear import detach as detach_linear
 from ..stage3.param_store import ParamStore, ShardHome, Stage3Policy
 from ..stage3.partition_units import move_buffers, unit_ids, unit_layout
+from ..update.group import OptimizerGroup, build_shard_optimizer
 from ..update.param_home import FlatHome
 from ..update.placement import Placement, run_name
 from ..update.shard_optimizer import ShardOptimizer, UpdatePolicy
@@ -72,10 +73,10 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         super().__init__()
         self._read_settings(module, config, lr_scheduler, training_dataloader)
         self._prepare_module()
-        store_groups = self._build_groups(param_groups)
-        preflight(self.placement, self.groups, store_groups, self.stage >= 1, client, self.device)
-        self._build_store(store_groups)
-        self._build_updates(adamw, client)
+        flat, store_groups = self._build_groups(param_groups)
+        preflight(self.placement, flat, store_groups, self.stage >= 1, client, self.device)
+        self._build_store(flat, store_groups)
+        self.opt_groups = self._build_updates(flat, adamw, client)
         self._build_reducer()
         self._build_step_policies()
         if self.global_rank == 0:
@@ -143,10 +144,12 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             else None
         )
 
-    def _build_groups(self, param_groups: list[dict]) -> list[FlatGroup] | None:
+    def _build_groups(
+        self, param_groups: list[dict]
+    ) -> tuple[list[FlatGroup], list[FlatGroup] | None]:
         """One flat group per optimizer param group (its ``hyper`` is the caller's dict itself,
         so a scheduler writing its "lr" reaches the update); stage 3: laid out one bucket per
-        fetch unit, and returns the store's groups (plus one for every other param)."""
+        fetch unit, with the store's groups (those plus one for every other param)."""
         module, zc, partitioned = self.module, self.config.zero_optimization, self.stage == 3
         names = {id(p): n for n, p in module.named_parameters()}
         order = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
@@ -170,18 +173,18 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
                 materialize=not partitioned,
             )
 
-        self.groups = [group(gi, pg["params"], pg) for gi, pg in enumerate(param_groups)]
+        groups = [group(gi, pg["params"], pg) for gi, pg in enumerate(param_groups)]
         if not partitioned:
-            return None
-        trained = {id(p) for g in self.groups for p in g.params}
+            return groups, None
+        trained = {id(p) for g in groups for p in g.params}
         rest = [
             p
             for p in dict.fromkeys(module.parameters())
             if id(p) not in trained and (p.is_floating_point() or hasattr(p, "_z3_init"))
         ]
-        return self.groups + ([group(len(self.groups), rest, {})] if rest else [])
+        return groups, groups + ([group(len(groups), rest, {})] if rest else [])
 
-    def _build_store(self, store_groups: list[FlatGroup] | None) -> None:
+    def _build_store(self, groups: list[FlatGroup], store_groups: list[FlatGroup] | None) -> None:
         """Stage 3: every param partitioned into the store (device, host or NVMe shards)."""
         if store_groups is None:
             return
@@ -190,7 +193,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             self._linears = attach_linear(self.module)
         self.param_store = ParamStore(
             store_groups,
-            [g in self.groups for g in store_groups],
+            [g in groups for g in store_groups],
             Stage3Policy.from_config(zc),
             self.streams,
             self.device,
@@ -240,15 +243,17 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         self.wall_clock = bool(config.wall_clock_breakdown)
         self._times: dict[str, float] = {}
 
-    def _build_updates(self, adamw: bool, client: torch.optim.Optimizer | None) -> None:
+    def _build_updates(
+        self, groups: list[FlatGroup], adamw: bool, client: torch.optim.Optimizer | None
+    ) -> list[OptimizerGroup]:
         """Per trainable group: its grad shard, its param home, its optimizer state (placed by
-        ``self.placement``) and the shard optimizer that updates them."""
+        ``self.placement``) and the shard optimizer that updates them, as one object."""
         zc, place = self.config.zero_optimization, self.placement
         sharded, partitioned = self.stage >= 1, self.stage == 3
-        states = build_states(self.groups, sharded, place, self.aio, client is None)
+        states = build_states(groups, sharded, place, self.aio, client is None)
         policy = UpdatePolicy(sharded, adamw, place)
-        self.grad_shards, self.shard_opts = [], []
-        for gi, (g, state) in enumerate(zip(self.groups, states)):
+        out = []
+        for gi, (g, state) in enumerate(zip(groups, states)):
             gs = GradShard(
                 g,
                 min(self.stage, 2),  # stage 3 reduces gradients exactly as stage 2
@@ -270,13 +275,28 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
                     bool(zc.allgather_partitions),
                 )
             )
-            so = ShardOptimizer(g, gs, home, state, policy, self.streams, self._executor, client)
+            so = build_shard_optimizer(
+                g, gs, home, state, policy, self.streams, self._executor, client
+            )
             if partitioned:
                 self.param_store.masters[gi] = so.state
             for i, p in enumerate(g.params):
                 p._zero_offload = (weakref.ref(self), gi, i)
-            self.grad_shards.append(gs)
-            self.shard_opts.append(so)
+            out.append(OptimizerGroup(g, gs, home, so, place))
+        return out
+
+    # Views of the optimizer groups, by group index.
+    @property
+    def groups(self) -> list[FlatGroup]:
+        return [og.flat for og in self.opt_groups]
+
+    @property
+    def grad_shards(self) -> list[GradShard]:
+        return [og.grads for og in self.opt_groups]
+
+    @property
+    def shard_opts(self) -> list[ShardOptimizer]:
+        return [og.optimizer for og in self.opt_groups]
 
     # ---- DeepSpeed API -------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):

@@ -1,0 +1,61 @@
+"""Placement "device": master, exp_avg and exp_avg_sq on the accelerator; the update is torch's
+fused Adam(W) over this rank's segments (or a client optimizer over the master), and the whole
+shard is written to the param home in one call."""
+
+from __future__ import annotations
+
+import torch
+
+from .shard_optimizer import ShardOptimizer
+
+
+class DeviceUpdate(ShardOptimizer):
+    def _apply(self, factor: float) -> None:
+        if self.client is not None:
+            pieces = [(s.shard_start, g) for s, g in zip(self.segs, self.grads.device_grads())]
+            self.client.step(pieces, factor)
+        else:
+            self._adam(factor)
+        self.home.write(0, self.master)  # the master covers the whole shard
+
+    def _adam(self, factor: float) -> None:
+        h = self._hyper()
+        grads = [g if g.dtype == torch.float32 else g.float() for g in self.grads.device_grads()]
+        torch._foreach_mul_(grads, factor)  # fp32 grads are this rank's own, consumed here
+        views = lambda t: [t[s.shard_start : s.shard_start + s.numel] for s in self.segs]  # noqa: E731
+        p, m, v = views(self.master), views(self.state.exp_avg), views(self.state.exp_avg_sq)
+        if not self.group.hyper.get("bias_correction", True):
+            _adam_no_bias_correction(p, grads, m, v, self.adamw, **h)
+            return
+        # One step tensor filled on the device, shared by every segment (the fused kernel only
+        # reads it): no host-to-device copy per segment per step.
+        step = torch.full((), float(self.step_count), device=self.master.device)
+        fused = torch._fused_adamw_ if self.adamw else torch._fused_adam_
+        fused(
+            p,
+            grads,
+            m,
+            v,
+            [],
+            [step] * len(p),
+            lr=h["lr"],
+            beta1=h["beta1"],
+            beta2=h["beta2"],
+            weight_decay=h["weight_decay"],
+            eps=h["eps"],
+            amsgrad=False,
+            maximize=False,
+        )
+
+
+def _adam_no_bias_correction(p, g, m, v, adamw, lr, beta1, beta2, eps, weight_decay) -> None:
+    """Adam(W) without bias correction (DeepSpeed's ``bias_correction: false``)."""
+    if weight_decay and adamw:
+        torch._foreach_mul_(p, 1.0 - lr * weight_decay)
+    elif weight_decay:
+        g = torch._foreach_add(g, p, alpha=weight_decay)
+    torch._foreach_lerp_(m, g, 1.0 - beta1)
+    torch._foreach_mul_(v, beta2)
+    torch._foreach_addcmul_(v, g, g, value=1.0 - beta2)
+    denom = torch._foreach_add(torch._foreach_sqrt(v), eps)
+    torch._foreach_addcdiv_(p, m, denom, value=-lr)

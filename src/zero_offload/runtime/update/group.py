@@ -1,0 +1,62 @@
+"""One optimizer param group as one object: its flat group, gradient shard, param home, shard
+optimizer (which owns the shard state) and the placement they were built for.
+
+The engine, the checkpoint code and the tensor-fragment API iterate these objects; the index
+``index`` is the group's position in the optimizer's ``param_groups`` and in a checkpoint.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+
+import torch
+
+from ...core.flat_group import FlatGroup
+from ...core.shard_state import ShardState
+from ...core.streams import Streams
+from ..reduce.grad_shard import GradShard
+from .device_update import DeviceUpdate
+from .host_update import HostUpdate
+from .nvme_update import NvmeUpdate
+from .param_home import ParamHome
+from .placement import Placement
+from .shard_optimizer import ShardOptimizer, UpdatePolicy
+
+
+@dataclass(frozen=True)
+class OptimizerGroup:
+    flat: FlatGroup
+    grads: GradShard
+    home: ParamHome
+    optimizer: ShardOptimizer
+    placement: Placement
+
+    @property
+    def index(self) -> int:
+        return self.flat.index
+
+    @property
+    def state(self) -> ShardState:
+        """The master shard and moments (where ``placement.optimizer`` says)."""
+        return self.optimizer.state
+
+
+def build_shard_optimizer(
+    group: FlatGroup,
+    grads: GradShard,
+    home: ParamHome,
+    state: ShardState,
+    policy: UpdatePolicy,
+    streams: Streams,
+    executor: concurrent.futures.Executor | None = None,
+    client: torch.optim.Optimizer | None = None,
+) -> ShardOptimizer:
+    """The update path of ``policy.placement.optimizer``; ``executor``: the delayed update's
+    worker (host placement only)."""
+    args = (group, grads, home, state, policy, streams)
+    where = policy.placement.optimizer
+    if where == "device":
+        return DeviceUpdate(*args, client=client)
+    cls = NvmeUpdate if where == "nvme" else HostUpdate
+    return cls(*args, client=client, executor=executor)

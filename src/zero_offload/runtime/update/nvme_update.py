@@ -1,0 +1,54 @@
+"""Placement "nvme": the host kernel over the same chunks as "host", each read from the rank's
+swap file into a pool buffer ahead of its turn and written back behind it
+(``nvme/optimizer_state.py``).
+
+The engine's NVMe step is every group and every rank, or nothing: ``stage`` writes this step's
+update without committing or publishing it (no collective here, so a rank that fails does not
+leave others waiting); then the engine calls ``commit`` on every group, or ``discard`` and
+``restore_params`` on every group.
+"""
+
+from __future__ import annotations
+
+from .host_update import HostUpdate
+
+
+class NvmeUpdate(HostUpdate):
+    _reuses_chunk_buffers = True  # the record pool: the next read reuses a chunk's buffer
+
+    def __init__(self, *args, **kw) -> None:
+        self._pending_commit = False  # an update is written and waits for commit or discard
+        super().__init__(*args, **kw)
+
+    def master_from_params(self, initial: bool = False) -> None:
+        """``initial``: the files are written whole (master from the param home, moments zero)."""
+        if not initial:
+            return super().master_from_params()
+        self.state.fill(lambda lo, hi, out: out.copy_(self.home.read(lo, hi)))
+
+    def stage(self, factor: float) -> None:
+        """This step's update written, not committed, not published."""
+        self.flush()
+        self.home.prepare_write()
+        self.step_count += 1
+        self._pending_commit = True
+        try:
+            self._host_pass(
+                self.grads.host_grad(), factor, self._hyper(), upload=True, commit=False
+            )
+        finally:
+            if self.streams.cuda:  # the uploads already queued land before anything else
+                self.streams.h2d.synchronize()
+
+    def commit(self) -> None:
+        self.state.commit()
+        self._pending_commit = False
+        self.home.publish()
+
+    def discard(self) -> None:
+        """Forget a staged update (none staged: nothing to do): the state and the step count are
+        the last committed step's. The params may still hold some of its chunks."""
+        if self._pending_commit:
+            self.state.discard()
+            self.step_count -= 1
+            self._pending_commit = False
