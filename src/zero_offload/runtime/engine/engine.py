@@ -48,6 +48,7 @@ from .loss_scaler import build_loss_scaler
 from .memory import expected_bytes
 from .module_cast import cast_params_
 from .overflow import OverflowMonitor
+from .window import Window
 
 log = logging.getLogger("zero_offload")
 
@@ -109,17 +110,13 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         oc = zc.offload_optimizer if self.offload else None
         self.delayed = bool(oc is not None and oc.delayed_update)
         self.delayed_after = int(oc.delayed_update_after) if self.delayed else 0
-        self._gas = config.gradient_accumulation_steps
-        # False: backward() only accumulates; each step() ends the window and updates.
-        self.managed_accumulation = bool(config.managed_gradient_accumulation)
-        self._in_unmanaged_step = False
-        self._unmanaged_backwards = 0
+        # managed false: backward() only accumulates; each step() ends the window and updates.
+        self.window = Window(
+            config.gradient_accumulation_steps, bool(config.managed_gradient_accumulation)
+        )
         self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
         self._grad_norm: float | None = None
-        self._backward_done = False  # a window-ending (reducing) backward ran in this micro-step
-        self._backward_since_step = False
         self._loss_scaled = False  # engine.scale(loss) was called since the last backward
-        self._bw_last = False  # the running backward ends the accumulation window
         self._linears: list = []
         self.param_store: ParamStore | None = None
         self.fetch_schedule: FetchSchedule | None = None
@@ -223,7 +220,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             )
             self.param_store.settle = self.flush_delayed_update
         self.scope.on_end(self._backward_epilogue, lambda: None)  # after the components' ends
-        if not self.managed_accumulation:
+        if not self.window.managed:
             for gs in self.grad_shards:
                 gs.ensure_device_accumulator()
 
@@ -258,7 +255,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
                 g,
                 min(self.stage, 2),  # stage 3 reduces gradients exactly as stage 2
                 self.offload,
-                self._gas,
+                self.window.gas,
                 self.streams,
                 place.pin,
                 host_buffers=2 if self.delayed else 1,
@@ -324,7 +321,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         return self.config.train_batch_size
 
     def gradient_accumulation_steps(self) -> int:
-        return self._gas
+        return self.window.gas
 
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
@@ -351,7 +348,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         guards.check_alive(self.destroyed, "backward")
         guards.check_has_optimizer(self.optimizer, "backward")
         self.scope.begin(ENGINE)
-        gas = self._gas if scale_wrt_gas else 1
+        gas = self.window.gas if scale_wrt_gas else 1
         scale = self.loss_scaler.loss_scale / gas
         scaled = loss * scale if scale != 1.0 else loss
         self.scope.attach_loss(scaled)  # the end is queued on this (the outermost) graph task
@@ -376,23 +373,22 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         """The start of every backward, through ``engine.backward`` (``ENGINE``, whose loss is
         already scaled) or a plain ``loss.backward()`` of the forward's output (``PLAIN``)."""
         guards.check_has_optimizer(self.optimizer, "backward")
-        if self._backward_done:
-            raise guards.second_backward_error()
+        self.window.check_backward()
         factor = 1.0
         if driver == PLAIN:
             if self.config.fp16.enabled and not self._loss_scaled:
                 raise guards.unscaled_backward_error()
-            factor = 1.0 / self._gas
+            factor = 1.0 / self.window.gas
         self._loss_scaled = False
-        self._unmanaged_backwards += 1
         dist.set_step(self.global_steps)
-        first = self._first_micro_step()
-        self._bw_last = self._reduces_now()
-        self.reducer.prepare(first, self._bw_last, factor)
+        first, last = self.window.begin_backward(self.global_steps, self.micro_steps)
+        if not last:  # a window of several backwards (built with GAS 1: allocated now)
+            for gs in self.grad_shards:
+                gs.ensure_device_accumulator()
+        self.reducer.prepare(first, last, factor)
 
     def _backward_epilogue(self) -> None:
-        self._backward_done = self._bw_last
-        self._backward_since_step = True
+        self.window.end_backward()
 
     def step(self) -> None:
         """Update at the accumulation boundary; always advances the micro-step counter.
@@ -400,22 +396,21 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         Every micro-step needs a backward() first: a step() without one raises."""
         guards.check_alive(self.destroyed, "step")
         guards.check_has_optimizer(self.optimizer, "step")
-        if not self._backward_since_step:
-            raise guards.step_without_backward_error(self.global_steps)
-        self._before_step()
-        self._backward_done = self._backward_since_step = False
+        window = self.window
+        window.begin_step(self.global_steps)
+        self._before_step_counts = (self.global_steps, self.skipped_steps)
         samples = self.config.train_micro_batch_size_per_gpu * self.world_size
-        if not self.managed_accumulation:  # this step() is the boundary of its backwards
-            samples *= self._unmanaged_backwards
-            self._unmanaged_backwards = 0
-            self._in_unmanaged_step = True
+        if not window.managed:  # this step() is the boundary of its backwards
+            samples *= window.backwards
+            window.backwards = 0
+            window.in_step = True
             guards.check_trained(self.module, self._known_params)
             try:
                 self.reducer.finish_window()
                 with self._timed("step"):
                     self._take_step()
             finally:
-                self._in_unmanaged_step = False
+                window.in_step = False
         elif self.is_gradient_accumulation_boundary():
             guards.check_trained(self.module, self._known_params)
             with self._timed("step"):
@@ -424,7 +419,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
                 except NvmeSwapError:  # rolled back: the micro-step is spent, a new window next
                     self.micro_steps += 1
                     self.global_samples += samples
-                    self._window_start, self._window_steps = self.micro_steps, self.global_steps
+                    window.restart(self.global_steps, self.micro_steps)
                     raise
         self.micro_steps += 1
         self.global_samples += samples
@@ -553,7 +548,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             self.stage,
             self.world_size,
             self.offload,
-            self._gas,
+            self.window.gas,
             self.delayed,
             offload_param=self.config.zero_optimization.offload_params,
         )

@@ -2,14 +2,8 @@
 
 Each method is DeepSpeed's name, signature and meaning (``deepspeed/runtime/engine.py``) over
 state the engine already has. The accumulation controls (``set_gradient_accumulation_boundary``,
-``no_sync``, ``set_train_batch_size``) feed the engine through three questions it asks before
-every backward and step: :meth:`is_gradient_accumulation_boundary`, :meth:`_first_micro_step`
-and :meth:`_reduces_now`.
-
-Invariant: an accumulation window starts at the first ``backward`` after a step was taken
-(``global_steps`` moved, whether the step was applied or skipped) and ends at the backward that
-is a boundary. The window start is recovered lazily from the counters, so the engine's step code
-needs no bookkeeping for it, and a load that rewrites the counters starts a new window.
+``no_sync``, ``set_train_batch_size``) set the engine's accumulation window (``window.py``),
+whose rules decide which backward starts and which one ends a window.
 """
 
 from __future__ import annotations
@@ -44,30 +38,14 @@ class LossScale(float):
 class DeepSpeedEngineAPI:
     """Mixed into ZeroOffloadEngine; uses its ``config``, counters and ``stage``."""
 
-    # Class-level defaults so the engine's __init__ needs no lines for them.
-    _boundary_override: bool | None = None
-    _inside_no_sync: bool = False
-    _window_start: int = 0  # micro_steps at the first backward of the current window
-    _window_steps: int = 0  # global_steps when _window_start was last set
-    _step_applied: bool = False
-    _before_step_counts: tuple[int, int] | None = None
+    _before_step_counts: tuple[int, int] | None = None  # (global, skipped) steps before step()
 
-    # ---- accumulation window -------------------------------------------------------------------
-    def _sync_window(self) -> None:
-        if self.global_steps != self._window_steps:
-            self._window_steps = self.global_steps
-            self._window_start = self.micro_steps
-
+    # ---- accumulation window (window.py) -------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
         """True when the current micro-batch ends the accumulation window (DeepSpeed's rule:
         the counter, unless :meth:`set_gradient_accumulation_boundary` overrode it). With
         ``managed_gradient_accumulation`` false: True only while ``step()`` runs."""
-        if not self.managed_accumulation:
-            return self._in_unmanaged_step
-        if self._boundary_override is not None:
-            return self._boundary_override
-        self._sync_window()
-        return (self.micro_steps - self._window_start + 1) % self._gas == 0
+        return self.window.is_boundary(self.global_steps, self.micro_steps)
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Override the counter: set False before each non-final micro-batch's forward/backward
@@ -76,32 +54,12 @@ class DeepSpeedEngineAPI:
             raise ValueError(
                 f"set_gradient_accumulation_boundary: is_boundary must be a bool, got {is_boundary!r}"
             )
-        if not self.managed_accumulation:
+        if not self.window.managed:
             raise guards.EngineUsageError(
                 "set_gradient_accumulation_boundary() with managed_gradient_accumulation false: "
                 "the caller owns the boundary by calling step()"
             )
-        self._boundary_override = is_boundary
-
-    def _first_micro_step(self) -> bool:
-        """Does the coming backward start a new accumulation window (nothing accumulated yet)?"""
-        self._sync_window()
-        return self.micro_steps == self._window_start and not self._window_touched()
-
-    def _window_touched(self) -> bool:
-        # A backward in the window already ran (no_sync, or a boundary override that keeps
-        # micro_steps still): recorded by _reduces_now below.
-        return getattr(self, "_window_backwards_at", None) == (self.global_steps, self.micro_steps)
-
-    def _reduces_now(self) -> bool:
-        """Does the coming backward end the window (reduce at stages 0/1)? Records that the
-        window has seen a backward."""
-        self._window_backwards_at = (self.global_steps, self.micro_steps)
-        last = not self._inside_no_sync and self.is_gradient_accumulation_boundary()
-        if not last:  # a window of several backwards (built with GAS 1: allocated now)
-            for gs in self.grad_shards:
-                gs.ensure_device_accumulator()
-        return last
+        self.window.boundary_override = is_boundary
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -113,19 +71,13 @@ class DeepSpeedEngineAPI:
                 f"no_sync context manager is incompatible with gradient partitioning logic of "
                 f"ZeRO stage {self.stage}; it works with zero_optimization.stage 0 or 1"
             )
-        if self._inside_no_sync:
+        if self.window.inside_no_sync:
             raise RuntimeError("no_sync context manager reentry is unsupported")
-        self._inside_no_sync = True
+        self.window.inside_no_sync = True
         try:
             yield
         finally:
-            self._inside_no_sync = False
-
-    def _before_step(self) -> None:
-        """Called first thing in ``step()``."""
-        if self._inside_no_sync:
-            raise RuntimeError("it is illegal to call engine.step() inside no_sync context manager")
-        self._before_step_counts = (self.global_steps, self.skipped_steps)
+            self.window.inside_no_sync = False
 
     def was_step_applied(self) -> bool:
         """Whether the latest ``step()`` changed the parameters (False between accumulation
@@ -150,8 +102,7 @@ class DeepSpeedEngineAPI:
                 f"train_micro_batch_size_per_gpu {micro} * world size {world} = {micro * world}, "
                 f"got {train_batch_size!r}"
             )
-        self._sync_window()
-        if self.micro_steps != self._window_start or self._window_touched():
+        if not self.window.at_start(self.global_steps, self.micro_steps):
             raise RuntimeError(
                 "set_train_batch_size: called inside an accumulation window; call it after the "
                 "boundary step()"
@@ -160,7 +111,7 @@ class DeepSpeedEngineAPI:
         if new_gas > 1:
             for gs in self.grad_shards:
                 gs.ensure_device_accumulator()
-        self._gas = new_gas
+        self.window.gas = new_gas
         self.config.train_batch_size = train_batch_size
         self.config.gradient_accumulation_steps = new_gas
 
