@@ -106,10 +106,6 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         self.placement = Placement.from_config(config, self.device, self.global_rank, run_name())
         nvme = self.placement.nvme
         self.aio = AioEngine(nvme.aio) if nvme is not None else None
-        self.offload = self.placement.host_update
-        oc = zc.offload_optimizer if self.offload else None
-        self.delayed = bool(oc is not None and oc.delayed_update)
-        self.delayed_after = int(oc.delayed_update_after) if self.delayed else 0
         # managed false: backward() only accumulates; each step() ends the window and updates.
         self.window = Window(
             config.gradient_accumulation_steps, bool(config.managed_gradient_accumulation)
@@ -137,7 +133,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         self.streams = Streams(self.device)
         self._executor = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zero-offload-host-update")
-            if self.delayed
+            if self.placement.delayed
             else None
         )
 
@@ -191,7 +187,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         self.param_store = ParamStore(
             store_groups,
             [g in groups for g in store_groups],
-            Stage3Policy.from_config(zc),
+            Stage3Policy.from_config(zc, self.placement.params),
             self.streams,
             self.device,
             build_nvme_params(self.placement, self.aio),
@@ -254,11 +250,11 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             gs = GradShard(
                 g,
                 min(self.stage, 2),  # stage 3 reduces gradients exactly as stage 2
-                self.offload,
+                place.host_update,
                 self.window.gas,
                 self.streams,
                 place.pin,
-                host_buffers=2 if self.delayed else 1,
+                host_buffers=2 if place.delayed else 1,
                 accum_dtype=self.grad_accum_dtype,
             )
             home = (
@@ -435,7 +431,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         self._grad_norm = None if overflow else norm
         if overflow:
             self.skipped_steps += 1
-            if self.delayed:
+            if self.placement.delayed:
                 for so in self.shard_opts:
                     so.flush()
         else:
@@ -446,7 +442,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
                     combined = scale * coef
             factor = 1.0 / combined
             guards.check_hyperparameters(self.optimizer.param_groups, self.global_steps)
-            delayed = self.delayed and self.global_steps >= self.delayed_after
+            after = self.placement.delayed_after
+            delayed = after is not None and self.global_steps >= after
             if self.placement.optimizer == "nvme":
                 self._nvme_step(factor)
             else:
@@ -547,10 +544,10 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             self.dtype,
             self.stage,
             self.world_size,
-            self.offload,
+            self.placement.host_update,
             self.window.gas,
-            self.delayed,
-            offload_param=self.config.zero_optimization.offload_params,
+            self.placement.delayed,
+            offload_param=self.placement.params != "device",
         )
 
     def _log_memory(self) -> None:

@@ -57,10 +57,11 @@ class Stage3Policy:
     max_reuse_distance: int = 1_000_000_000
 
     @classmethod
-    def from_config(cls, zc) -> Stage3Policy:
+    def from_config(cls, zc, params: str) -> Stage3Policy:
+        """``params``: the placement of the param shard (``Placement.params``)."""
         op = zc.offload_param
         return cls(
-            offload_param=bool(zc.offload_params),
+            offload_param=params != "device",
             pin_memory=bool(op.pin_memory) if op is not None else True,
             prefetch_bucket_size=int(zc.stage3_prefetch_bucket_size),
             param_persistence_threshold=int(zc.stage3_param_persistence_threshold),
@@ -480,8 +481,8 @@ class ShardHome:
 
     def __init__(self, store: ParamStore, gi: int) -> None:
         self.store, self.gi = store, gi
-        self.on_nvme = gi in store.swapped
-        self.on_host = store.policy.offload_param and not self.on_nvme
+        swapped, offloaded = gi in store.swapped, store.policy.offload_param
+        self.where = "nvme" if swapped else "host" if offloaded else "device"
 
     def read(self, lo: int, hi: int) -> torch.Tensor:
         return self.store.shard_read(self.gi, lo, hi, cache=False)  # the master's copy
@@ -490,7 +491,7 @@ class ShardHome:
         self.store.shard_write(self.gi, lo, src, non_blocking)
 
     def host_shard(self) -> torch.Tensor | None:
-        return self.store.shards[self.gi] if self.on_host else None
+        return self.store.shards[self.gi] if self.where == "host" else None
 
     def prepare_write(self) -> None:
         self.store.quiesce()

@@ -42,7 +42,7 @@ class HostUpdate(ShardOptimizer):
         lowp = group.dtype != torch.float32
         in_place = home.host_shard() if lowp and executor is None else None
         # A home on NVMe takes each chunk as it is computed: one chunk of staging suffices.
-        self.staging_per_chunk = lowp and home.on_nvme and executor is None
+        self.staging_per_chunk = lowp and home.where == "nvme" and executor is None
         staged = place.chunk if self.staging_per_chunk else numel
         self.staging = (
             in_place
@@ -124,7 +124,7 @@ class HostUpdate(ShardOptimizer):
         bc = bool(self.group.hyper.get("bias_correction", True))
         # Only a device home's copies run behind the host's back; a host or NVMe home's writes
         # are host copies, done when they return.
-        upload_is_async = not (self.home.on_host or self.home.on_nvme)
+        upload_is_async = self.home.where == "device"
         sync_each = (
             self._reuses_chunk_buffers
             and self.staging is None

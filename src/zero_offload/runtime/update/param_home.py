@@ -24,8 +24,9 @@ from ...core.streams import Streams
 class ParamHome(Protocol):
     """Addressed in the shard index space (the master shard's coordinates)."""
 
-    on_host: bool  # the 16-bit values live in host memory (stage 3 with offload_param "cpu")
-    on_nvme: bool  # they live in a swap file (offload_param "nvme"): written chunk by chunk
+    # "device"; "host": host memory (stage 3 with offload_param "cpu"); "nvme": a swap file
+    # (offload_param "nvme"), written chunk by chunk. The placement's ``params`` for this group.
+    where: str
 
     def read(self, lo: int, hi: int) -> torch.Tensor:
         """The 16-bit values of shard elements [lo, hi) (a view where they are contiguous)."""
@@ -51,8 +52,7 @@ class ParamHome(Protocol):
 
 
 class FlatHome:
-    on_host = False
-    on_nvme = False
+    where = "device"
 
     def __init__(
         self,

@@ -67,11 +67,18 @@ class Placement:
     chunk: int = MAX_CHUNK  # host-update chunk, elements
     threads: int | None = None  # host kernel threads (None: one per core)
     nvme: NvmePolicy | None = None
+    # The delayed update (optimizer "host" only): from this step on, the host update of step t
+    # runs while step t+1 computes; None: every update runs inside its step.
+    delayed_after: int | None = None
 
     @property
     def host_update(self) -> bool:
         """The update runs on the host (master and moments in host memory or on NVMe)."""
         return self.optimizer != "device"
+
+    @property
+    def delayed(self) -> bool:
+        return self.delayed_after is not None
 
     @classmethod
     def from_config(cls, config, device: torch.device, rank: int, run: str) -> Placement:
@@ -114,6 +121,11 @@ class Placement:
             chunk=update_chunk(zc.sub_group_size),
             threads=oc.threads if oc is not None and optimizer != "device" else None,
             nvme=nvme,
+            delayed_after=(
+                int(oc.delayed_update_after)
+                if optimizer != "device" and oc is not None and oc.delayed_update
+                else None
+            ),
         )
 
 
