@@ -96,7 +96,7 @@ def _common_meta(engine, tag: str, client_state) -> dict:
         "tag": tag,
         "world_size": engine.world_size,
         "stage": engine.stage,
-        "offload": bool(engine.offload),
+        "offload": bool(engine.placement.host_update),
         "dtype": str(engine.dtype).removeprefix("torch."),
         "counters": {
             k: int(getattr(engine, k))

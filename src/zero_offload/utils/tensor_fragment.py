@@ -183,7 +183,7 @@ def _seg_views(engine, gi: int, what: str, key: str = "", fn: str = "") -> list[
     segs = engine.opt_groups[gi].flat.segments(engine.stage >= 1)
     if what == "grad":
         gs = engine.opt_groups[gi].grads
-        if not engine.offload:
+        if not engine.placement.host_update:
             return gs.device_grads()
         t = gs.host_grad()
     elif what == "fp32":
