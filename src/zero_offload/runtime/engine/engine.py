@@ -8,47 +8,25 @@ boundary only.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
 import math
 import time
-import weakref
 
 import torch
 
-from ...config.auto_sizes import resolve_auto_sizes
-from ...config.runtime_keys import DTYPES
 from ...core import dist
-from ...core.consistency import synchronize_start
 from ...core.flat_group import FlatGroup
-from ...core.streams import Streams
-from ...nvme.aio import AioEngine
 from ...nvme.errors import NvmeSwapError
-from ...utils.z3_leaf_module import apply_leaf_config
-from ..backward_scope import ENGINE, PLAIN, BackwardScope, in_backward
+from ..backward_scope import ENGINE, PLAIN, in_backward
 from ..reduce.grad_shard import GradShard
-from ..reduce.reducer import Reducer
-from ..stage3.fetch_schedule import FetchSchedule
-from ..stage3.init_partition import materialize
-from ..stage3.memory_efficient_linear import attach as attach_linear
 from ..stage3.memory_efficient_linear import detach as detach_linear
-from ..stage3.param_store import ParamStore, ShardHome, Stage3Policy
-from ..stage3.partition_units import move_buffers, unit_ids, unit_layout
-from ..update.group import OptimizerGroup, build_shard_optimizer
-from ..update.param_home import FlatHome
-from ..update.placement import Placement, run_name
-from ..update.shard_optimizer import ShardOptimizer, UpdatePolicy
-from ..update.state_build import build_nvme_params, build_states, preflight
-from ..update.zero_optimizer import ZeroOptimizer
+from ..update.shard_optimizer import ShardOptimizer
 from . import guards
+from .assembly import assemble
 from .engine_api import DeepSpeedEngineAPI
 from .engine_compat import DeepSpeedCompatAPI
-from .loss_scaler import build_loss_scaler
 from .memory import expected_bytes
-from .module_cast import cast_params_
-from .overflow import OverflowMonitor
-from .window import Window
 
 log = logging.getLogger("zero_offload")
 
@@ -66,217 +44,13 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
     ) -> None:
         """``param_groups`` empty: no optimizer (forward only: inference, a frozen reference
         model); ``client``: a client optimizer to run as itself instead of the built-in Adam.
-
-        The assembly, in order: settings and counters; the module on the device and equal on
-        every rank; the flat groups; the NVMe preflight (before anything is partitioned); the
-        stage-3 param store; per group the grad shard, param home, optimizer state and shard
-        optimizer; the reducer and the fetch schedule; the step's policies."""
+        Built by ``assembly.assemble``, the only code that reads the config to build it."""
         super().__init__()
-        self._read_settings(module, config, lr_scheduler, training_dataloader)
-        self._prepare_module()
-        flat, store_groups = self._build_groups(param_groups)
-        preflight(self.placement, flat, store_groups, self.stage >= 1, client, self.device)
-        self._build_store(flat, store_groups)
-        self.opt_groups = self._build_updates(flat, adamw, client)
-        self._build_reducer()
-        self._build_step_policies()
+        assemble(
+            self, module, config, param_groups, adamw, lr_scheduler, training_dataloader, client
+        )
         if self.global_rank == 0:
             self._log_memory()
-
-    def _read_settings(self, module, config, lr_scheduler, training_dataloader) -> None:
-        """What the components are built from; the counters at zero."""
-        self.destroyed = False
-        guards.take_over(module.parameters())
-        # Params that require grad now but are left out of the optimizer on purpose (a subset
-        # in model_parameters) are allowed; any other trainable param at a step is an error.
-        self._known_params = {id(p) for p in module.parameters() if p.requires_grad}
-        self.module, self.config = module, config
-        self.lr_scheduler, self.training_dataloader = lr_scheduler, training_dataloader
-        self.device = dist.default_device()
-        if self.device.type == "cuda":  # streams, events and collectives act on the current one
-            torch.cuda.set_device(self.device)
-        self.dtype = config.dtype
-        accum = config.data_types.grad_accum_dtype  # stages 2/3 only (the config checks)
-        self.grad_accum_dtype = DTYPES[accum] if accum is not None else self.dtype
-        self.world_size, self.global_rank = dist.world_size(), dist.rank()
-        self.local_rank = dist.local_rank()
-        resolve_auto_sizes(config, module)  # "auto" bucket sizes from the model's hidden size
-        zc = config.zero_optimization
-        self.stage = zc.stage
-        self.placement = Placement.from_config(config, self.device, self.global_rank, run_name())
-        nvme = self.placement.nvme
-        self.aio = AioEngine(nvme.aio) if nvme is not None else None
-        # managed false: backward() only accumulates; each step() ends the window and updates.
-        self.window = Window(
-            config.gradient_accumulation_steps, bool(config.managed_gradient_accumulation)
-        )
-        self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
-        self._grad_norm: float | None = None
-        self._loss_scaled = False  # engine.scale(loss) was called since the last backward
-        self._linears: list = []
-        self.param_store: ParamStore | None = None
-        self.fetch_schedule: FetchSchedule | None = None
-
-    def _prepare_module(self) -> None:
-        """Stages 0-2: params on the device in the training dtype; stage 3: buffers only (params
-        are partitioned from wherever they are, one at a time). Then every rank holds rank 0's
-        weights and the same config."""
-        module = self.module
-        if self.stage == 3:
-            move_buffers(module, self.device)
-            apply_leaf_config(module, self.config.zero_optimization.leaf_module)  # before units
-        else:
-            for p in module.parameters():
-                materialize(p)
-            cast_params_(module, self.device, self.dtype)  # buffers keep their own dtype
-        synchronize_start(module, self.config)  # before any layout
-        self.streams = Streams(self.device)
-        self._executor = (
-            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zero-offload-host-update")
-            if self.placement.delayed
-            else None
-        )
-
-    def _build_groups(
-        self, param_groups: list[dict]
-    ) -> tuple[list[FlatGroup], list[FlatGroup] | None]:
-        """One flat group per optimizer param group (its ``hyper`` is the caller's dict itself,
-        so a scheduler writing its "lr" reaches the update); stage 3: laid out one bucket per
-        fetch unit, with the store's groups (those plus one for every other param)."""
-        module, zc, partitioned = self.module, self.config.zero_optimization, self.stage == 3
-        names = {id(p): n for n, p in module.named_parameters()}
-        order = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
-        n_total = len(order)
-        self._flat_positions = {pid: n_total - 1 - i for pid, i in order.items()}
-        units = unit_ids(module) if partitioned else None
-
-        def group(gi: int, params: list, hyper: dict) -> FlatGroup:
-            params = sorted(params, key=lambda p: order.get(id(p), n_total))
-            return FlatGroup(
-                gi,
-                params,
-                [names.get(id(p), f"group{gi}.{i}") for i, p in enumerate(params)],
-                hyper,
-                self.dtype,
-                self.device,
-                self.world_size,
-                self.global_rank,
-                int(zc.reduce_bucket_size),
-                layout=unit_layout(params, units, self.world_size) if partitioned else None,
-                materialize=not partitioned,
-            )
-
-        groups = [group(gi, pg["params"], pg) for gi, pg in enumerate(param_groups)]
-        if not partitioned:
-            return groups, None
-        trained = {id(p) for g in groups for p in g.params}
-        rest = [
-            p
-            for p in dict.fromkeys(module.parameters())
-            if id(p) not in trained and (p.is_floating_point() or hasattr(p, "_z3_init"))
-        ]
-        return groups, groups + ([group(len(groups), rest, {})] if rest else [])
-
-    def _build_store(self, groups: list[FlatGroup], store_groups: list[FlatGroup] | None) -> None:
-        """Stage 3: every param partitioned into the store (device, host or NVMe shards)."""
-        if store_groups is None:
-            return
-        zc = self.config.zero_optimization
-        if zc.memory_efficient_linear:
-            self._linears = attach_linear(self.module)
-        self.param_store = ParamStore(
-            store_groups,
-            [g in groups for g in store_groups],
-            Stage3Policy.from_config(zc, self.placement.params),
-            self.streams,
-            self.device,
-            build_nvme_params(self.placement, self.aio),
-        )
-
-    def _build_reducer(self) -> None:
-        """The gradient path (hooks, buckets, collectives) and, at stage 3, the fetch schedule
-        (after the reducer: its hooks read a gradient before a slot is released)."""
-        zc = self.config.zero_optimization
-        self.scope = BackwardScope(self._backward_prologue)
-        self.reducer = Reducer(
-            self.groups,
-            self.grad_shards,
-            min(self.stage, 2),
-            bool(zc.overlap_comm),
-            bool(zc.reduce_scatter),
-            self.streams,
-            self._flat_positions,
-            self.scope,
-            ignore_unused=bool(zc.ignore_unused_parameters),
-            average=self.config.gradient_allreduce_op == "mean",
-        )
-        if self.param_store is not None:
-            self.fetch_schedule = FetchSchedule(
-                self.param_store, self.module, self.param_store.policy, self.scope
-            )
-            self.param_store.settle = self.flush_delayed_update
-        self.scope.on_end(self._backward_epilogue, lambda: None)  # after the components' ends
-        if not self.window.managed:
-            for gs in self.grad_shards:
-                gs.ensure_device_accumulator()
-
-    def _build_step_policies(self) -> None:
-        """The optimizer users see, loss scaling, overflow handling, clipping, reporting."""
-        config = self.config
-        self.optimizer = ZeroOptimizer(self.groups, self.shard_opts) if self.groups else None
-        self.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
-        self._overflows = OverflowMonitor(
-            self.loss_scaler.dynamic,
-            float(config.fp16.min_loss_scale),
-            int(config.max_consecutive_overflows),
-            self.global_rank,
-        )
-        self.clip = float(config.gradient_clipping)
-        self._t_step = time.perf_counter()
-        self.wall_clock = bool(config.wall_clock_breakdown)
-        self._times: dict[str, float] = {}
-
-    def _build_updates(
-        self, groups: list[FlatGroup], adamw: bool, client: torch.optim.Optimizer | None
-    ) -> list[OptimizerGroup]:
-        """Per trainable group: its grad shard, its param home, its optimizer state (placed by
-        ``self.placement``) and the shard optimizer that updates them, as one object."""
-        zc, place = self.config.zero_optimization, self.placement
-        sharded, partitioned = self.stage >= 1, self.stage == 3
-        states = build_states(groups, sharded, place, self.aio, client is None)
-        policy = UpdatePolicy(sharded, adamw, place)
-        out = []
-        for gi, (g, state) in enumerate(zip(groups, states)):
-            gs = GradShard(
-                g,
-                min(self.stage, 2),  # stage 3 reduces gradients exactly as stage 2
-                place.host_update,
-                self.window.gas,
-                self.streams,
-                place.pin,
-                host_buffers=2 if place.delayed else 1,
-                accum_dtype=self.grad_accum_dtype,
-            )
-            home = (
-                ShardHome(self.param_store, gi)
-                if partitioned
-                else FlatHome(
-                    g,
-                    self.streams,
-                    sharded,
-                    int(zc.allgather_bucket_size),
-                    bool(zc.allgather_partitions),
-                )
-            )
-            so = build_shard_optimizer(
-                g, gs, home, state, policy, self.streams, self._executor, client
-            )
-            if partitioned:
-                self.param_store.masters[gi] = so.state
-            for i, p in enumerate(g.params):
-                p._zero_offload = (weakref.ref(self), gi, i)
-            out.append(OptimizerGroup(g, gs, home, so, place))
-        return out
 
     # Views of the optimizer groups, by group index.
     @property
