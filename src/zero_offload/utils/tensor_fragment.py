@@ -256,7 +256,7 @@ def _write_16bit(w: _Where, flat: torch.Tensor | None, piece: torch.Tensor) -> N
 
 
 def _check_grad_window(engine, fn: str) -> None:
-    if not getattr(engine, "_backward_done", True):
+    if not engine.window.ended:
         raise RuntimeError(
             f"{fn}: gradients can be written only after the backward that ends the gradient "
             "accumulation window and before step()"
