@@ -44,13 +44,30 @@ def initialize(
     config_params=None,
 ):
     """Build the engine. Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
-    from .config import ConfigError, load_config
-    from .schedulers import build_lr_scheduler
-
     if model is None:
         raise ValueError("initialize: 'model' is required (a torch.nn.Module)")
     if mpu is not None:
         raise ValueError("initialize: 'mpu' (model parallelism) is not supported; pass mpu=None")
+    source = _config_source(args, config, config_params)
+    dist.init_distributed()
+    cfg = _load(source, args)
+    if cfg.seed is not None:
+        torch.manual_seed(cfg.seed)
+    optimizer = _client_optimizer(optimizer, model, model_parameters, cfg)
+    groups, adamw, client = _param_groups(model, model_parameters, optimizer, cfg)
+    if client is not None:
+        _check_client(client, cfg)
+    loader = _dataloader(training_data, cfg, collate_fn) if training_data is not None else None
+    engine = ZeroOffloadEngine(model, cfg, groups, adamw, training_dataloader=loader, client=client)
+    if groups:  # no optimizer (inference, a frozen reference model): no LR scheduler either
+        _attach_scheduler(engine, cfg, lr_scheduler)
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _config_source(args, config, config_params):
+    """The config as given: ``config``, ``config_params`` or the command line's flag."""
+    from .config import ConfigError
+
     if config is None:
         config = config_params
     if config is None and args is not None:
@@ -64,18 +81,24 @@ def initialize(
         raise ValueError(
             "initialize: no config; pass config= (dict or JSON path) or --deepspeed_config"
         )
-    dist.init_distributed()
+    return config
+
+
+def _load(config, args):
+    from .config import ConfigError, load_config
+
     try:
-        cfg = load_config(config, world_size=dist.world_size())
+        return load_config(config, world_size=dist.world_size())
     except ConfigError as e:
         # Megatron-style scripts (the seeds') give the micro batch as --batch-size, not in the JSON.
         micro = getattr(args, "batch_size", None)
         if not isinstance(micro, int) or "train_micro_batch_size_per_gpu" not in str(e):
             raise
-        cfg = load_config(config, world_size=dist.world_size(), micro_batch_size=micro)
-    if cfg.seed is not None:
-        torch.manual_seed(cfg.seed)
+        return load_config(config, world_size=dist.world_size(), micro_batch_size=micro)
 
+
+def _client_optimizer(optimizer, model: torch.nn.Module, model_parameters, cfg):
+    """The client optimizer (a callable is called on the params), or None."""
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         if not callable(optimizer):
             raise ValueError(
@@ -91,32 +114,39 @@ def initialize(
             type(optimizer).__name__,
             cfg.optimizer.type,
         )
-    groups, adamw, client = _param_groups(model, model_parameters, optimizer, cfg)
-    if client is not None and cfg.zero_optimization.offload_device == "nvme":
+    return optimizer
+
+
+def _check_client(client: torch.optim.Optimizer, cfg) -> None:
+    """A client optimizer that is not Adam(W) runs over in-memory state, synchronously."""
+    from .config import ConfigError
+
+    if cfg.zero_optimization.offload_device == "nvme":
         raise ConfigError(
             'zero_optimization.offload_optimizer.device: "nvme" streams the built-in Adam(W) '
             f"update chunk by chunk; the client optimizer {type(client).__name__} keeps its own "
             "state in memory: use device \"cpu\", or an 'optimizer' config block / torch Adam(W)"
         )
-    if client is not None and cfg.zero_optimization.offload:
-        oc = cfg.zero_optimization.offload_optimizer
-        if oc.delayed_update:
-            raise ConfigError(
-                "zero_optimization.offload_optimizer.delayed_update needs the built-in Adam(W) "
-                f"(an 'optimizer' config block or a torch Adam/AdamW); the client optimizer "
-                f"{type(client).__name__} runs synchronously: remove delayed_update"
-            )
-        log.warning(
-            "initialize: the client optimizer %s runs on the host with offload_optimizer, in its "
-            "own CPU implementation (Adam/AdamW use the faster SIMD kernel)",
-            type(client).__name__,
+    if not cfg.zero_optimization.offload:
+        return
+    if cfg.zero_optimization.offload_optimizer.delayed_update:
+        raise ConfigError(
+            "zero_optimization.offload_optimizer.delayed_update needs the built-in Adam(W) "
+            f"(an 'optimizer' config block or a torch Adam/AdamW); the client optimizer "
+            f"{type(client).__name__} runs synchronously: remove delayed_update"
         )
+    log.warning(
+        "initialize: the client optimizer %s runs on the host with offload_optimizer, in its "
+        "own CPU implementation (Adam/AdamW use the faster SIMD kernel)",
+        type(client).__name__,
+    )
 
-    loader = _dataloader(training_data, cfg, collate_fn) if training_data is not None else None
-    engine = ZeroOffloadEngine(model, cfg, groups, adamw, training_dataloader=loader, client=client)
-    if not groups:
-        pass  # no optimizer (inference, a frozen reference model): no LR scheduler either
-    elif cfg.scheduler is not None:
+
+def _attach_scheduler(engine: ZeroOffloadEngine, cfg, lr_scheduler) -> None:
+    """The config's scheduler block, else the caller's scheduler (or its factory)."""
+    from .schedulers import build_lr_scheduler
+
+    if cfg.scheduler is not None:
         engine.lr_scheduler = build_lr_scheduler(cfg.scheduler, engine.optimizer)
     elif lr_scheduler is not None:
         engine.lr_scheduler = (
@@ -124,7 +154,6 @@ def initialize(
             if callable(lr_scheduler) and not hasattr(lr_scheduler, "step")
             else lr_scheduler
         )
-    return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
 def _adam_mode(client_opt: torch.optim.Optimizer) -> bool | None:
