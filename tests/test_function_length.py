@@ -24,7 +24,6 @@ KNOWN = frozenset(
         "zero_offload.config.batch:resolve_batch_sizes",
         "zero_offload.config.load:load_config",
         "zero_offload.kernels.bench:_bench_size",
-        "zero_offload.kernels.host_adam:host_adam_step",
         "zero_offload.nvme.optimizer_state:NvmeOptimizerState.update",
     }
 )

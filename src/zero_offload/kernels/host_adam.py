@@ -293,8 +293,7 @@ def host_adam_step(
         grad_scale,
         threads,
     )
-    reason = _reference_reason()
-    if reason is not None:
+    if (reason := _reference_reason()) is not None:
         if _C is None:
             _warn_fallback_once(reason)
         _reference_impl(
@@ -308,9 +307,15 @@ def host_adam_step(
             **h,
         )
         return
-    n = master.numel()
-    if n == 0:
+    if master.numel() == 0:
         return
+    _native_step(
+        master, exp_avg, exp_avg_sq, grad, param_out, h, bool(adamw), bool(bias_correction)
+    )
+
+
+def _native_step(master, exp_avg, exp_avg_sq, grad, param_out, h: dict, adamw, bc) -> None:
+    """The compiled kernel over the tensors' memory (validated by ``_validate``)."""
     _C.adam_step(
         master.data_ptr(),
         exp_avg.data_ptr(),
@@ -319,15 +324,15 @@ def host_adam_step(
         _GRAD_CODES[grad.dtype],
         0 if param_out is None else param_out.data_ptr(),
         0 if param_out is None else _OUT_CODES[param_out.dtype],
-        n,
+        master.numel(),
         h["step"],
         h["lr"],
         h["beta1"],
         h["beta2"],
         h["eps"],
         h["weight_decay"],
-        bool(adamw),
-        bool(bias_correction),
+        adamw,
+        bc,
         h["grad_scale"],
         default_threads() if h["threads"] is None else h["threads"],
     )
