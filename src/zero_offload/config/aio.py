@@ -63,11 +63,11 @@ class AioConfig(Section):
                 "intra_op_parallelism" in self.model_fields_set
                 and self.intra_op_parallelism != given
             ):
-                self._conflict = (given, self.intra_op_parallelism)
+                self._settle(_conflict=(given, self.intra_op_parallelism))
             else:
-                self.intra_op_parallelism = given
+                self._settle(intra_op_parallelism=given)
             # Applied: to_dict() then holds one spelling, so it loads again.
-            self.thread_count = None
+            self._settle(thread_count=None)
         return self
 
     @property

@@ -7,16 +7,25 @@ for the run's world size. After that the batch fields are always ints.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from .aio import AioConfig
 from .batch import resolve_batch_sizes
 from .errors import ConfigError, json_repr
 from .fields import DEFAULT_ONLY, Bool, Float, Int, Section, rule_error
+from .keys import describe_errors
 from .optimizer import OptimizerConfig
 from .precision import BF16Config, FP16Config
 from .runtime_keys import CheckpointConfig, DataTypesConfig, allreduce_op
@@ -166,10 +175,14 @@ class ZeroOffloadConfig(Section):
             raise PydanticCustomError(
                 "config_rule", "{msg}", {"key": "", "msg": exc.problems[0]}
             ) from None
-        self.train_batch_size = sizes.train_batch_size
-        self.train_micro_batch_size_per_gpu = sizes.train_micro_batch_size_per_gpu
-        self.gradient_accumulation_steps = sizes.gradient_accumulation_steps
-        self._world_size = world_size
+        self._settle(
+            **sizes._asdict(),
+            _world_size=world_size,
+            # What load_config found on the way, kept for auto_keys, ignored_keys and reloading.
+            _source=context.get("source"),
+            _ignored_keys=tuple(context.get("ignored", ())),
+            _auto_keys=frozenset(context.get("auto", ())),
+        )
         return self
 
     @classmethod
@@ -205,6 +218,23 @@ class ZeroOffloadConfig(Section):
         :func:`zero_offload.config.auto_sizes.resolve_auto_sizes` fills the size ones)."""
         return self._auto_keys
 
+    def updated(self, changes: Mapping[str, Any]) -> ZeroOffloadConfig:
+        """A new validated config: these settings with ``changes`` applied, for the same world
+        size (a dict given for a section merges into it: ``{"zero_optimization":
+        {"reduce_bucket_size": 4096}}``). Every rule is checked again, and a broken one raises
+        ConfigError naming the key. This config is left as it is (configs are read-only)."""
+        data = _merged(self.model_dump(), changes)
+        context = {
+            "world_size": self._world_size,
+            "source": self._source,
+            "ignored": self._ignored_keys,
+            "auto": self._auto_keys,
+        }
+        try:
+            return ZeroOffloadConfig.model_validate(data, context=context)
+        except ValidationError as exc:
+            raise ConfigError(describe_errors(ZeroOffloadConfig, exc, set())) from None
+
     # DeepSpeed's engine.config is a dict: transformers reads
     # ``engine.config.get("zero_optimization", {}).get("stage")`` on every save. The typed
     # config answers from its resolved settings (every key, defaults filled in).
@@ -221,3 +251,15 @@ class ZeroOffloadConfig(Section):
         """Every setting, resolved, as plain JSON values (for logs and checkpoint metadata).
         ``load_config(cfg.to_dict(), cfg.world_size)`` gives an equal config."""
         return self.model_dump(mode="json")
+
+
+def _merged(base: dict[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``changes`` laid over it, a dict into a dict key by key (neither is
+    modified)."""
+    out = dict(base)
+    for key, value in changes.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out

@@ -240,9 +240,9 @@ class ZeroConfig(Section):
                     "cpu_offload", "deprecated alias of offload_optimizer; give one, not both"
                 )
             if self.cpu_offload:
-                self.offload_optimizer = OffloadOptimizerConfig(device="cpu")
+                self._settle(offload_optimizer=OffloadOptimizerConfig(device="cpu"))
             # Applied: to_dict() then holds one spelling, so it loads again.
-            self.cpu_offload = None
+            self._settle(cpu_offload=None)
         param_key = "offload_param.device"
         if self.cpu_offload_param is not None:
             if "offload_param" in self.model_fields_set:
@@ -251,10 +251,11 @@ class ZeroConfig(Section):
                 )
             param_key = "cpu_offload_param"
             if self.cpu_offload_param:
-                self.offload_param = OffloadParamConfig(device="cpu")
-            self.cpu_offload_param = None
+                self._settle(offload_param=OffloadParamConfig(device="cpu"))
+            self._settle(cpu_offload_param=None)
         if self.overlap_comm is None:
-            self.overlap_comm = self.stage == 3  # DeepSpeed overlaps by default at stage 3 only
+            # DeepSpeed overlaps by default at stage 3 only.
+            self._settle(overlap_comm=self.stage == 3)
         offload = self.offload_optimizer
         if offload is not None and offload.device != "none" and self.stage == 0:
             raise rule_error(

@@ -87,6 +87,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         # Params that require grad now but are left out of the optimizer on purpose (a subset
         # in model_parameters) are allowed; any other trainable param at a step is an error.
         self._known_params = {id(p) for p in module.parameters() if p.requires_grad}
+        config, _ = resolve_auto_sizes(config, module)  # "auto" sizes from the hidden size
         self.module, self.config = module, config
         self.lr_scheduler, self.training_dataloader = lr_scheduler, training_dataloader
         self.device = dist.default_device()
@@ -97,7 +98,6 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         self.grad_accum_dtype = DTYPES[accum] if accum is not None else self.dtype
         self.world_size, self.global_rank = dist.world_size(), dist.rank()
         self.local_rank = dist.local_rank()
-        resolve_auto_sizes(config, module)  # "auto" bucket sizes from the model's hidden size
         zc = config.zero_optimization
         self.stage = zc.stage
         self.placement = Placement.from_config(config, self.device, self.global_rank, run_name())
