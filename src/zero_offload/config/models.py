@@ -90,31 +90,117 @@ class ZeroOffloadConfig(Section):
 
     NOT_IMPLEMENTED: ClassVar[frozenset[str]] = TOP_LEVEL_NOT_IMPLEMENTED
 
-    # Resolved by the validator below; ints once validated.
-    train_batch_size: Int | None = Field(None, gt=0)
-    train_micro_batch_size_per_gpu: Int | None = Field(None, gt=0)
-    gradient_accumulation_steps: Int | None = Field(None, gt=0)
-    optimizer: OptimizerConfig | None = None
-    scheduler: AnySchedulerConfig | None = None
-    fp16: FP16Config = Field(default_factory=FP16Config)
-    bf16: BF16Config = Field(default_factory=BF16Config)
-    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
-    # Read only with an NVMe offload (zero_optimization.*.device "nvme").
-    aio: AioConfig = Field(default_factory=AioConfig)
-    gradient_clipping: Float = Field(1.0, ge=0.0)  # DeepSpeed >= 0.16 default; 0 disables
-    steps_per_print: Int | None = Field(None, ge=1)  # None (DeepSpeed default): no step log
-    wall_clock_breakdown: Bool = False
-    seed: Int | None = Field(None, ge=0, le=2**63 - 1)  # torch.manual_seed's range
-    # Extension: stop after this many consecutive skipped steps that loss scaling cannot fix
-    # (runtime/overflow.py); 0 never stops.
-    max_consecutive_overflows: Int = Field(10, ge=0)
-    # False: backward() only accumulates; every step() is the accumulation boundary.
-    managed_gradient_accumulation: Bool = True
-    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
-    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    prescale_gradients: Bool = Field(False, json_schema_extra=DEFAULT_ONLY)
-    gradient_predivide_factor: Float = Field(1.0, gt=0.0, json_schema_extra=DEFAULT_ONLY)
+    # The batch triple: resolved by the validator below, ints once validated.
+    train_batch_size: Int | None = Field(
+        None,
+        gt=0,
+        description="Samples per optimizer step over all ranks: train_micro_batch_size_per_gpu "
+        "* gradient_accumulation_steps * world size. Any two of the three imply the third; "
+        'null or "auto": derived.',
+    )
+    train_micro_batch_size_per_gpu: Int | None = Field(
+        None,
+        gt=0,
+        description='Samples per rank in one forward/backward pass. Null or "auto": derived '
+        "from the other two (or from train_batch_size alone, with one accumulation step).",
+    )
+    gradient_accumulation_steps: Int | None = Field(
+        None,
+        gt=0,
+        description="Micro-steps (forward/backward passes) whose gradients are summed into one "
+        'optimizer step. Null or "auto": derived, 1 when only one batch key is given.',
+    )
+    optimizer: OptimizerConfig | None = Field(
+        None,
+        description="The built-in optimizer (Adam or AdamW). Null: none, unless a client "
+        "optimizer is passed to initialize() (which wins over this block, with a warning).",
+    )
+    scheduler: AnySchedulerConfig | None = Field(
+        None,
+        description="The learning-rate schedule, stepped at every optimizer step (WarmupLR, "
+        "WarmupDecayLR or WarmupCosineLR). Null: none, or a client scheduler.",
+    )
+    fp16: FP16Config = Field(
+        default_factory=FP16Config,
+        description="fp16 mixed precision with loss scaling (16-bit params, fp32 master weights).",
+    )
+    bf16: BF16Config = Field(
+        default_factory=BF16Config,
+        description='bf16 mixed precision (no loss scaling). DeepSpeed\'s old key "bfloat16" '
+        "is read as this one.",
+    )
+    zero_optimization: ZeroConfig = Field(
+        default_factory=ZeroConfig,
+        description="The ZeRO stage and its settings: buckets, offloads, stage-3 fetching.",
+    )
+    aio: AioConfig = Field(
+        default_factory=AioConfig,
+        description='Asynchronous I/O for NVMe offload; read only with a "nvme" offload device.',
+    )
+    gradient_clipping: Float = Field(
+        1.0,
+        ge=0.0,
+        description="Clip the global gradient L2 norm (over every rank's gradients) to this "
+        "value before the update; 0 disables. The default is DeepSpeed's since 0.16.",
+    )
+    steps_per_print: Int | None = Field(
+        None,
+        ge=1,
+        description="Log the step count, learning rates, loss scale, gradient norm and time per "
+        "step every this many optimizer steps (rank 0). Null, DeepSpeed's default: no step log.",
+    )
+    wall_clock_breakdown: Bool = Field(
+        False,
+        description="Time forward, backward and step (synchronizing the device so the times "
+        "are its own) and log their totals (ms) on rank 0 with the step log, or every step "
+        "without one.",
+    )
+    seed: Int | None = Field(
+        None,
+        ge=0,
+        le=2**63 - 1,
+        description="This project's extension: torch.manual_seed(seed) on every rank at "
+        "initialize(). Null: torch's generator is left as it is.",
+    )
+    max_consecutive_overflows: Int = Field(
+        10,
+        ge=0,
+        description="This project's extension: stop with an error after this many consecutive "
+        "optimizer steps skipped for non-finite gradients that loss scaling cannot fix "
+        "(steps); 0 never stops.",
+    )
+    managed_gradient_accumulation: Bool = Field(
+        True,
+        description="True: the engine counts micro-steps and step() updates only at the "
+        "accumulation boundary. False: backward() only accumulates and every step() is a "
+        "boundary (the caller decides).",
+    )
+    gradient_allreduce_op: Literal["mean", "sum"] = Field(
+        "mean",
+        description='How gradients combine over the data-parallel ranks: "mean" averages, '
+        '"sum" keeps the unscaled sum (not with stage 3). Matched case-insensitively.',
+    )
+    data_types: DataTypesConfig = Field(
+        default_factory=DataTypesConfig,
+        description="The dtypes gradients accumulate in and params train in.",
+    )
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig,
+        description="Checkpoint saving options.",
+    )
+    prescale_gradients: Bool = Field(
+        False,
+        json_schema_extra=DEFAULT_ONLY,
+        description="DeepSpeed: divide gradients by the world size before the all-reduce "
+        "rather than after.",
+    )
+    gradient_predivide_factor: Float = Field(
+        1.0,
+        gt=0.0,
+        json_schema_extra=DEFAULT_ONLY,
+        description="DeepSpeed: divide gradients by this factor before the mean all-reduce and "
+        "by world size / factor after (an fp16 range aid on many ranks).",
+    )
 
     _world_size: int = PrivateAttr(1)
     _ignored_keys: tuple[str, ...] = PrivateAttr(())
