@@ -33,12 +33,12 @@ HEADER = """\
 
 Every key of the JSON config, section by section, with its type, default and meaning. Key names,
 defaults and meanings are DeepSpeed's unless the description says *this project's extension*.
-Sizes are in elements unless a unit is named. `"auto"` (Hugging Face's "fill this in") is
-accepted for any key: the batch keys and the `zero_optimization` sizes that say so are filled,
-any other gets the default with one warning naming it. An unknown key is an error naming it with
-the closest valid key; a DeepSpeed key listed as *accepted, not built* loads and is named in one
-warning. A validated config is read-only: `config.updated({...})` gives a changed copy, checked
-again.
+Sizes are in elements unless a unit is named. `"auto"` (Hugging Face's "fill this in") loads
+for any key: the batch keys and the `zero_optimization` sizes that say so are filled, any other
+key gets its default, named in one warning (a required key has none: an error). An unknown key
+is an error naming it with the closest valid key; a DeepSpeed key listed as *accepted, not
+built* loads and is named in one warning. A validated config is read-only:
+`config.updated({...})` gives a changed copy, checked again.
 """
 
 _DEFAULT_ONLY_NOTE = (
