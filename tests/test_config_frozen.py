@@ -8,8 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from zero_offload.config import ConfigError, ZeroOffloadConfig, load_config
-from zero_offload.config.fields import FrozenConfigError
+from zero_offload.config import ConfigError, FrozenConfigError, ZeroOffloadConfig, load_config
 
 BASE = {
     "train_batch_size": 8,
