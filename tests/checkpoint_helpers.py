@@ -202,14 +202,14 @@ def refused_saves(case: dict, root: str) -> list[str]:
         engine, _ = build(case)
         msgs = []
         bad = {"x": {1, 2}} if dist.rank() == 1 else {}
-        engine.config.checkpoint.tag_validation = "fail"
+        engine.config = engine.config.updated({"checkpoint": {"tag_validation": "fail"}})
         for kwargs in ({"client_state": bad, "tag": "refused"}, {"tag": f"rank{dist.rank()}"}):
             try:
                 engine.save_checkpoint(f"{root}/refused", **kwargs)
                 msgs.append("saved")
             except CheckpointError as e:
                 msgs.append(str(e))
-        engine.config.checkpoint.tag_validation = "warn"
+        engine.config = engine.config.updated({"checkpoint": {"tag_validation": "warn"}})
         engine.save_checkpoint(f"{root}/warned", tag=f"rank{dist.rank()}")
         msgs.append(",".join(sorted(p.name for p in Path(root, "warned").iterdir())))
         engine.destroy()

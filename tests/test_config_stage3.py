@@ -339,44 +339,49 @@ def test_auto_sizes_from_hidden_size(caplog: pytest.LogCaptureFixture) -> None:
     zc = cfg.zero_optimization
     assert zc.reduce_bucket_size == 500_000_000  # the default until resolved
     with caplog.at_level(logging.INFO, logger="zero_offload"):
-        chosen = resolve_auto_sizes(cfg, tiny_model(hidden_size=768))
+        resolved, chosen = resolve_auto_sizes(cfg, tiny_model(hidden_size=768))
     assert chosen == {
         "reduce_bucket_size": 768 * 768,
         "stage3_prefetch_bucket_size": int(0.9 * 768 * 768),
         "stage3_param_persistence_threshold": 7680,
     }
+    rz = resolved.zero_optimization
     assert (
-        zc.reduce_bucket_size,
-        zc.stage3_prefetch_bucket_size,
-        zc.stage3_param_persistence_threshold,
+        rz.reduce_bucket_size,
+        rz.stage3_prefetch_bucket_size,
+        rz.stage3_param_persistence_threshold,
     ) == (589_824, 530_841, 7680)
+    # A new config: the loaded one keeps its settings, and what load_config recorded carries over.
+    assert zc.reduce_bucket_size == 500_000_000 and resolved is not cfg
+    assert resolved.auto_keys == cfg.auto_keys and resolved.world_size == cfg.world_size
     lines = [r for r in caplog.records if r.name == "zero_offload"]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO
     text = lines[0].getMessage()
     for key, value in chosen.items():
         assert f"zero_optimization.{key}={value}" in text
-    assert cfg.to_dict()["zero_optimization"]["reduce_bucket_size"] == 589_824
+    assert resolved.to_dict()["zero_optimization"]["reduce_bucket_size"] == 589_824
 
 
 def test_auto_sizes_only_for_keys_that_were_auto() -> None:
     cfg = load({"stage": 3, "reduce_bucket_size": 1000, "prefetch_bucket_size": "auto"})
-    chosen = resolve_auto_sizes(cfg, tiny_model(hidden_size=100))
+    resolved, chosen = resolve_auto_sizes(cfg, tiny_model(hidden_size=100))
     assert chosen == {"stage3_prefetch_bucket_size": 9000}  # the alias spelling counts too
-    zc = cfg.zero_optimization
+    zc = resolved.zero_optimization
     assert zc.reduce_bucket_size == 1000 and zc.stage3_param_persistence_threshold == 100_000
 
 
 def test_auto_sizes_hidden_sizes_uses_the_largest() -> None:
     cfg = load(AUTO_ZERO)
-    chosen = resolve_auto_sizes(cfg, tiny_model(hidden_sizes=[64, 512, 256]))
+    _, chosen = resolve_auto_sizes(cfg, tiny_model(hidden_sizes=[64, 512, 256]))
     assert chosen["reduce_bucket_size"] == 512 * 512
     assert chosen["stage3_param_persistence_threshold"] == 5120
 
 
 def test_auto_stage3_sizes_not_filled_below_stage3() -> None:
     cfg = load({**AUTO_ZERO, "stage": 2})
-    assert resolve_auto_sizes(cfg, tiny_model(hidden_size=64)) == {"reduce_bucket_size": 4096}
-    assert cfg.zero_optimization.stage3_prefetch_bucket_size == 50_000_000
+    resolved, chosen = resolve_auto_sizes(cfg, tiny_model(hidden_size=64))
+    assert chosen == {"reduce_bucket_size": 4096}
+    assert resolved.zero_optimization.stage3_prefetch_bucket_size == 50_000_000
 
 
 @pytest.mark.parametrize(
@@ -393,7 +398,7 @@ def test_auto_sizes_without_hidden_size_keep_defaults(model: torch.nn.Module) ->
     cfg = load(AUTO_ZERO)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert resolve_auto_sizes(cfg, model) == {}
+        assert resolve_auto_sizes(cfg, model) == (cfg, {})
     assert len(caught) == 1
     message = str(caught[0].message)
     for key, default in (
@@ -409,7 +414,7 @@ def test_no_auto_keys_nothing_to_do() -> None:
     cfg = load({"stage": 3})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert resolve_auto_sizes(cfg, torch.nn.Linear(2, 2)) == {}
+        assert resolve_auto_sizes(cfg, torch.nn.Linear(2, 2)) == (cfg, {})
 
 
 def test_auto_sizes_from_the_projects_gpt2() -> None:
@@ -417,7 +422,7 @@ def test_auto_sizes_from_the_projects_gpt2() -> None:
 
     model = GPT2Model(GPT2Config(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8))
     cfg = load_config(CONFIGS / "gpt2_stage3_offload.json", 1)
-    chosen = resolve_auto_sizes(cfg, model)
+    _, chosen = resolve_auto_sizes(cfg, model)
     assert chosen == {
         "reduce_bucket_size": 1024,
         "stage3_prefetch_bucket_size": 921,

@@ -138,8 +138,11 @@ def test_set_train_batch_size_changes_accumulation():
     ((x, y),) = batches(1, 1, 2, 2)
     engine.backward(engine(x[:2], y[:2]))
     engine.step()
+    before = engine.config
     engine.set_train_batch_size(4)
     assert engine.train_batch_size() == 4 and engine.gradient_accumulation_steps() == 2
+    # A new config for the engine; the one held before keeps its settings (configs are read-only).
+    assert engine.config["train_batch_size"] == 4 and before.train_batch_size == 2
     flags = []
     for k in range(4):
         flags.append(engine.is_gradient_accumulation_boundary())

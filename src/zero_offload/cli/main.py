@@ -19,6 +19,10 @@ COMMANDS = {
         "zero_offload.cli.convert_deepspeed",
         "convert a DeepSpeed checkpoint into this project's format",
     ),
+    "config-docs": (
+        "zero_offload.cli.config_docs",
+        "write the config reference (docs/config.md) from the config's fields",
+    ),
 }
 
 

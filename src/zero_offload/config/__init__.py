@@ -10,6 +10,7 @@ from .errors import (
     NotImplementedSettingWarning,
     SettingSpellingWarning,
 )
+from .fields import FrozenConfigError
 from .json_text import parse_json_text, read_json_file
 from .load import ConfigSource, load_config
 from .models import ZeroOffloadConfig
@@ -36,6 +37,7 @@ __all__ = [
     "ConfigSource",
     "DeepSpeedConfigError",
     "FP16Config",
+    "FrozenConfigError",
     "NotImplementedSettingWarning",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",

@@ -33,14 +33,47 @@ class AioConfig(Section):
     (``single_submit``) and whether completions overlap submissions (``overlap_events``).
     ``use_gds`` (GPUDirect Storage) is not built: true is an error."""
 
-    block_size: Int = Field(AIO_BLOCK_SIZE, gt=0)
-    queue_depth: Int = Field(AIO_QUEUE_DEPTH, gt=0)
-    intra_op_parallelism: Int = Field(AIO_INTRA_OP_PARALLELISM, ge=1)
+    block_size: Int = Field(
+        AIO_BLOCK_SIZE,
+        gt=0,
+        description="Each NVMe read or write is split into pieces of this size (bytes), run "
+        "in parallel by the I/O threads.",
+    )
+    queue_depth: Int = Field(
+        AIO_QUEUE_DEPTH,
+        gt=0,
+        description="DeepSpeed: libaio's submission queue depth. The I/O here runs on a "
+        "pread/pwrite thread pool with no queue to size: kept so a config round-trips.",
+    )
+    intra_op_parallelism: Int = Field(
+        AIO_INTRA_OP_PARALLELISM,
+        ge=1,
+        description="I/O threads serving each read or write (threads); the key DeepSpeed's "
+        "code reads.",
+    )
     # Another spelling of intra_op_parallelism (DeepSpeed's docs); null once validated.
-    thread_count: Int | None = Field(None, ge=1)
-    single_submit: Bool = False
-    overlap_events: Bool = True
-    use_gds: Bool = False
+    thread_count: Int | None = Field(
+        None,
+        ge=1,
+        description="The I/O thread count under the name DeepSpeed's documentation gives it "
+        "(threads): used when given alone; intra_op_parallelism wins when both differ (a "
+        "warning). Null once loaded.",
+    )
+    single_submit: Bool = Field(
+        False,
+        description="DeepSpeed: submit a request's blocks one by one rather than as a batch. "
+        "No effect with the thread-pool I/O here: kept so a config round-trips.",
+    )
+    overlap_events: Bool = Field(
+        True,
+        description="DeepSpeed: submit new requests without waiting for earlier ones to "
+        "complete. No effect with the thread-pool I/O here: kept so a config round-trips.",
+    )
+    use_gds: Bool = Field(
+        False,
+        description="DeepSpeed: GPUDirect Storage (NVMe to GPU memory directly). Not built: "
+        "true is an error.",
+    )
 
     # (thread_count, intra_op_parallelism) as given when they differ; for load_config's warning.
     _conflict: tuple[int, int] | None = PrivateAttr(None)
@@ -63,11 +96,11 @@ class AioConfig(Section):
                 "intra_op_parallelism" in self.model_fields_set
                 and self.intra_op_parallelism != given
             ):
-                self._conflict = (given, self.intra_op_parallelism)
+                self._settle(_conflict=(given, self.intra_op_parallelism))
             else:
-                self.intra_op_parallelism = given
+                self._settle(intra_op_parallelism=given)
             # Applied: to_dict() then holds one spelling, so it loads again.
-            self.thread_count = None
+            self._settle(thread_count=None)
         return self
 
     @property

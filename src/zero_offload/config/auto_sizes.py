@@ -3,7 +3,8 @@ DeepSpeed integration fills them: ``reduce_bucket_size`` = h*h, and at stage 3
 ``stage3_prefetch_bucket_size`` = int(0.9*h*h) and ``stage3_param_persistence_threshold`` = 10*h.
 
 Loading a config turns every ``"auto"`` into the default (the model is not known yet) and records
-its key path; the engine calls :func:`resolve_auto_sizes` once it has the model.
+its key path; the engine calls :func:`resolve_auto_sizes` once it has the model, and runs with
+the new config it returns (a validated config is never changed in place).
 """
 
 from __future__ import annotations
@@ -73,12 +74,15 @@ def model_hidden_size(module: Any) -> int | None:
     return None
 
 
-def resolve_auto_sizes(config: ZeroOffloadConfig, module: Any) -> dict[str, int]:
+def resolve_auto_sizes(
+    config: ZeroOffloadConfig, module: Any
+) -> tuple[ZeroOffloadConfig, dict[str, int]]:
     """Fill the size keys the source config set to ``"auto"`` from ``module``'s hidden size.
 
-    Sets each value on ``config.zero_optimization`` and returns ``{field name: value}`` for
-    what it set, logging one info line. A model without a hidden size keeps the defaults, with
-    one warning naming the keys. Stage-3 keys are filled only at stage 3.
+    Returns the config with those sizes (a new validated one; ``config`` itself when nothing
+    is filled) and ``{field name: value}`` for what was filled, logging one info line. A model
+    without a hidden size keeps the defaults, with one warning naming the keys. Stage-3 keys
+    are filled only at stage 3.
     """
     zero = config.zero_optimization
     wanted = [
@@ -88,7 +92,7 @@ def resolve_auto_sizes(config: ZeroOffloadConfig, module: Any) -> dict[str, int]
         and any(f"{SECTION}.{key}" in config.auto_keys for key in auto.spellings)
     ]
     if not wanted:
-        return {}
+        return config, {}
     hidden = model_hidden_size(module)
     if hidden is None:
         kept = ", ".join(f"{SECTION}.{a.name}={getattr(zero, a.name)}" for a in wanted)
@@ -98,7 +102,7 @@ def resolve_auto_sizes(config: ZeroOffloadConfig, module: Any) -> dict[str, int]
             UserWarning,
             stacklevel=2,
         )
-        return {}
+        return config, {}
     chosen, problems = {}, []
     for a in wanted:
         try:
@@ -116,11 +120,10 @@ def resolve_auto_sizes(config: ZeroOffloadConfig, module: Any) -> dict[str, int]
             chosen[a.name] = value
     if problems:
         raise ConfigError(problems)
-    for name, value in chosen.items():
-        setattr(zero, name, value)
+    resolved = config.updated({SECTION: chosen})
     log.info(
         '"auto" sizes from the model\'s hidden_size %d: %s',
         hidden,
         ", ".join(f"{SECTION}.{name}={value}" for name, value in chosen.items()),
     )
-    return chosen
+    return resolved, chosen

@@ -159,16 +159,45 @@ def sections_in(annotation: Any) -> list[type[Section]]:
     return []
 
 
+class FrozenConfigError(AttributeError):
+    """An assignment to a validated config, which is read-only once built."""
+
+
 class Section(BaseModel):
     """One JSON object of the config. Unknown keys are rejected by the key walker before
-    validation (with a suggestion), so ``extra="forbid"`` here only guards direct use."""
+    validation (with a suggestion), so ``extra="forbid"`` here only guards direct use.
 
-    model_config = ConfigDict(extra="forbid")
+    Invariant: a section is immutable once validation returns it (fields and private state
+    alike), so every holder of a config sees the settings it was validated with. Its own
+    after-validators finish it with :meth:`_settle`, before anything else can hold it; a change
+    later is a new validated object (:meth:`ZeroOffloadConfig.updated`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     # DeepSpeed keys accepted here and ignored; each one present is listed in the warning.
     NOT_IMPLEMENTED: ClassVar[frozenset[str]] = frozenset()
     # Keys that are a known mistake, with what to do instead.
     KEY_HINTS: ClassVar[dict[str, str]] = {}
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenConfigError(
+            f"{type(self).__name__}.{name}: a validated config is read-only; build a changed "
+            "copy instead (ZeroOffloadConfig.updated({...}) validates the change)"
+        )
+
+    def __delattr__(self, name: str) -> None:
+        self.__setattr__(name, None)
+
+    def _settle(self, **values: Any) -> None:
+        """Set fields or private attributes from this section's own after-validator: the one
+        write a section takes, while validation still holds it (nothing else can see it yet).
+        Bypasses the read-only guard, so it must never be called on a returned config."""
+        private = self.__pydantic_private__
+        for name, value in values.items():
+            if private is not None and name in private:
+                private[name] = value
+            else:
+                object.__setattr__(self, name, value)
 
     @classmethod
     def known_keys(cls) -> set[str]:

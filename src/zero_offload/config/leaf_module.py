@@ -21,9 +21,19 @@ class LeafModuleConfig(Section):
     suffix become leaves: their whole subtree is one fetch unit (see zero_offload.utils'
     ``set_z3_leaf_modules``). A single string is a list of one."""
 
-    classes: list[Str] = Field(default_factory=lambda: list(DEFAULT_LEAF_CLASSES))
-    names: list[Str] = Field(default_factory=list)
-    name_suffixes: list[Str] = Field(default_factory=list)
+    classes: list[Str] = Field(
+        default_factory=lambda: list(DEFAULT_LEAF_CLASSES),
+        description="Module classes made leaves, by class name or fully qualified name. The "
+        "default: the Mixture-of-Experts blocks of Mixtral, Qwen2-MoE and Qwen3-MoE.",
+    )
+    names: list[Str] = Field(
+        default_factory=list,
+        description='Modules made leaves by their name in the model ("model.layers.0.mlp").',
+    )
+    name_suffixes: list[Str] = Field(
+        default_factory=list,
+        description='Modules made leaves by the end of their name ("mlp", "block_sparse_moe").',
+    )
 
     @field_validator("classes", "names", "name_suffixes", mode="before")
     @classmethod

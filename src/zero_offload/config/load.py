@@ -100,7 +100,13 @@ def load_config(
     try:
         config = ZeroOffloadConfig.model_validate(
             prepared.data,
-            context={"world_size": world_size, "micro_batch_size": micro_batch_size},
+            context={
+                "world_size": world_size,
+                "micro_batch_size": micro_batch_size,
+                "source": raw,
+                "ignored": prepared.ignored,
+                "auto": prepared.auto,
+            },
         )
     except ValidationError as exc:
         reported = {line.split(":", 1)[0] for line in problems}  # one line per key
@@ -112,9 +118,6 @@ def load_config(
     if problems or config is None:
         raise ConfigError(problems, origin=origin)
 
-    config._source = raw
-    config._ignored_keys = tuple(prepared.ignored)
-    config._auto_keys = frozenset(prepared.auto)
     defaulted = auto_report(prepared.auto, prepared.ignored, config.to_dict())
     if defaulted:
         warnings.warn(

@@ -7,16 +7,25 @@ for the run's world size. After that the batch fields are always ints.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from .aio import AioConfig
 from .batch import resolve_batch_sizes
 from .errors import ConfigError, json_repr
 from .fields import DEFAULT_ONLY, Bool, Float, Int, Section, rule_error
+from .keys import describe_errors
 from .optimizer import OptimizerConfig
 from .precision import BF16Config, FP16Config
 from .runtime_keys import CheckpointConfig, DataTypesConfig, allreduce_op
@@ -81,31 +90,117 @@ class ZeroOffloadConfig(Section):
 
     NOT_IMPLEMENTED: ClassVar[frozenset[str]] = TOP_LEVEL_NOT_IMPLEMENTED
 
-    # Resolved by the validator below; ints once validated.
-    train_batch_size: Int | None = Field(None, gt=0)
-    train_micro_batch_size_per_gpu: Int | None = Field(None, gt=0)
-    gradient_accumulation_steps: Int | None = Field(None, gt=0)
-    optimizer: OptimizerConfig | None = None
-    scheduler: AnySchedulerConfig | None = None
-    fp16: FP16Config = Field(default_factory=FP16Config)
-    bf16: BF16Config = Field(default_factory=BF16Config)
-    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
-    # Read only with an NVMe offload (zero_optimization.*.device "nvme").
-    aio: AioConfig = Field(default_factory=AioConfig)
-    gradient_clipping: Float = Field(1.0, ge=0.0)  # DeepSpeed >= 0.16 default; 0 disables
-    steps_per_print: Int | None = Field(None, ge=1)  # None (DeepSpeed default): no step log
-    wall_clock_breakdown: Bool = False
-    seed: Int | None = Field(None, ge=0, le=2**63 - 1)  # torch.manual_seed's range
-    # Extension: stop after this many consecutive skipped steps that loss scaling cannot fix
-    # (runtime/overflow.py); 0 never stops.
-    max_consecutive_overflows: Int = Field(10, ge=0)
-    # False: backward() only accumulates; every step() is the accumulation boundary.
-    managed_gradient_accumulation: Bool = True
-    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
-    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    prescale_gradients: Bool = Field(False, json_schema_extra=DEFAULT_ONLY)
-    gradient_predivide_factor: Float = Field(1.0, gt=0.0, json_schema_extra=DEFAULT_ONLY)
+    # The batch triple: resolved by the validator below, ints once validated.
+    train_batch_size: Int | None = Field(
+        None,
+        gt=0,
+        description="Samples per optimizer step over all ranks: train_micro_batch_size_per_gpu "
+        "* gradient_accumulation_steps * world size. Any two of the three imply the third; "
+        'null or "auto": derived.',
+    )
+    train_micro_batch_size_per_gpu: Int | None = Field(
+        None,
+        gt=0,
+        description='Samples per rank in one forward/backward pass. Null or "auto": derived '
+        "from the other two (or from train_batch_size alone, with one accumulation step).",
+    )
+    gradient_accumulation_steps: Int | None = Field(
+        None,
+        gt=0,
+        description="Micro-steps (forward/backward passes) whose gradients are summed into one "
+        'optimizer step. Null or "auto": derived, 1 when only one batch key is given.',
+    )
+    optimizer: OptimizerConfig | None = Field(
+        None,
+        description="The built-in optimizer (Adam or AdamW). Null: none, unless a client "
+        "optimizer is passed to initialize() (which wins over this block, with a warning).",
+    )
+    scheduler: AnySchedulerConfig | None = Field(
+        None,
+        description="The learning-rate schedule, stepped at every optimizer step (WarmupLR, "
+        "WarmupDecayLR or WarmupCosineLR). Null: none, or a client scheduler.",
+    )
+    fp16: FP16Config = Field(
+        default_factory=FP16Config,
+        description="fp16 mixed precision with loss scaling (16-bit params, fp32 master weights).",
+    )
+    bf16: BF16Config = Field(
+        default_factory=BF16Config,
+        description='bf16 mixed precision (no loss scaling). DeepSpeed\'s old key "bfloat16" '
+        "is read as this one.",
+    )
+    zero_optimization: ZeroConfig = Field(
+        default_factory=ZeroConfig,
+        description="The ZeRO stage and its settings: buckets, offloads, stage-3 fetching.",
+    )
+    aio: AioConfig = Field(
+        default_factory=AioConfig,
+        description='Asynchronous I/O for NVMe offload; read only with a "nvme" offload device.',
+    )
+    gradient_clipping: Float = Field(
+        1.0,
+        ge=0.0,
+        description="Clip the global gradient L2 norm (over every rank's gradients) to this "
+        "value before the update; 0 disables. The default is DeepSpeed's since 0.16.",
+    )
+    steps_per_print: Int | None = Field(
+        None,
+        ge=1,
+        description="Log the step count, learning rates, loss scale, gradient norm and time per "
+        "step every this many optimizer steps (rank 0). Null, DeepSpeed's default: no step log.",
+    )
+    wall_clock_breakdown: Bool = Field(
+        False,
+        description="Time forward, backward and step (synchronizing the device so the times "
+        "are its own) and log their totals (ms) on rank 0 with the step log, or every step "
+        "without one.",
+    )
+    seed: Int | None = Field(
+        None,
+        ge=0,
+        le=2**63 - 1,
+        description="This project's extension: torch.manual_seed(seed) on every rank at "
+        "initialize(). Null: torch's generator is left as it is.",
+    )
+    max_consecutive_overflows: Int = Field(
+        10,
+        ge=0,
+        description="This project's extension: stop with an error after this many consecutive "
+        "optimizer steps skipped for non-finite gradients that loss scaling cannot fix "
+        "(steps); 0 never stops.",
+    )
+    managed_gradient_accumulation: Bool = Field(
+        True,
+        description="True: the engine counts micro-steps and step() updates only at the "
+        "accumulation boundary. False: backward() only accumulates and every step() is a "
+        "boundary (the caller decides).",
+    )
+    gradient_allreduce_op: Literal["mean", "sum"] = Field(
+        "mean",
+        description='How gradients combine over the data-parallel ranks: "mean" averages, '
+        '"sum" keeps the unscaled sum (not with stage 3). Matched case-insensitively.',
+    )
+    data_types: DataTypesConfig = Field(
+        default_factory=DataTypesConfig,
+        description="The dtypes gradients accumulate in and params train in.",
+    )
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig,
+        description="Checkpoint saving options.",
+    )
+    prescale_gradients: Bool = Field(
+        False,
+        json_schema_extra=DEFAULT_ONLY,
+        description="DeepSpeed: divide gradients by the world size before the all-reduce "
+        "rather than after.",
+    )
+    gradient_predivide_factor: Float = Field(
+        1.0,
+        gt=0.0,
+        json_schema_extra=DEFAULT_ONLY,
+        description="DeepSpeed: divide gradients by this factor before the mean all-reduce and "
+        "by world size / factor after (an fp16 range aid on many ranks).",
+    )
 
     _world_size: int = PrivateAttr(1)
     _ignored_keys: tuple[str, ...] = PrivateAttr(())
@@ -166,10 +261,14 @@ class ZeroOffloadConfig(Section):
             raise PydanticCustomError(
                 "config_rule", "{msg}", {"key": "", "msg": exc.problems[0]}
             ) from None
-        self.train_batch_size = sizes.train_batch_size
-        self.train_micro_batch_size_per_gpu = sizes.train_micro_batch_size_per_gpu
-        self.gradient_accumulation_steps = sizes.gradient_accumulation_steps
-        self._world_size = world_size
+        self._settle(
+            **sizes._asdict(),
+            _world_size=world_size,
+            # What load_config found on the way, kept for auto_keys, ignored_keys and reloading.
+            _source=context.get("source"),
+            _ignored_keys=tuple(context.get("ignored", ())),
+            _auto_keys=frozenset(context.get("auto", ())),
+        )
         return self
 
     @classmethod
@@ -205,6 +304,23 @@ class ZeroOffloadConfig(Section):
         :func:`zero_offload.config.auto_sizes.resolve_auto_sizes` fills the size ones)."""
         return self._auto_keys
 
+    def updated(self, changes: Mapping[str, Any]) -> ZeroOffloadConfig:
+        """A new validated config: these settings with ``changes`` applied, for the same world
+        size (a dict given for a section merges into it: ``{"zero_optimization":
+        {"reduce_bucket_size": 4096}}``). Every rule is checked again, and a broken one raises
+        ConfigError naming the key. This config is left as it is (configs are read-only)."""
+        data = _merged(self.model_dump(), changes)
+        context = {
+            "world_size": self._world_size,
+            "source": self._source,
+            "ignored": self._ignored_keys,
+            "auto": self._auto_keys,
+        }
+        try:
+            return ZeroOffloadConfig.model_validate(data, context=context)
+        except ValidationError as exc:
+            raise ConfigError(describe_errors(ZeroOffloadConfig, exc, set())) from None
+
     # DeepSpeed's engine.config is a dict: transformers reads
     # ``engine.config.get("zero_optimization", {}).get("stage")`` on every save. The typed
     # config answers from its resolved settings (every key, defaults filled in).
@@ -221,3 +337,15 @@ class ZeroOffloadConfig(Section):
         """Every setting, resolved, as plain JSON values (for logs and checkpoint metadata).
         ``load_config(cfg.to_dict(), cfg.world_size)`` gives an equal config."""
         return self.model_dump(mode="json")
+
+
+def _merged(base: dict[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``changes`` laid over it, a dict into a dict key by key (neither is
+    modified)."""
+    out = dict(base)
+    for key, value in changes.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out

@@ -26,14 +26,48 @@ class AdamParams(Section):
         "max_grad_norm": 'not an optimizer parameter; use the top-level "gradient_clipping"',
     }
 
-    lr: Float = Field(1e-3, ge=0.0, le=1e3)  # beyond 1e3 no optimizer trains: a typo
-    betas: tuple[Beta, Beta] = (0.9, 0.999)
-    eps: Float = Field(1e-8, ge=0.0)
-    weight_decay: Float = Field(0.0, ge=0.0)
-    bias_correction: Bool = True
-    adam_w_mode: Bool = True
-    torch_adam: Bool = False
-    amsgrad: Bool = False
+    lr: Float = Field(
+        1e-3,
+        ge=0.0,
+        le=1e3,  # beyond 1e3 no optimizer trains: a typo
+        description="The learning rate of every param group that does not set its own (a "
+        "scheduler then drives it).",
+    )
+    betas: tuple[Beta, Beta] = Field(
+        (0.9, 0.999),
+        description="Adam's decay rates of the first and second moment estimates, each in [0, 1).",
+    )
+    eps: Float = Field(
+        1e-8,
+        ge=0.0,
+        description="Added to the square root of the second moment in the denominator, for "
+        "numerical stability.",
+    )
+    weight_decay: Float = Field(
+        0.0,
+        ge=0.0,
+        description="Weight decay coefficient: decoupled (AdamW) or added to the gradient "
+        "(Adam with adam_w_mode false).",
+    )
+    bias_correction: Bool = Field(
+        True,
+        description="Correct the moment estimates for their zero initialization (Adam's "
+        "1 - beta**step factors).",
+    )
+    adam_w_mode: Bool = Field(
+        True,
+        description='Decoupled weight decay (AdamW) even for "type": "Adam", DeepSpeed\'s '
+        "default; false: L2 regularization added to the gradient.",
+    )
+    torch_adam: Bool = Field(
+        False,
+        description="DeepSpeed: use torch's Adam implementation instead of its fused one. "
+        "Picks no implementation here: the same update either way.",
+    )
+    amsgrad: Bool = Field(
+        False,
+        description="AMSGrad's max of past second moments. Not built: true is an error.",
+    )
 
     @field_validator("amsgrad")
     @classmethod
@@ -55,8 +89,14 @@ class OptimizerConfig(Section):
 
     NOT_IMPLEMENTED: ClassVar[frozenset[str]] = frozenset({"legacy_fusion"})
 
-    type: Literal["Adam", "AdamW"]
-    params: AdamParams = Field(default_factory=AdamParams)
+    type: Literal["Adam", "AdamW"] = Field(
+        description='"Adam" or "AdamW", matched case-insensitively, the optimizers the host '
+        "kernel runs. Required.",
+    )
+    params: AdamParams = Field(
+        default_factory=AdamParams,
+        description="The optimizer's hyperparameters.",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -53,16 +53,48 @@ class FP16Config(Section):
         {"fused_mode", "fp16_master_weights_and_grads"}
     )
 
-    enabled: Bool = False
-    auto_cast: Bool = False
+    enabled: Bool = Field(
+        False,
+        description="Train in fp16: 16-bit params and gradients, fp32 master weights and "
+        "optimizer state, the loss scaled.",
+    )
+    auto_cast: Bool = Field(
+        False,
+        description="DeepSpeed: cast the forward's floating inputs to fp16. The engine here "
+        "passes inputs as given: cast them yourself.",
+    )
     # >= 0 and finite always (DeepSpeed's check); at most MAX_SCALE when enabled.
-    loss_scale: LossScale = Field(0.0, ge=0)
-    # The dynamic-scaling keys: checked (below) only with fp16 enabled and loss_scale 0.
-    initial_scale_power: DsInt = 16  # 0..64
-    loss_scale_window: WindowInt = 1000  # >= 1
-    hysteresis: DsInt = 2  # >= 1
-    consecutive_hysteresis: Bool = False
-    min_loss_scale: MinScale = 1.0  # > 0, at most MAX_SCALE
+    loss_scale: LossScale = Field(
+        0.0,
+        ge=0,
+        description="0: dynamic loss scaling; any other value: this static scale (at most "
+        "2**64 with fp16 enabled).",
+    )
+    # The dynamic-scaling keys: checked (in _dynamic_scaling) only with fp16 enabled and
+    # loss_scale 0.
+    initial_scale_power: DsInt = Field(
+        16,
+        description="Dynamic scaling starts at 2**initial_scale_power (a power of two, 0-64).",
+    )
+    loss_scale_window: WindowInt = Field(
+        1000,
+        description="Dynamic scaling doubles the scale after this many consecutive steps "
+        "without overflow (steps, >= 1).",
+    )
+    hysteresis: DsInt = Field(
+        2,
+        description="Dynamic scaling halves the scale at this many overflowing steps since the "
+        "count was last refilled (steps, >= 1; 1: at every overflow).",
+    )
+    consecutive_hysteresis: Bool = Field(
+        False,
+        description="Dynamic scaling: refill the hysteresis after each step without overflow, "
+        "so only consecutive overflows lower the scale.",
+    )
+    min_loss_scale: MinScale = Field(
+        1.0,
+        description="Dynamic scaling never goes below this scale (> 0, at most 2**64).",
+    )
 
     @field_validator("loss_scale")
     @classmethod
@@ -115,4 +147,8 @@ class BF16Config(Section):
         }
     )
 
-    enabled: Bool = False
+    enabled: Bool = Field(
+        False,
+        description="Train in bf16: 16-bit params and gradients, fp32 master weights and "
+        "optimizer state.",
+    )

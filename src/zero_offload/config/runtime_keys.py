@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import field_validator
+from pydantic import Field, field_validator
 
 from .errors import json_repr
 from .fields import Section
@@ -31,8 +31,16 @@ class DataTypesConfig(Section):
 
     NOT_IMPLEMENTED: ClassVar[frozenset[str]] = frozenset({"buffer_dtype"})
 
-    grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = None
-    param_dtype: Literal["fp32", "fp16", "bf16"] | None = None
+    grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = Field(
+        None,
+        description="The dtype gradients accumulate in across micro-steps (stages 2 and 3 "
+        "when it differs from the training dtype). Null: the training dtype.",
+    )
+    param_dtype: Literal["fp32", "fp16", "bf16"] | None = Field(
+        None,
+        description="The training dtype, if given: must agree with the fp16/bf16 blocks, "
+        "which pick it. Null: as they pick it.",
+    )
 
     @field_validator("grad_accum_dtype", "param_dtype", mode="before")
     @classmethod
@@ -49,7 +57,12 @@ class CheckpointConfig(Section):
         {"load_universal", "use_node_local_storage", "parallel_write", "writer"}
     )
 
-    tag_validation: Literal["warn", "ignore", "fail"] = "warn"
+    tag_validation: Literal["warn", "ignore", "fail"] = Field(
+        "warn",
+        description='When ranks pass different tags to save_checkpoint: "fail" refuses before '
+        'anything is written; "warn" warns and "ignore" does not, both saving under rank '
+        "0's tag. Matched case-insensitively.",
+    )
 
     @field_validator("tag_validation", mode="before")
     @classmethod

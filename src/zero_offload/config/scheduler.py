@@ -43,53 +43,110 @@ class WarmupLRParams(Section):
     """Warm up from ``warmup_min_lr`` to ``warmup_max_lr`` over ``warmup_num_steps``, then hold.
     ``warmup_max_lr`` null means each param group's own lr (DeepSpeed's default)."""
 
-    warmup_min_lr: Lr = 0.0
-    warmup_max_lr: Lr | None = None
-    warmup_num_steps: Int = Field(1000, gt=0)
-    warmup_type: WarmupType = "log"
-    last_batch_iteration: Int = Field(-1, ge=-1)
+    warmup_min_lr: Lr = Field(
+        0.0,
+        description="The learning rate at the first step: one number, or one per param group.",
+    )
+    warmup_max_lr: Lr | None = Field(
+        None,
+        description="The learning rate warmup ends at: one number, or one per param group. "
+        "Null: each group's own lr.",
+    )
+    warmup_num_steps: Int = Field(
+        1000,
+        gt=0,
+        description="Optimizer steps the warmup takes (steps).",
+    )
+    warmup_type: WarmupType = Field(
+        "log",
+        description='How the rate rises during warmup: "log" (logarithmically) or "linear".',
+    )
+    last_batch_iteration: Int = Field(
+        -1,
+        ge=-1,
+        description="The step the schedule resumes after (steps); -1: start from the beginning.",
+    )
 
 
 class WarmupDecayLRParams(WarmupLRParams):
     """WarmupLR, then linear decay to 0 at ``total_num_steps``."""
 
-    total_num_steps: Int = Field(gt=0)
-    warmup_max_lr: Lr = 0.001
+    total_num_steps: Int = Field(
+        gt=0,
+        description="The optimizer step at which the rate reaches 0 (steps). Required.",
+    )
+    warmup_max_lr: Lr = Field(
+        0.001,
+        description="The learning rate warmup ends at and decay starts from: one number, or "
+        "one per param group.",
+    )
 
 
 class WarmupCosineLRParams(Section):
     """Ratios of the optimizer's lr: warm up from ``warmup_min_ratio`` to 1, then cosine decay to
     ``cos_min_ratio`` at ``total_num_steps``."""
 
-    total_num_steps: Int = Field(gt=0)
-    warmup_min_ratio: Float = Field(0.0, ge=0.0)
-    warmup_num_steps: Int = Field(1000, gt=0)
-    cos_min_ratio: Float = Field(0.0001, ge=0.0)
-    warmup_type: WarmupType = "log"
-    last_batch_iteration: Int = Field(-1, ge=-1)
+    total_num_steps: Int = Field(
+        gt=0,
+        description="The optimizer step at which the cosine decay ends (steps). Required.",
+    )
+    warmup_min_ratio: Float = Field(
+        0.0,
+        ge=0.0,
+        description="The learning rate at the first step, as a fraction of the optimizer's lr.",
+    )
+    warmup_num_steps: Int = Field(
+        1000,
+        gt=0,
+        description="Optimizer steps the warmup takes (steps).",
+    )
+    cos_min_ratio: Float = Field(
+        0.0001,
+        ge=0.0,
+        description="The learning rate at total_num_steps, as a fraction of the optimizer's lr.",
+    )
+    warmup_type: WarmupType = Field(
+        "log",
+        description='How the rate rises during warmup: "log" (logarithmically) or "linear".',
+    )
+    last_batch_iteration: Int = Field(
+        -1,
+        ge=-1,
+        description="The step the schedule resumes after (steps); -1: start from the beginning.",
+    )
 
 
 class SchedulerConfig(Section):
     """Common shape of ``{"type": ..., "params": {...}}``; the concrete classes below fix
     ``type`` and the params model."""
 
-    type: str
-    params: Section
+    type: str = Field(description="The schedule's name, matched case-insensitively.")
+    params: Section = Field(description="The schedule's parameters.")
 
 
 class WarmupLRConfig(SchedulerConfig):
-    type: Literal["WarmupLR"]
-    params: WarmupLRParams = Field(default_factory=WarmupLRParams)
+    type: Literal["WarmupLR"] = Field(description="Warm up, then hold the rate.")
+    params: WarmupLRParams = Field(
+        default_factory=WarmupLRParams, description="WarmupLR's parameters."
+    )
 
 
 class WarmupDecayLRConfig(SchedulerConfig):
-    type: Literal["WarmupDecayLR"]
-    params: WarmupDecayLRParams
+    type: Literal["WarmupDecayLR"] = Field(
+        description="Warm up, then decay linearly to 0 at total_num_steps."
+    )
+    params: WarmupDecayLRParams = Field(
+        description="WarmupDecayLR's parameters (total_num_steps required)."
+    )
 
 
 class WarmupCosineLRConfig(SchedulerConfig):
-    type: Literal["WarmupCosineLR"]
-    params: WarmupCosineLRParams
+    type: Literal["WarmupCosineLR"] = Field(
+        description="Warm up, then cosine decay to cos_min_ratio of the lr at total_num_steps."
+    )
+    params: WarmupCosineLRParams = Field(
+        description="WarmupCosineLR's parameters (total_num_steps required)."
+    )
 
 
 SCHEDULER_CONFIGS: dict[str, type[SchedulerConfig]] = {

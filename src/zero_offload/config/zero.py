@@ -100,17 +100,69 @@ class OffloadOptimizerConfig(Section):
         {"super_offload", "cpuadam_cores_perc", "convert_grad_on_cpu"}
     )
 
-    device: OffloadDevice = "none"
-    nvme_path: Str | None = None
-    buffer_count: DsInt = Field(4, ge=0)
-    pin_memory: Bool = True
-    pipeline_read: Bool = False
-    pipeline_write: Bool = False
-    fast_init: Bool = False
-    ratio: DsFloat = Field(1.0, ge=0.0, le=1.0)
-    delayed_update: Bool = False
-    delayed_update_after: Int = Field(0, ge=0)
-    threads: Int | None = Field(None, ge=1, le=1024)  # the host kernel's pool holds 1024
+    device: OffloadDevice = Field(
+        "none",
+        description="Where the fp32 master shard and optimizer state live and the update runs: "
+        '"none" (the device), "cpu" (host memory, the SIMD host Adam) or "nvme" (swap files '
+        "under nvme_path, streamed through host buffers). Stage 1, 2 or 3.",
+    )
+    nvme_path: Str | None = Field(
+        None,
+        description="A local directory (ideally on an NVMe drive) for the optimizer swap "
+        'files; required with device "nvme", ignored (with a warning) otherwise.',
+    )
+    buffer_count: DsInt = Field(
+        4,
+        ge=0,
+        description="Host buffers the NVMe update streams the optimizer state through (reading "
+        'ahead, writing behind); at least 2 with device "nvme".',
+    )
+    pin_memory: Bool = Field(
+        True,
+        description="Page-locked host buffers for the offloaded update's copies (with CUDA): "
+        "asynchronous, full-bandwidth transfers. Counts against the memlock limit.",
+    )
+    pipeline_read: Bool = Field(
+        False,
+        description="DeepSpeed: overlap NVMe reads with the update. The NVMe update here "
+        "always reads ahead, so this changes nothing.",
+    )
+    pipeline_write: Bool = Field(
+        False,
+        description="DeepSpeed: overlap NVMe writes with the update. The NVMe update here "
+        "always writes behind, so this changes nothing.",
+    )
+    fast_init: Bool = Field(
+        False,
+        description="DeepSpeed: a faster optimizer-state initialization with NVMe offload. "
+        "The swap files here are preallocated at start-up either way; this changes nothing.",
+    )
+    ratio: DsFloat = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="The fraction of the parameters updated on the host (DeepSpeed's partial "
+        "offload). Only 1.0 is built.",
+    )
+    delayed_update: Bool = Field(
+        False,
+        description="This project's extension: the ZeRO-Offload paper's one-step delayed "
+        "parameter update (the host update of step t overlaps step t+1's forward/backward); "
+        'needs device "cpu" and the built-in Adam(W).',
+    )
+    delayed_update_after: Int = Field(
+        0,
+        ge=0,
+        description="This project's extension: optimizer steps run undelayed before "
+        "delayed_update starts (steps).",
+    )
+    threads: Int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="This project's extension: threads of the host update kernel (1-1024, its "
+        "pool's size). Null: one per core.",
+    )
 
     @field_validator("device", mode="before")
     @classmethod
@@ -137,12 +189,38 @@ class OffloadParamConfig(Section):
     to be fetched. ``buffer_count``, ``buffer_size`` (elements) and ``max_in_cpu`` (elements)
     size those host buffers, as in DeepSpeed."""
 
-    device: OffloadDevice = "none"
-    nvme_path: Str | None = None
-    buffer_count: DsInt = Field(5, ge=0)
-    buffer_size: DsInt = Field(100_000_000, ge=0)
-    max_in_cpu: DsInt = Field(1_000_000_000, ge=0)
-    pin_memory: Bool = True
+    device: OffloadDevice = Field(
+        "none",
+        description='Where each rank\'s 16-bit param shard lives between uses (stage 3): "none" '
+        '(the device), "cpu" (host memory) or "nvme" (a swap file under nvme_path).',
+    )
+    nvme_path: Str | None = Field(
+        None,
+        description="A local directory (ideally on an NVMe drive) for the param swap files; "
+        'required with device "nvme", ignored (with a warning) otherwise.',
+    )
+    buffer_count: DsInt = Field(
+        5,
+        ge=0,
+        description='Host buffers params are read into from NVMe (device "nvme").',
+    )
+    buffer_size: DsInt = Field(
+        100_000_000,
+        ge=0,
+        description="Size of each NVMe read buffer (elements); must hold the largest param "
+        'group\'s partition (device "nvme").',
+    )
+    max_in_cpu: DsInt = Field(
+        1_000_000_000,
+        ge=0,
+        description="Param elements kept cached in host memory between fetches with device "
+        '"nvme" (elements).',
+    )
+    pin_memory: Bool = Field(
+        True,
+        description="Page-locked host memory for the param shard (with CUDA): fetches overlap "
+        "compute at full bandwidth. Counts against the memlock limit.",
+    )
 
     @field_validator("device", mode="before")
     @classmethod
@@ -162,40 +240,153 @@ class ZeroConfig(Section):
 
     NOT_IMPLEMENTED: ClassVar[frozenset[str]] = ZERO_NOT_IMPLEMENTED
 
-    stage: DsInt = 0
-    # Gradients always go through contiguous buckets and a contiguous grad shard.
-    contiguous_gradients: Bool = Field(True, json_schema_extra=DEFAULT_ONLY)
-    reduce_scatter: Bool = True
-    reduce_bucket_size: DsInt = Field(DEFAULT_BUCKET_SIZE, gt=0)
-    use_multi_rank_bucket_allreduce: Bool = Field(True, json_schema_extra=DEFAULT_ONLY)
-    allgather_partitions: Bool = True
-    allgather_bucket_size: DsInt = Field(DEFAULT_BUCKET_SIZE, gt=0)
-    # None until validated: DeepSpeed turns it on by default for stage 3 only.
-    overlap_comm: Bool | None = None
-    load_from_fp32_weights: Bool = Field(True, json_schema_extra=DEFAULT_ONLY)
-    elastic_checkpoint: Bool = Field(False, json_schema_extra=DEFAULT_ONLY)
-    ignore_unused_parameters: Bool = True
-    round_robin_gradients: Bool = Field(False, json_schema_extra=DEFAULT_ONLY)
-    compute_grad_norm: Bool = Field(True, json_schema_extra=DEFAULT_ONLY)
-    parameter_alignment: Bool = Field(False, json_schema_extra=DEFAULT_ONLY)
-    # Deprecated in DeepSpeed: true means offload_optimizer {"device": "cpu"}.
-    cpu_offload: Bool | None = None
-    # Deprecated in DeepSpeed: true means offload_param {"device": "cpu"}.
-    cpu_offload_param: Bool | None = None
-    offload_optimizer: OffloadOptimizerConfig | None = None
-    offload_param: OffloadParamConfig | None = None
-    # Stage 3 (elements unless named otherwise); no effect below stage 3. Defaults: DeepSpeed's.
-    stage3_prefetch_bucket_size: DsInt = Field(50_000_000, ge=0)
-    stage3_param_persistence_threshold: DsInt = Field(100_000, ge=0)
-    stage3_model_persistence_threshold: DsInt = Field(sys.maxsize, ge=0)
-    stage3_max_live_parameters: DsInt = Field(1_000_000_000, ge=0)
-    stage3_max_reuse_distance: DsInt = Field(1_000_000_000, ge=0)
-    stage3_gather_16bit_weights_on_model_save: Bool = False
-    sub_group_size: DsInt = Field(1_000_000_000, gt=0)
-    # Stage 3: nn.Linear's backward saves the weight param, not the gathered bucket
-    # (runtime/memory_efficient_linear.py); DeepSpeed's key and default.
-    memory_efficient_linear: Bool = True
-    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
+    stage: DsInt = Field(
+        0,
+        description="0: plain data parallel; 1: optimizer state partitioned over the ranks; "
+        "2: gradients too; 3: 16-bit params too (gathered per module as they run).",
+    )
+    contiguous_gradients: Bool = Field(
+        True,
+        json_schema_extra=DEFAULT_ONLY,
+        description="DeepSpeed: copy gradients into one contiguous buffer as they are produced. "
+        "Gradients here always go through contiguous buckets and a contiguous shard.",
+    )
+    reduce_scatter: Bool = Field(
+        True,
+        description="Stages 1-3: reduce gradients with reduce-scatter (each rank receives its "
+        "own partition); false: all-reduce, then each rank keeps its partition.",
+    )
+    reduce_bucket_size: DsInt = Field(
+        DEFAULT_BUCKET_SIZE,
+        gt=0,
+        description="Gradient elements reduced at once (elements): larger buckets mean fewer, "
+        'bigger collectives and more memory. "auto": hidden_size * hidden_size of the model.',
+    )
+    use_multi_rank_bucket_allreduce: Bool = Field(
+        True,
+        json_schema_extra=DEFAULT_ONLY,
+        description="DeepSpeed: all-reduce a bucket holding gradients of several ranks' "
+        "partitions in one call.",
+    )
+    allgather_partitions: Bool = Field(
+        True,
+        description="Stages 1/2: after the update, gather the updated params with all-gather; "
+        "false: one broadcast per rank.",
+    )
+    allgather_bucket_size: DsInt = Field(
+        DEFAULT_BUCKET_SIZE,
+        gt=0,
+        description="Param elements gathered at once after the update (stages 1/2) (elements).",
+    )
+    overlap_comm: Bool | None = Field(
+        None,
+        description="Overlap gradient reduction with the backward pass (a side stream, more "
+        "memory for buckets in flight). Null: true at stage 3, false below, DeepSpeed's rule.",
+    )
+    load_from_fp32_weights: Bool = Field(
+        True,
+        json_schema_extra=DEFAULT_ONLY,
+        description="DeepSpeed: restore the fp32 master weights from the checkpoint's fp32 "
+        "copy (not from the 16-bit params). Checkpoints here always load the fp32 masters.",
+    )
+    elastic_checkpoint: Bool = Field(
+        False,
+        json_schema_extra=DEFAULT_ONLY,
+        description="DeepSpeed: the old elastic checkpoint format. Checkpoints here load at any "
+        "world size without it.",
+    )
+    ignore_unused_parameters: Bool = Field(
+        True,
+        description="Allow trainable params that get no gradient in a backward (their gradient "
+        "counts as zero); false: such a param is an error.",
+    )
+    round_robin_gradients: Bool = Field(
+        False,
+        json_schema_extra=DEFAULT_ONLY,
+        description="DeepSpeed: stage 1/2 gradient copies to the host spread round-robin over "
+        "ranks.",
+    )
+    compute_grad_norm: Bool = Field(
+        True,
+        json_schema_extra=DEFAULT_ONLY,
+        description="DeepSpeed: compute the gradient norm even without gradient clipping.",
+    )
+    parameter_alignment: Bool = Field(
+        False,
+        json_schema_extra=DEFAULT_ONLY,
+        description="DeepSpeed: pad each param's start within the flat buffer.",
+    )
+    cpu_offload: Bool | None = Field(
+        None,
+        description='Deprecated in DeepSpeed: true means offload_optimizer {"device": "cpu"}. '
+        "Applied at load (then null); not with offload_optimizer.",
+    )
+    cpu_offload_param: Bool | None = Field(
+        None,
+        description='Deprecated in DeepSpeed: true means offload_param {"device": "cpu"}. '
+        "Applied at load (then null); not with offload_param.",
+    )
+    offload_optimizer: OffloadOptimizerConfig | None = Field(
+        None,
+        description="ZeRO-Offload: the optimizer state and update on the host or NVMe "
+        "(stages 1-3). Null: on the device.",
+    )
+    offload_param: OffloadParamConfig | None = Field(
+        None,
+        description="ZeRO-Offload / ZeRO-Infinity at stage 3: the 16-bit param shard in host "
+        "memory or on NVMe between uses. Null: on the device.",
+    )
+    stage3_prefetch_bucket_size: DsInt = Field(
+        50_000_000,
+        ge=0,
+        description="Stage 3: param elements fetched ahead of the module that needs them "
+        '(elements); 0: no prefetch. "auto": int(0.9 * hidden_size * hidden_size).',
+    )
+    stage3_param_persistence_threshold: DsInt = Field(
+        100_000,
+        ge=0,
+        description="Stage 3: params with fewer elements than this stay whole on every rank "
+        '(not partitioned) (elements). "auto": 10 * hidden_size.',
+    )
+    stage3_model_persistence_threshold: DsInt = Field(
+        sys.maxsize,
+        ge=0,
+        description="Stage 3: the most elements kept whole on every rank by "
+        "stage3_param_persistence_threshold, over the whole model (elements).",
+    )
+    stage3_max_live_parameters: DsInt = Field(
+        1_000_000_000,
+        ge=0,
+        description="Stage 3: the most gathered param elements resident per rank before "
+        "finished ones are released (elements); smaller uses less memory, more communication.",
+    )
+    stage3_max_reuse_distance: DsInt = Field(
+        1_000_000_000,
+        ge=0,
+        description="Stage 3: a param needed again within this many gathered elements is not "
+        "released in between (elements).",
+    )
+    stage3_gather_16bit_weights_on_model_save: Bool = Field(
+        False,
+        description="Stage 3: save_16bit_model() gathers the partitioned 16-bit weights into "
+        "one full state dict; false: at stage 3 it saves nothing (a warning), as DeepSpeed does.",
+    )
+    sub_group_size: DsInt = Field(
+        1_000_000_000,
+        gt=0,
+        description="DeepSpeed's unit of the offloaded update (elements): the host and NVMe "
+        "update run in chunks of this size (at most 4,194,304, 2,048-aligned).",
+    )
+    memory_efficient_linear: Bool = Field(
+        True,
+        description="Stage 3: nn.Linear's backward saves the weight param, not the gathered "
+        "weight, so a forward does not end holding every gathered weight.",
+    )
+    leaf_module: LeafModuleConfig = Field(
+        default_factory=LeafModuleConfig,
+        description="Stage 3: modules fetched whole (as one unit), such as Mixture-of-Experts "
+        "blocks whose experts run data-dependently.",
+    )
 
     @classmethod
     def known_keys(cls) -> set[str]:
@@ -240,9 +431,9 @@ class ZeroConfig(Section):
                     "cpu_offload", "deprecated alias of offload_optimizer; give one, not both"
                 )
             if self.cpu_offload:
-                self.offload_optimizer = OffloadOptimizerConfig(device="cpu")
+                self._settle(offload_optimizer=OffloadOptimizerConfig(device="cpu"))
             # Applied: to_dict() then holds one spelling, so it loads again.
-            self.cpu_offload = None
+            self._settle(cpu_offload=None)
         param_key = "offload_param.device"
         if self.cpu_offload_param is not None:
             if "offload_param" in self.model_fields_set:
@@ -251,10 +442,11 @@ class ZeroConfig(Section):
                 )
             param_key = "cpu_offload_param"
             if self.cpu_offload_param:
-                self.offload_param = OffloadParamConfig(device="cpu")
-            self.cpu_offload_param = None
+                self._settle(offload_param=OffloadParamConfig(device="cpu"))
+            self._settle(cpu_offload_param=None)
         if self.overlap_comm is None:
-            self.overlap_comm = self.stage == 3  # DeepSpeed overlaps by default at stage 3 only
+            # DeepSpeed overlaps by default at stage 3 only.
+            self._settle(overlap_comm=self.stage == 3)
         offload = self.offload_optimizer
         if offload is not None and offload.device != "none" and self.stage == 0:
             raise rule_error(

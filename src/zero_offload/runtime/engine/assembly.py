@@ -76,6 +76,7 @@ def read_settings(e: ZeroOffloadEngine, module, config, lr_scheduler, training_d
     # Params that require grad now but are left out of the optimizer on purpose (a subset
     # in model_parameters) are allowed; any other trainable param at a step is an error.
     e._known_params = {id(p) for p in module.parameters() if p.requires_grad}
+    config, _ = resolve_auto_sizes(config, module)  # "auto" sizes from the hidden size
     e.module, e.config = module, config
     e.lr_scheduler, e.training_dataloader = lr_scheduler, training_dataloader
     e.device = dist.default_device()
@@ -86,7 +87,6 @@ def read_settings(e: ZeroOffloadEngine, module, config, lr_scheduler, training_d
     e.grad_accum_dtype = DTYPES[accum] if accum is not None else e.dtype
     e.world_size, e.global_rank = dist.world_size(), dist.rank()
     e.local_rank = dist.local_rank()
-    resolve_auto_sizes(config, module)  # "auto" bucket sizes from the model's hidden size
     zc = config.zero_optimization
     e.stage = zc.stage
     e.placement = Placement.from_config(config, e.device, e.global_rank, run_name())

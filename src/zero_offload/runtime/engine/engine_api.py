@@ -112,8 +112,9 @@ class DeepSpeedEngineAPI:
             for gs in self.grad_shards:
                 gs.ensure_device_accumulator()
         self.window.gas = new_gas
-        self.config.train_batch_size = train_batch_size
-        self.config.gradient_accumulation_steps = new_gas
+        self.config = self.config.updated(
+            {"train_batch_size": train_batch_size, "gradient_accumulation_steps": new_gas}
+        )
 
     # ---- configuration accessors ---------------------------------------------------------------
     def zero_optimization_stage(self) -> int:
