@@ -127,6 +127,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         are partitioned from wherever they are, one at a time). Then every rank holds rank 0's
         weights and the same config."""
         module = self.module
+        guards.check_materialized(module)
         if self.stage == 3:
             move_buffers(module, self.device)
             apply_leaf_config(module, self.config.zero_optimization.leaf_module)  # before units

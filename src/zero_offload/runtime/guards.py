@@ -47,6 +47,20 @@ def take_over(params: Iterable[torch.nn.Parameter]) -> None:
             return
 
 
+def check_materialized(module: torch.nn.Module) -> None:
+    """Params still on the meta device have no values to train (a model built with
+    ``device="meta"`` or ``skip_init`` whose ``to_empty`` was never called): refuse, naming them."""
+    meta = [n for n, p in module.named_parameters() if p.is_meta]
+    meta += [n for n, b in module.named_buffers() if b.is_meta]
+    if meta:
+        shown = ", ".join(meta[:3]) + (f" and {len(meta) - 3} more" if len(meta) > 3 else "")
+        raise ValueError(
+            f"initialize: {len(meta)} param(s)/buffer(s) are on the meta device and hold no "
+            f"values: {shown}. Give them storage first (module.to_empty(device=...) and an "
+            "init, or load a state dict with assign=True)"
+        )
+
+
 def check_trained(module: torch.nn.Module, known: set[int]) -> None:
     """Before an update: every param that requires grad is one the engine trains, or one it
     was told to leave out (``known``: the params that required grad at initialize()). A param created or unfrozen
