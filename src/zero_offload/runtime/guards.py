@@ -26,6 +26,12 @@ class EngineUsageError(RuntimeError):
     """The engine's API was called in an order or with a value it cannot act on."""
 
 
+class EngineAssertionError(EngineUsageError, AssertionError):
+    """A use DeepSpeed refuses with an ``assert`` (``no_sync`` at stage 2/3, unused params with
+    ``ignore_unused_parameters`` false): code that catches ``AssertionError`` for it catches
+    this too."""
+
+
 class NonFiniteHyperparameterError(ValueError):
     """A learning rate, beta, eps or weight decay became NaN or infinite before an update."""
 

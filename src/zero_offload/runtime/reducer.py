@@ -35,6 +35,7 @@ from . import dist
 from .backward_scope import BackwardScope
 from .flat_group import FlatGroup
 from .grad_shard import GradShard
+from .guards import EngineAssertionError
 from .labels import REDUCE, label
 from .streams import Streams
 
@@ -257,7 +258,7 @@ class Reducer:
                 if (g.index, i) not in self.arrived
             ]
             self._reset()
-            raise RuntimeError(
+            raise EngineAssertionError(
                 "zero_optimization.ignore_unused_parameters is false and these parameters got no "
                 f"gradient in this backward: {missing}; set it to true to reduce them as zeros"
             )
