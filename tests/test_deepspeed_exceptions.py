@@ -72,3 +72,34 @@ def test_save_checkpoint_refuses_an_empty_save_dir(save_dir, tmp_path, monkeypat
         engine.save_checkpoint(save_dir)
     assert list(tmp_path.iterdir()) == []
     engine.destroy()
+
+
+def _different_tags(root: str) -> list:
+    import torch.distributed as tdist
+
+    torch.manual_seed(0)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 2},
+        "checkpoint": {"tag_validation": "Fail"},
+    }
+    engine = zero_offload.initialize(model=torch.nn.Linear(4, 4), config=cfg)[0]
+    engine.backward(engine(torch.randn(2, 4)).sum())
+    engine.step()
+    try:
+        engine.save_checkpoint(root, tag=f"rank{tdist.get_rank()}")
+        got = "saved"
+    except AssertionError as e:  # DeepSpeed asserts
+        got = type(e).__name__
+    engine.destroy()
+    out: list = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, got)
+    return out
+
+
+def test_tag_mismatch_under_fail_is_an_assertion_on_every_rank(tmp_path) -> None:
+    from distributed import run_ranks
+
+    assert run_ranks(2, _different_tags, str(tmp_path)) == ["TagMismatchError"] * 2
+    assert not (tmp_path / "latest").exists()

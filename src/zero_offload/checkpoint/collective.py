@@ -13,7 +13,7 @@ import logging
 import torch
 
 from ..runtime import dist
-from .format import CheckpointError
+from .format import TagMismatchError
 
 log = logging.getLogger("zero_offload")
 
@@ -42,7 +42,7 @@ def agree_on_tag(device: torch.device, tag: str, validation: str = "fail") -> st
     if len(set(codes.tolist())) == 1:
         return tag
     if validation == "fail":
-        raise CheckpointError(
+        raise TagMismatchError(
             f"tag: ranks passed different tags (rank {dist.rank()} has {tag!r}); every rank "
             'must save under the same tag (checkpoint.tag_validation is "fail")'
         )
