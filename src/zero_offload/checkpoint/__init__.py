@@ -6,13 +6,14 @@ from .export import (
     export_safetensors,
     get_fp32_state_dict_from_zero_checkpoint,
 )
-from .format import CheckpointError, CheckpointNotFoundError
+from .format import CheckpointError, CheckpointNotFoundError, TagMismatchError
 from .load import load_checkpoint
 from .save import save_16bit_model, save_checkpoint
 
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
+    "TagMismatchError",
     "convert_zero_checkpoint_to_fp32_state_dict",
     "export_safetensors",
     "get_fp32_state_dict_from_zero_checkpoint",

@@ -13,7 +13,7 @@ import logging
 import torch
 
 from ..core import dist
-from .format import CheckpointError
+from .format import CheckpointError, TagMismatchError
 
 log = logging.getLogger("zero_offload")
 
@@ -54,7 +54,7 @@ def agree_on_tag(device: torch.device, tag: str, validation: str = "fail") -> st
     if len(set(codes.tolist())) == 1:
         return tag
     if validation == "fail":
-        raise CheckpointError(
+        raise TagMismatchError(
             f"tag: ranks passed different tags (rank {dist.rank()} has {tag!r}); every rank "
             'must save under the same tag (checkpoint.tag_validation is "fail")'
         )

@@ -34,6 +34,10 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be written or loaded as asked; the message names file and tensor."""
 
 
+class TagMismatchError(CheckpointError, AssertionError):
+    """Ranks passed different tags under ``checkpoint.tag_validation`` "fail" (DeepSpeed asserts)."""
+
+
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """A tag, a ``latest`` target or a file of the checkpoint is missing."""
 

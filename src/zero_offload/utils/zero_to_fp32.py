@@ -5,7 +5,8 @@ exclude_frozen_parameters=False)`` and ``convert_zero_checkpoint_to_fp32_state_d
 checkpoint_dir, output_dir, tag=None, exclude_frozen_parameters=False)`` read this project's
 checkpoints (see docs/checkpoints.md); a DeepSpeed checkpoint is first converted with
 ``zero-offload convert-deepspeed``. ``load_state_dict_from_zero_checkpoint(model,
-checkpoint_dir, tag=None)`` loads the fp32 weights into ``model`` (on the CPU) and returns it.
+checkpoint_dir, tag=None)`` loads the fp32 weights into ``model`` (on the CPU, in its own dtype)
+and returns it.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ __all__ = [
 def load_state_dict_from_zero_checkpoint(
     model: torch.nn.Module, checkpoint_dir, tag: str | None = None
 ) -> torch.nn.Module:
-    """DeepSpeed's helper: the checkpoint's fp32 weights into ``model``, moved to the CPU and
-    cast to fp32 (strict load: every key must match)."""
+    """DeepSpeed's helper: the checkpoint's fp32 weights loaded into ``model``, moved to the CPU
+    (strict load: every key must match). The model keeps its dtype, as in DeepSpeed: a bf16
+    model gets the fp32 masters rounded, which are its own trained values. At stage 3 call it on
+    the engine's module inside ``GatheredParameters(model.parameters())``."""
     state = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=tag)
-    model = model.cpu().float()
+    model = model.cpu()
     model.load_state_dict(state, strict=True)
     return model

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from ..core import dist
+from ..core.status import ZeroParamStatus
 from ..runtime.stage3.init_partition import full_value, write_back
 
 
@@ -46,7 +47,13 @@ class GatheredParameters:
         self.modifier_rank = modifier_rank
         self.fwd_module = fwd_module
         params = _as_list(params) if enabled else []
-        self.init_params = [p for p in params if hasattr(p, "_z3_init")]
+        # zero.Init params not gathered already (by an enclosing block, or touched by a
+        # constructor under zero.Init): those are the enclosing owner's to write back.
+        self.init_params = [
+            p
+            for p in params
+            if hasattr(p, "_z3_init") and p.ds_status is ZeroParamStatus.NOT_AVAILABLE
+        ]
         self.by_store: dict[int, tuple] = {}
         for p in params:
             ref = getattr(p, "_z3_store", None)
@@ -66,6 +73,7 @@ class GatheredParameters:
                 store.pinned[i] += 1
             store.fetch(ids)
         for p in self.init_params:
+            p.ds_status = ZeroParamStatus.AVAILABLE  # first: a constructor's TouchMode skips it
             p.data = full_value(p).clone()
 
     def __exit__(self, *exc) -> None:
@@ -85,6 +93,7 @@ class GatheredParameters:
                     dist.broadcast(p.data, src=self.modifier_rank)
                     write_back(p, p.data)
                 p.data = torch.empty(0, dtype=p.data.dtype, device=p.data.device)
+                p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:

@@ -7,12 +7,21 @@ direct params is broadcast from rank 0 and cut into ``world_size`` chunks, of wh
 keeps one (``p.ds_tensor``) and ``p.data`` is emptied. Peak memory while building is therefore
 the shards plus one module's full params. Leaving the context restores the classes.
 
+A constructor that goes on using already partitioned params (a parent's
+``self.apply(init_weights)``, ``nn.init.*_`` or ``.data`` writes on its children's weights, as
+most single-device models do) sees their full values: ``init_touch.TouchMode`` gathers each on
+first use and re-partitions it afterwards, so the values it writes are kept. ``Module.apply``
+inside the context does the same for each module it visits, one module at a time. Params created
+on the meta device (``torch.nn.utils.skip_init``) are partitioned when ``to_empty`` gives them
+storage.
+
 A stage-3 engine takes such params as they are (gathering one param at a time to re-lay them out
 in its own buckets); stages 0-2 gather them back to full params.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -20,6 +29,7 @@ import torch
 
 from ..core import dist
 from ..runtime.stage3.init_partition import partition_at_init
+from .init_touch import TouchMode
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -61,9 +71,15 @@ class Init:
         self.enabled = enabled
         dist.init_distributed()
         cfg = config_dict_or_path if config_dict_or_path is not None else config
-        if dtype is None and cfg is not None:
-            dtype = self._config_dtype(cfg)
+        loaded = self._load_config(cfg) if cfg is not None else None
+        if dtype is None and loaded is not None:
+            dtype = loaded.dtype
         self.dtype = dtype
+        # Params gathered at once while constructors touch them (DeepSpeed's live bound).
+        live = loaded.zero_optimization.stage3_max_live_parameters if loaded is not None else 0
+        self.touch_budget = live or 1_000_000_000
+        self._touch: TouchMode | None = None
+        self._building = 0  # constructors running (any module), outermost first
         self.shard_device = torch.device("cpu") if remote_device == "cpu" else dist.default_device()
         self.pin = bool(pin_memory)
         self._patched: list[tuple[type, object]] = []
@@ -72,8 +88,8 @@ class Init:
             self._partition_tree(module)
 
     @staticmethod
-    def _config_dtype(cfg) -> torch.dtype | None:
-        """The training dtype of a config, validated (a bad key is the same ConfigError
+    def _load_config(cfg):
+        """The config, validated (a bad key is the same ConfigError
         initialize() would raise). zero.Init needs no batch size: a config without a numeric
         one (Hugging Face's "auto") is checked as if the micro batch were 1. Warnings are left
         to initialize(), which reads the same config."""
@@ -93,14 +109,24 @@ class Init:
                 cfg.pop("gradient_accumulation_steps", None)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return load_config(cfg, world_size=dist.world_size()).dtype
+            return load_config(cfg, world_size=dist.world_size())
 
     # ---- partitioning --------------------------------------------------------------------------
     def _partition_module(self, m: torch.nn.Module) -> None:
-        with torch.no_grad():
+        """Partition ``m``'s own params; meta params (``skip_init``) wait for ``to_empty``."""
+        with self._quiet(), torch.no_grad():
             for p in m._parameters.values():
-                if p is not None and (p.is_floating_point() or hasattr(p, "_z3_init")):
+                if p is None or p.is_meta:
+                    continue
+                if p.is_floating_point() or hasattr(p, "_z3_init"):
                     partition_at_init(p, self.shard_device, self.dtype, self.pin)
+
+    def _quiet(self):
+        return self._touch.quiet() if self._touch is not None else contextlib.nullcontext()
+
+    def _flush(self) -> None:
+        if self._touch is not None:
+            self._touch.flush()
 
     def _partition_tree(self, module: torch.nn.Module) -> None:
         for m in module.modules():
@@ -116,24 +142,77 @@ class Init:
         def init(module, *args, **kwargs):
             depth = module.__dict__.get("_z3_init_depth", 0)
             module.__dict__["_z3_init_depth"] = depth + 1
+            ctx._begin_building()
             try:
                 orig(module, *args, **kwargs)
+                if depth == 0:
+                    # Touched params first: their constructor's writes are complete.
+                    ctx._flush()
+                    ctx._partition_module(module)
             finally:
                 if depth:
                     module.__dict__["_z3_init_depth"] = depth
                 else:
                     module.__dict__.pop("_z3_init_depth", None)
-            if depth == 0:
-                ctx._partition_module(module)
+                ctx._end_building()
 
         init._z3_wrapped = True
         cls.__init__ = init
         self._patched.append((cls, orig))
 
+    def _begin_building(self) -> None:
+        if self._building == 0 and self._touch is not None:
+            self._touch.__enter__()
+        self._building += 1
+
+    def _end_building(self) -> None:
+        self._building -= 1
+        if self._building == 0 and self._touch is not None:
+            self._touch.__exit__(None, None, None)
+
+    def _patch_apply_and_to_empty(self) -> None:
+        """``Module.apply(fn)``: each visited module's params gathered for ``fn`` (touched) and
+        re-partitioned right after it, one module at a time. ``Module.to_empty``: params that
+        were on the meta device are partitioned once they have storage."""
+        ctx = self
+        orig_apply, orig_to_empty = torch.nn.Module.apply, torch.nn.Module.to_empty
+
+        def wrap_fn(fn):
+            if getattr(fn, "_z3_touching", False):
+                return fn
+
+            @functools.wraps(fn)
+            def touching(m):
+                ctx._begin_building()
+                try:
+                    fn(m)
+                    ctx._flush()
+                finally:
+                    ctx._end_building()
+
+            touching._z3_touching = True
+            return touching
+
+        @functools.wraps(orig_apply)
+        def apply(module, fn):
+            return orig_apply(module, wrap_fn(fn))
+
+        @functools.wraps(orig_to_empty)
+        def to_empty(module, *args, **kwargs):
+            out = orig_to_empty(module, *args, **kwargs)
+            ctx._partition_tree(module)
+            return out
+
+        torch.nn.Module.apply, torch.nn.Module.to_empty = apply, to_empty
+        self._patched.append((torch.nn.Module, ("apply", orig_apply)))
+        self._patched.append((torch.nn.Module, ("to_empty", orig_to_empty)))
+
     # ---- context -------------------------------------------------------------------------------
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
+        self._touch = TouchMode(self.touch_budget)
+        self._patch_apply_and_to_empty()
         for cls in [torch.nn.Module, *_all_subclasses(torch.nn.Module)]:
             self._wrap(cls)
         ctx = self
@@ -150,9 +229,16 @@ class Init:
     def __exit__(self, *exc) -> None:
         if not self.enabled:
             return
-        for cls, orig in reversed(self._patched):
-            cls.__init__ = orig
-        self._patched.clear()
+        try:
+            self._flush()
+        finally:
+            self._touch = None
+            for cls, orig in reversed(self._patched):
+                if isinstance(orig, tuple):  # (name, function): apply, to_empty
+                    setattr(cls, *orig)
+                else:
+                    cls.__init__ = orig
+            self._patched.clear()
         if self._orig_init_subclass is None:
             del torch.nn.Module.__init_subclass__
         else:

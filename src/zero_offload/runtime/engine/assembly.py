@@ -109,6 +109,7 @@ def prepare_module(e: ZeroOffloadEngine) -> None:
     are partitioned from wherever they are, one at a time). Then every rank holds rank 0's
     weights and the same config."""
     module = e.module
+    guards.check_materialized(module)
     if e.stage == 3:
         move_buffers(module, e.device)
         apply_leaf_config(module, e.config.zero_optimization.leaf_module)  # before units

@@ -387,6 +387,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
     ):
         from ...checkpoint import save_checkpoint
 
+        if not save_dir:  # DeepSpeed's check, before anything else
+            raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         return save_checkpoint(
             self,
             save_dir,

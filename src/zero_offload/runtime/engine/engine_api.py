@@ -67,12 +67,12 @@ class DeepSpeedEngineAPI:
         boundary backward outside reduces the sum. Stages 0 and 1 only (stage 2 partitions
         gradients during backward); ``step()`` inside is an error; not re-entrant."""
         if self.stage >= 2:
-            raise RuntimeError(
+            raise guards.EngineAssertionError(
                 f"no_sync context manager is incompatible with gradient partitioning logic of "
                 f"ZeRO stage {self.stage}; it works with zero_optimization.stage 0 or 1"
             )
         if self.window.inside_no_sync:
-            raise RuntimeError("no_sync context manager reentry is unsupported")
+            raise guards.EngineAssertionError("no_sync context manager reentry is unsupported")
         self.window.inside_no_sync = True
         try:
             yield

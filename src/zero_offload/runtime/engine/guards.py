@@ -26,6 +26,12 @@ class EngineUsageError(RuntimeError):
     """The engine's API was called in an order or with a value it cannot act on."""
 
 
+class EngineAssertionError(EngineUsageError, AssertionError):
+    """A use DeepSpeed refuses with an ``assert`` (``no_sync`` at stage 2/3, unused params with
+    ``ignore_unused_parameters`` false): code that catches ``AssertionError`` for it catches
+    this too."""
+
+
 class NonFiniteHyperparameterError(ValueError):
     """A learning rate, beta, eps or weight decay became NaN or infinite before an update."""
 
@@ -45,6 +51,20 @@ def take_over(params: Iterable[torch.nn.Parameter]) -> None:
             )
             old.destroy()
             return
+
+
+def check_materialized(module: torch.nn.Module) -> None:
+    """Params still on the meta device have no values to train (a model built with
+    ``device="meta"`` or ``skip_init`` whose ``to_empty`` was never called): refuse, naming them."""
+    meta = [n for n, p in module.named_parameters() if p.is_meta]
+    meta += [n for n, b in module.named_buffers() if b.is_meta]
+    if meta:
+        shown = ", ".join(meta[:3]) + (f" and {len(meta) - 3} more" if len(meta) > 3 else "")
+        raise ValueError(
+            f"initialize: {len(meta)} param(s)/buffer(s) are on the meta device and hold no "
+            f"values: {shown}. Give them storage first (module.to_empty(device=...) and an "
+            "init, or load a state dict with assign=True)"
+        )
 
 
 def check_trained(module: torch.nn.Module, known: set[int]) -> None:

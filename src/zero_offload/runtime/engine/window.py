@@ -75,7 +75,9 @@ class Window:
         if not self.backward_since_step:
             raise guards.step_without_backward_error(global_steps)
         if self.inside_no_sync:
-            raise RuntimeError("it is illegal to call engine.step() inside no_sync context manager")
+            raise guards.EngineAssertionError(
+                "it is illegal to call engine.step() inside no_sync context manager"
+            )
         self.ended = self.backward_since_step = False
 
     def restart(self, global_steps: int, micro_steps: int) -> None:

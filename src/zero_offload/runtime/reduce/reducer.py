@@ -36,6 +36,7 @@ from ...core.flat_group import FlatGroup
 from ...core.labels import REDUCE, label
 from ...core.streams import Streams
 from ..backward_scope import BackwardScope
+from ..engine.guards import EngineAssertionError
 from .grad_shard import GradShard
 
 
@@ -257,7 +258,7 @@ class Reducer:
                 if (g.index, i) not in self.arrived
             ]
             self._reset()
-            raise RuntimeError(
+            raise EngineAssertionError(
                 "zero_optimization.ignore_unused_parameters is false and these parameters got no "
                 f"gradient in this backward: {missing}; set it to true to reduce them as zeros"
             )

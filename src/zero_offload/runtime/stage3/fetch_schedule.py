@@ -74,6 +74,19 @@ def _after_backward(args_kwargs: tuple, fn):
     return tree_unflatten(flat, spec)
 
 
+def _returned_slots(flat: list, owned: set[int]) -> list[int]:
+    """Slots of the partitioned params among a forward's outputs (also one attribute deep in an
+    output object), of those the module fetched."""
+    found = []
+    for x in flat:
+        items = [x] if isinstance(x, torch.Tensor) else list(getattr(x, "__dict__", {}).values())
+        for t in items:
+            i = getattr(t, "_z3_slot", None) if isinstance(t, torch.nn.Parameter) else None
+            if i is not None and i in owned and i not in found:
+                found.append(i)
+    return found
+
+
 class _ParamDict(dict):
     """A module's ``_parameters`` that reports reads of partitioned params to the schedule."""
 
@@ -220,13 +233,13 @@ class FetchSchedule:
         ids = self.needs[id(m)]
         if not ids:
             return
+        flat = tree_flatten(output)[0]
+        if self.stack:  # a param it returns is used by the caller: fetched with it from now on
+            for i in _returned_slots(flat, self.need_sets[id(m)]):
+                self.add_external(self.stack[-1], i)
         backward = in_backward()
         if torch.is_grad_enabled() and not backward:
-            tensors = [
-                t
-                for t in tree_flatten(output)[0]
-                if isinstance(t, torch.Tensor) and t.requires_grad
-            ]
+            tensors = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(
                     tensors, lambda _g, ids=ids: self._pre_backward(ids), mode="any"
