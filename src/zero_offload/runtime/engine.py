@@ -35,7 +35,7 @@ from .loss_scaler import build_loss_scaler
 from .memory import expected_bytes
 from .memory_efficient_linear import attach as attach_linear
 from .memory_efficient_linear import detach as detach_linear
-from .module_cast import cast_params_
+from .module_cast import cast_buffers_, cast_params_
 from .overflow import OverflowMonitor
 from .param_home import FlatHome
 from .param_store import ParamStore, ShardHome, Stage3Policy
@@ -134,6 +134,9 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             for p in module.parameters():
                 materialize(p)
             cast_params_(module, self.device, self.dtype)  # buffers keep their own dtype
+        buffer_dtype = self.config.data_types.buffer_dtype
+        if buffer_dtype is not None:  # DeepSpeed's data_types.buffer_dtype
+            cast_buffers_(module, DTYPES[buffer_dtype])
         synchronize_start(module, self.config)  # before any layout
         self.streams = Streams(self.device)
         self._executor = (

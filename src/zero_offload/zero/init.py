@@ -61,8 +61,11 @@ class Init:
         self.enabled = enabled
         dist.init_distributed()
         cfg = config_dict_or_path if config_dict_or_path is not None else config
-        if dtype is None and cfg is not None:
-            dtype = self._config_dtype(cfg)
+        self.sanity_checks = False
+        if cfg is not None:
+            loaded = self._load_config(cfg)
+            dtype = loaded.dtype if dtype is None else dtype
+            self.sanity_checks = bool(loaded.zero_optimization.enable_sanity_checks)
         self.dtype = dtype
         self.shard_device = torch.device("cpu") if remote_device == "cpu" else dist.default_device()
         self.pin = bool(pin_memory)
@@ -72,8 +75,8 @@ class Init:
             self._partition_tree(module)
 
     @staticmethod
-    def _config_dtype(cfg) -> torch.dtype | None:
-        """The training dtype of a config, validated (a bad key is the same ConfigError
+    def _load_config(cfg):
+        """The config, validated (a bad key is the same ConfigError
         initialize() would raise). zero.Init needs no batch size: a config without a numeric
         one (Hugging Face's "auto") is checked as if the micro batch were 1. Warnings are left
         to initialize(), which reads the same config."""
@@ -93,7 +96,7 @@ class Init:
                 cfg.pop("gradient_accumulation_steps", None)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return load_config(cfg, world_size=dist.world_size()).dtype
+            return load_config(cfg, world_size=dist.world_size())
 
     # ---- partitioning --------------------------------------------------------------------------
     def _partition_module(self, m: torch.nn.Module) -> None:
@@ -101,6 +104,7 @@ class Init:
             for p in m._parameters.values():
                 if p is not None and (p.is_floating_point() or hasattr(p, "_z3_init")):
                     partition_at_init(p, self.shard_device, self.dtype, self.pin)
+                    p.ds_enable_sanity_checks = self.sanity_checks
 
     def _partition_tree(self, module: torch.nn.Module) -> None:
         for m in module.modules():
