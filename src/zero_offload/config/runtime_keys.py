@@ -26,10 +26,8 @@ def _lower(value: Any, allowed: tuple[str, ...]) -> Any:
 class DataTypesConfig(Section):
     """``grad_accum_dtype``: the dtype gradients accumulate in across micro-steps (None: the
     training dtype). ``param_dtype``: must name the training dtype (fp16/bf16/fp32 blocks pick
-    it). ``buffer_dtype``: DeepSpeed's cast of the buffers, accepted and not built (listed in
-    the not-implemented warning); buffers keep their own dtype here."""
-
-    NOT_IMPLEMENTED: ClassVar[frozenset[str]] = frozenset({"buffer_dtype"})
+    it). ``buffer_dtype``: the dtype floating buffers are cast to (None: each keeps its own, as
+    DeepSpeed does by default)."""
 
     grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = Field(
         None,
@@ -42,7 +40,14 @@ class DataTypesConfig(Section):
         "which pick it. Null: as they pick it.",
     )
 
-    @field_validator("grad_accum_dtype", "param_dtype", mode="before")
+    buffer_dtype: Literal["fp32", "fp16", "bf16"] | None = Field(
+        None,
+        description="The dtype floating buffers are cast to when the engine is built (integer "
+        "buffers keep theirs). Null: every buffer keeps the dtype it has, e.g. a Llama's fp32 "
+        "rotary inv_freq beside bf16 params.",
+    )
+
+    @field_validator("grad_accum_dtype", "param_dtype", "buffer_dtype", mode="before")
     @classmethod
     def _dtype(cls, value: Any) -> Any:
         return _lower(value, tuple(DTYPES))

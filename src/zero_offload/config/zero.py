@@ -58,7 +58,6 @@ ZERO_NOT_IMPLEMENTED = frozenset(
         "pipeline_loading_checkpoint",
         "override_module_apply",
         "log_trace_cache_warnings",
-        "enable_sanity_checks",
         "save_muon_momentum_buffer_in_memory",
         "zenflow",
         "legacy_stage1",
@@ -294,6 +293,14 @@ class ZeroConfig(Section):
         json_schema_extra=DEFAULT_ONLY,
         description="DeepSpeed: the old elastic checkpoint format. Checkpoints here load at any "
         "world size without it.",
+    )
+    enable_sanity_checks: Bool = Field(
+        False,
+        description="Stage 3: cross-rank checks on every step instead of the first only: the "
+        "ranks gathered the same params in the same order in each training backward, and a "
+        "GatheredParameters block without modifier_rank changed no gathered param in place "
+        "(both refused on every rank, naming the params). Costs one small all-gather per "
+        "backward and one all-reduce per such block.",
     )
     ignore_unused_parameters: Bool = Field(
         True,

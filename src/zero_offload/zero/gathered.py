@@ -55,6 +55,8 @@ class GatheredParameters:
             if hasattr(p, "_z3_init") and p.ds_status is ZeroParamStatus.NOT_AVAILABLE
         ]
         self.by_store: dict[int, tuple] = {}
+        self.watched: list = []  # enable_sanity_checks: (param, data_ptr, version) at entry
+        self.params = params
         for p in params:
             ref = getattr(p, "_z3_store", None)
             store = ref() if ref is not None else None
@@ -75,8 +77,14 @@ class GatheredParameters:
         for p in self.init_params:
             p.ds_status = ZeroParamStatus.AVAILABLE  # first: a constructor's TouchMode skips it
             p.data = full_value(p).clone()
+        if self.modifier_rank is None and (
+            any(s.policy.sanity_checks for s, _ in self.by_store.values())
+            or any(getattr(p, "ds_enable_sanity_checks", False) for p in self.init_params)
+        ):
+            self.watched = [(p, p.data.data_ptr(), p._version) for p in self.params]
 
     def __exit__(self, *exc) -> None:
+        changed = self._changed_in_place() if self.watched else []
         with torch.no_grad():
             for store, ids in self.by_store.values():
                 try:
@@ -94,6 +102,25 @@ class GatheredParameters:
                     write_back(p, p.data)
                 p.data = torch.empty(0, dtype=p.data.dtype, device=p.data.device)
                 p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+        if changed:
+            raise RuntimeError(
+                "Detected in-place modification of ZeRO-3 parameters inside GatheredParameters "
+                f"with modifier_rank=None ({', '.join(changed[:3])}"
+                f"{' and more' if len(changed) > 3 else ''}; the edits were discarded). Use "
+                "modifier_rank=<rank> to broadcast updates across ranks "
+                "(zero_optimization.enable_sanity_checks)"
+            )
+
+    def _changed_in_place(self) -> list[str]:
+        """Gathered params changed in place on any rank (a collective: every rank learns it).
+        As in DeepSpeed, a change is a new storage or a bumped version counter: a write through
+        ``p.data`` (which has its own counter) is not seen."""
+        mine = [p for p, ptr, ver in self.watched if p.data.data_ptr() != ptr or p._version != ver]
+        flag = torch.tensor([float(bool(mine))], device=dist.default_device())
+        dist.all_reduce(flag)  # a sum: > 0 when any rank changed one
+        if not flag.item():
+            return []
+        return [f"{tuple(p.ds_shape)} param" for p in mine] or ["on another rank"]
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:

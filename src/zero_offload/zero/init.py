@@ -74,9 +74,11 @@ class Init:
         loaded = self._load_config(cfg) if cfg is not None else None
         if dtype is None and loaded is not None:
             dtype = loaded.dtype
+        zc = loaded.zero_optimization if loaded is not None else None
+        self.sanity_checks = bool(zc is not None and zc.enable_sanity_checks)
         self.dtype = dtype
         # Params gathered at once while constructors touch them (DeepSpeed's live bound).
-        live = loaded.zero_optimization.stage3_max_live_parameters if loaded is not None else 0
+        live = zc.stage3_max_live_parameters if zc is not None else 0
         self.touch_budget = live or 1_000_000_000
         self._touch: TouchMode | None = None
         self._building = 0  # constructors running (any module), outermost first
@@ -120,6 +122,7 @@ class Init:
                     continue
                 if p.is_floating_point() or hasattr(p, "_z3_init"):
                     partition_at_init(p, self.shard_device, self.dtype, self.pin)
+                    p.ds_enable_sanity_checks = self.sanity_checks
 
     def _quiet(self):
         return self._touch.quiet() if self._touch is not None else contextlib.nullcontext()

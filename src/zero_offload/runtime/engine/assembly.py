@@ -37,7 +37,7 @@ from ..update.state_build import build_nvme_params, build_states, preflight
 from ..update.zero_optimizer import ZeroOptimizer
 from . import guards
 from .loss_scaler import build_loss_scaler
-from .module_cast import cast_params_
+from .module_cast import cast_buffers_, cast_params_
 from .overflow import OverflowMonitor
 from .window import Window
 
@@ -117,6 +117,9 @@ def prepare_module(e: ZeroOffloadEngine) -> None:
         for p in module.parameters():
             materialize(p)
         cast_params_(module, e.device, e.dtype)  # buffers keep their own dtype
+    buffer_dtype = e.config.data_types.buffer_dtype
+    if buffer_dtype is not None:  # DeepSpeed's data_types.buffer_dtype
+        cast_buffers_(module, DTYPES[buffer_dtype])
     synchronize_start(module, e.config)  # before any layout
     e.streams = Streams(e.device)
     e._executor = (

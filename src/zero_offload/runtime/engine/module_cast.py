@@ -4,7 +4,8 @@
 calls ``module.half()``/``bfloat16()`` on params through its own path and keeps buffers such as a
 Llama's rotary ``inv_freq`` in fp32); a bf16 ``inv_freq`` is off by ~4e-3 relative, which puts
 the rotary angle 0.37 rad off at position 2047. So: params get the training dtype, buffers only
-move device and keep their own dtype.
+move device and keep their own dtype, unless ``data_types.buffer_dtype`` asks for one
+(``cast_buffers_``).
 """
 
 from __future__ import annotations
@@ -26,3 +27,12 @@ def cast_params_(module: torch.nn.Module, device: torch.device, dtype: torch.dty
         for p in module.parameters():
             if p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
+
+
+def cast_buffers_(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """In place: every floating buffer to ``dtype`` (DeepSpeed's ``data_types.buffer_dtype``);
+    integer and bool buffers keep theirs."""
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is not None and b.is_floating_point() and b.dtype != dtype:
+                m._buffers[name] = b.to(dtype)

@@ -55,6 +55,7 @@ class Stage3Policy:
     model_persistence_threshold: int = 2**63 - 1
     max_live_parameters: int = 1_000_000_000
     max_reuse_distance: int = 1_000_000_000
+    sanity_checks: bool = False  # enable_sanity_checks: cross-rank checks every step
 
     @classmethod
     def from_config(cls, zc, params: str) -> Stage3Policy:
@@ -68,6 +69,7 @@ class Stage3Policy:
             model_persistence_threshold=int(zc.stage3_model_persistence_threshold),
             max_live_parameters=int(zc.stage3_max_live_parameters),
             max_reuse_distance=int(zc.stage3_max_reuse_distance),
+            sanity_checks=bool(zc.enable_sanity_checks),
         )
 
 
