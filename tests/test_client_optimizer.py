@@ -24,7 +24,6 @@ from parity import (
 )
 
 import zero_offload
-from zero_offload.checkpoint import CheckpointError
 from zero_offload.config import ConfigError
 from zero_offload.ops.adam import DeepSpeedCPUAdam
 from zero_offload.runtime.engine.guards import NoOptimizerError
@@ -184,11 +183,6 @@ def test_client_optimizer_limits_are_clear_errors(tmp_path):
     sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     with pytest.raises(ConfigError, match="delayed_update"):
         zero_offload.initialize(model=model, optimizer=sgd, config=cfg)
-    engine, *_ = zero_offload.initialize(model=model, optimizer=sgd, config=_config(2, False))
-    with pytest.raises(CheckpointError, match="client optimizer SGD"):
-        engine.save_checkpoint(tmp_path)
-    assert not any(tmp_path.iterdir())
-    engine.destroy()
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

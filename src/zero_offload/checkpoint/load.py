@@ -16,7 +16,7 @@ import torch
 
 from . import rng
 from .collective import failed_ranks
-from .format import MODEL_FILE, RNG_CUDA, RNG_TORCH, SHARD_KINDS, CheckpointError, shard_tensor
+from .format import MODEL_FILE, RNG_CUDA, RNG_TORCH, CheckpointError, shard_tensor
 from .load_plan import COUNTERS, LoadPlan, make_plan
 from .reader import CheckpointReader
 
@@ -41,12 +41,14 @@ def _apply(
         saved = ckpt.groups
         for og, gp, old in zip(engine.opt_groups, plan.groups, saved):
             g, so = og.flat, og.optimizer
-            for kind in SHARD_KINDS:  # kind by kind: an NVMe state's cached region is reused
+            if so.client is not None:
+                so.client.prepare_load(old.client)
+            for kind in old.kinds:  # kind by kind: an NVMe state's cached region is reused
+                write = _writer(so, kind)
                 for f, src, dst, n in gp.reads:
-                    piece = ckpt.read_slice(f, shard_tensor(g.index, kind), src, src + n)
-                    so.state.write(kind, dst, piece)
+                    write(dst, ckpt.read_slice(f, shard_tensor(g.index, kind), src, src + n))
                 for lo, hi in gp.padding:
-                    so.state.write(kind, lo, torch.zeros(hi - lo, dtype=torch.float32))
+                    write(lo, torch.zeros(hi - lo, dtype=torch.float32))
             so.step_count = old.step_count
             _restore_hyper(g.hyper, old.hyper)
             so.params_from_master()  # the 16-bit params are the master's cast, as after a step
@@ -72,6 +74,14 @@ def _apply(
             }
             rng.restore(plan.rng_json, tensors, engine.device)
     engine.zero_grad()  # a new accumulation window starts at the loaded step
+
+
+def _writer(so, kind: str):
+    """Where shard ``kind``'s pieces go: the optimizer state, or the client optimizer's."""
+    if kind.startswith("client."):
+        key = kind.removeprefix("client.")
+        return lambda lo, src: so.client.write(key, lo, src)
+    return lambda lo, src: so.state.write(kind, lo, src)
 
 
 def _restore_hyper(hyper: dict, saved: dict) -> None:

@@ -18,7 +18,6 @@ from .format import (
     RANK_META_KEY,
     RNG_CUDA,
     RNG_TORCH,
-    SHARD_KINDS,
     CheckpointError,
     rank_file,
     shard_tensor,
@@ -114,17 +113,18 @@ def _plan_groups(engine, ckpt: CheckpointReader, plan: LoadPlan) -> None:
                 raise CheckpointError(
                     f"{where}: param {name!r} has shape {list(b)} in the checkpoint, {list(a)} in the model"
                 )
+        _check_client(where, g.index, so.client, old.client)
         wanted = shard_pieces(g.layout, so.segs, g.names)
         try:
             reads = old.index_by_name.reads(wanted)
         except ValueError as e:
             raise CheckpointError(f"{where}: param group {g.index}: {e}") from None
         for f in sorted({old.files[r.source] for r in reads}):
-            for kind in SHARD_KINDS:
+            for kind in old.kinds:
                 ckpt.require_shard(old, f, kind)
         for r in reads:
             f = old.files[r.source]
-            for kind in SHARD_KINDS:
+            for kind in old.kinds:
                 plan.ranges.setdefault(f, []).append(
                     ckpt.tensor_range(f, shard_tensor(g.index, kind), r.src, r.src + r.numel)
                 )
@@ -134,6 +134,21 @@ def _plan_groups(engine, ckpt: CheckpointReader, plan: LoadPlan) -> None:
                 gaps(so.state.numel, wanted),
             )
         )
+
+
+def _check_client(where: str, index: int, client, saved: dict | None) -> None:
+    """The optimizer state saved is the kind the engine runs: the built-in Adam(W)'s, or the
+    same client optimizer class's."""
+    mine = type(client.optimizer).__name__ if client is not None else None
+    theirs = saved["class"] if saved is not None else None
+    if mine == theirs:
+        return
+    what = lambda name: f"the client optimizer {name}'s" if name else "the built-in Adam(W)'s"  # noqa: E731
+    raise CheckpointError(
+        f"{where}: param group {index} holds {what(theirs)} state, the engine runs "
+        f"{what(mine)[:-2]}: load it into an engine with the same optimizer, or pass "
+        "load_optimizer_states=False to load the weights alone"
+    )
 
 
 def _plan_rng(engine, ckpt: CheckpointReader, plan: LoadPlan) -> None:

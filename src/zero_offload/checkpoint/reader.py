@@ -23,6 +23,7 @@ from .format import (
     META_FILE,
     RANK_META_KEY,
     READABLE_VERSIONS,
+    SHARD_KINDS,
     CheckpointError,
     CheckpointNotFoundError,
     check_meta_digest,
@@ -51,6 +52,15 @@ class GroupMeta:
     step_count: int
     hyper: dict
     files: list[str]  # one per source shard: rank files when sharded, rank 0's file otherwise
+    client: dict | None = None  # a client optimizer's state spec (client_update.py), or None
+
+    @property
+    def kinds(self) -> list[str]:
+        """The shard kinds of this group's rank-file tensors: the master and the Adam moments,
+        or under a client optimizer the master and the client's elementwise state."""
+        if self.client is None:
+            return list(SHARD_KINDS)
+        return ["master", *(f"client.{k}" for k in self.client["shard"])]
 
     @property
     def shard_numel(self) -> int:
@@ -303,6 +313,7 @@ class CheckpointReader:
                     int(g.get("step_count", 0)),
                     dict(g.get("hyper", {})),
                     files,
+                    _client_spec(g.get("client"), w),
                 )
             )
         return out
@@ -313,6 +324,25 @@ class CheckpointReader:
         """Where param ``name``'s elements lie: (file, old shard lo, dst lo, numel) reads."""
         reads = group.index_by_name.reads([Piece(name, 0, numel, 0)])
         return [(group.files[r.source], r.src, r.dst, r.numel) for r in reads]
+
+
+def _client_spec(spec, where: str) -> dict | None:
+    if spec is None:
+        return None
+    ok = (
+        isinstance(spec, dict)
+        and isinstance(spec.get("class"), str)
+        and isinstance(spec.get("shard"), list)
+        and all(isinstance(k, str) for k in spec["shard"])
+        and isinstance(spec.get("scalars"), dict)
+        and all(isinstance(v, dict) and "value" in v for v in spec["scalars"].values())
+    )
+    if not ok:
+        raise CheckpointError(
+            f"{where}.client: malformed (expected class, shard keys and scalars of a client "
+            "optimizer's state)"
+        )
+    return spec
 
 
 def _numel(shape) -> int:

@@ -62,6 +62,20 @@ def _hyper_json(hyper: dict) -> dict:
     return out
 
 
+def _client_spec(client) -> dict | None:
+    """A client optimizer's state as the checkpoint records it (see client_update.py)."""
+    if client is None:
+        return None
+    try:
+        return json_value(client.checkpoint_spec(), "client optimizer state")
+    except ValueError as e:
+        raise CheckpointError(
+            f"save_checkpoint: the client optimizer {type(client.optimizer).__name__}: {e}; "
+            "only elementwise state (one value per parameter element) and scalars can be saved "
+            "per rank and resliced"
+        ) from None
+
+
 def _common_meta(engine, tag: str, client_state) -> dict:
     """Rank-independent metadata; raises before anything is written when it cannot be JSON."""
     import safetensors
@@ -83,6 +97,7 @@ def _common_meta(engine, tag: str, client_state) -> dict:
                 "sharded": bool(so.sharded),
                 "step_count": int(so.step_count),
                 "hyper": _hyper_json(g.hyper),
+                "client": _client_spec(so.client),
             }
         )
     return {
@@ -121,7 +136,14 @@ def _write_rank_file(engine, stage: Path, groups: list) -> dict:
     entries = []
     if engine.stage >= 1 or engine.global_rank == 0:
         for gi, so in enumerate(og.optimizer for og in engine.opt_groups):
-            entries += [_state_entry(shard_tensor(gi, k), so, k) for k in SHARD_KINDS]
+            if so.client is None:
+                entries += [_state_entry(shard_tensor(gi, k), so, k) for k in SHARD_KINDS]
+                continue
+            entries.append(_state_entry(shard_tensor(gi, "master"), so, "master"))
+            entries += [
+                Entry.of(shard_tensor(gi, f"client.{k}"), so.client.shard(k))
+                for k in groups[gi]["client"]["shard"]
+            ]
     rng_json, rng_tensors = rng.capture(engine.device)
     entries += [Entry.of(k, v) for k, v in rng_tensors.items()]
     info = {
@@ -185,14 +207,6 @@ def save_checkpoint(
     ``exclude_frozen_parameters``: the model file leaves out params that do not require grad
     (a load keeps the model's own values for them)."""
     engine.flush_delayed_update()  # the saved master must be the one the live params came from
-    client = next((og.optimizer.client for og in engine.opt_groups if og.optimizer.client), None)
-    if client is not None:  # the same on every rank: no rank starts a collective alone
-        raise CheckpointError(
-            f"save_checkpoint: the client optimizer {type(client.optimizer).__name__} keeps its "
-            "own state, which zero_offload checkpoints do not hold (they hold the built-in "
-            "Adam(W)'s, so a resume is exact); use an 'optimizer' config block or torch Adam/"
-            "AdamW to checkpoint, or engine.save_16bit_model for the weights alone"
-        )
     tag = check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
     tag = agree_on_tag(engine.device, tag, engine.config.checkpoint.tag_validation)
     root, rank, world = Path(save_dir), engine.global_rank, engine.world_size

@@ -8,6 +8,13 @@ shape or on whole-tensor statistics (Adafactor's factored moments, LAMB's trust 
 Muon) sees flat slices instead and is not the same optimizer: such optimizers are out of scope,
 as they are in DeepSpeed's ZeRO.
 
+Checkpoints (``checkpoint_spec``, ``shard``, ``prepare_load``, ``write``): the client's state
+for the master shard is saved as the built-in Adam's is. A tensor of the shard's size (an
+elementwise state: SGD's ``momentum_buffer``, Adagrad's ``sum``) is a shard kind
+``client.<key>``, laid out like the master and resliced like it for another world size; a
+one-element tensor or a number (``step``) is a scalar in ``meta.json``, the same on every rank.
+Any other state cannot be cut per element and refuses the save, naming the key.
+
 The client object the caller built is left as it was; the engine runs a shallow copy of it
 (same class and attributes) whose only param group is the master shard and whose state is its
 own. The group's hyperparameters are copied from the engine's live dict before every step, so
@@ -58,3 +65,48 @@ class ClientUpdate:
         return sum(
             v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor)
         )
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def checkpoint_spec(self) -> dict:
+        """What a checkpoint records of this client's state: its class, the elementwise state
+        keys (shard kinds ``client.<key>``) and the scalars. Raises ``ValueError`` naming a key
+        whose state is neither."""
+        shard, scalars = [], {}
+        n = self.param.numel()
+        for key, v in self.optimizer.state.get(self.param, {}).items():
+            if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == n and n > 1:
+                if v.dtype != torch.float32:
+                    raise ValueError(f"state {key!r} is {v.dtype}; a checkpoint holds fp32 shards")
+                shard.append(str(key))
+            elif isinstance(v, torch.Tensor) and v.numel() == 1:
+                scalars[str(key)] = {
+                    "value": v.item(),
+                    "tensor": str(v.dtype).removeprefix("torch."),
+                }
+            elif v is None or isinstance(v, bool | int | float):
+                scalars[str(key)] = {"value": v}
+            else:
+                raise ValueError(
+                    f"state {key!r} ({type(v).__name__}"
+                    f"{' ' + str(list(v.shape)) if isinstance(v, torch.Tensor) else ''}) is neither "
+                    "elementwise over the shard nor a scalar"
+                )
+        return {"class": type(self.optimizer).__name__, "shard": sorted(shard), "scalars": scalars}
+
+    def shard(self, key: str) -> torch.Tensor:
+        return self.optimizer.state[self.param][key]
+
+    def prepare_load(self, spec: dict) -> None:
+        """The state a checkpoint holds, allocated (shards zeroed, scalars set) before the
+        shards are written in."""
+        state = self.optimizer.state[self.param] = {}
+        for key in spec["shard"]:
+            state[key] = torch.zeros_like(self.param, dtype=torch.float32)
+        for key, s in spec["scalars"].items():
+            dtype = s.get("tensor")
+            state[key] = (
+                torch.tensor(s["value"], dtype=getattr(torch, dtype)) if dtype else s["value"]
+            )
+
+    def write(self, key: str, lo: int, src: torch.Tensor) -> None:
+        self.optimizer.state[self.param][key][lo : lo + src.numel()].copy_(src)
