@@ -154,6 +154,11 @@ class _AliasLoader(importlib.abc.Loader):
         # The import system stamped the alias spec on the module; it keeps its own.
         module.__spec__ = self._target_spec
 
+    def get_code(self, fullname):
+        """The target's code: ``python -m deepspeed[.x]`` (runpy) runs the namespace's module."""
+        spec = importlib.util.find_spec(self.target)
+        return spec.loader.get_code(self.target)
+
 
 class AsDeepSpeedFinder(importlib.abc.MetaPathFinder):
     """First on ``sys.meta_path`` while the opt-in is active: ``deepspeed`` names only."""
@@ -182,6 +187,7 @@ class AsDeepSpeedFinder(importlib.abc.MetaPathFinder):
         return importlib.machinery.ModuleSpec(
             fullname,
             _AliasLoader(real_name),
+            origin=real_spec.origin,  # runpy's sys.argv[0] for ``python -m deepspeed``
             is_package=real_spec.submodule_search_locations is not None,
         )
 
