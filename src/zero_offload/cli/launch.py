@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--num_gpus",
+        "--num_accelerators",
         type=int,
         default=None,
         help="ranks per node (default: the CUDA devices here, or 1 without CUDA; "
