@@ -71,7 +71,8 @@ def test_grpo_stage3_both_offloads_matches_plain(work, model_dir):
     _assert_second_engine(got)
     assert got["hooks_unwrapped"]  # generation went through TRL's hook removal
     assert got["rewards"] == ref["rewards"]  # the same completions were generated
-    assert_close_losses(got["losses"], ref["losses"], 1e-4)
+    # GRPO's first loss is ~0 (advantages average to zero): relative, plus float32 rounding
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-4, abs=1e-6)
 
 
 def test_dpo_reference_model_stage3_matches_plain(work, model_dir):
