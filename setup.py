@@ -21,12 +21,13 @@ from setuptools.command.build_py import build_py
 
 # The DeepSpeed opt-in (README, "Hugging Face Trainer, Accelerate, TRL"): a .pth file at the top
 # of site-packages, run by the interpreter at start-up. It imports zero_offload's hook only when
-# ZERO_OFFLOAD_AS_DEEPSPEED is set (the hook turns the opt-in on when the value is true), so
-# without the variable it costs one environment lookup and imports nothing.
+# ZERO_OFFLOAD_AS_DEEPSPEED is set to something other than a false value ("", 0, false, no, off:
+# the hook's own list), so unset or off it costs one environment lookup and imports nothing; the
+# hook turns the opt-in on for a true value and reports any other one.
 PTH_NAME = "zero_offload_as_deepspeed.pth"
 PTH_LINE = (
-    "import os; 'ZERO_OFFLOAD_AS_DEEPSPEED' in os.environ and "
-    "__import__('zero_offload._as_deepspeed_hook')\n"
+    "import os; os.environ.get('ZERO_OFFLOAD_AS_DEEPSPEED', '').strip().lower() not in "
+    "('', '0', 'false', 'no', 'off') and __import__('zero_offload._as_deepspeed_hook')\n"
 )
 
 

@@ -265,3 +265,56 @@ def test_zero_offload_env_reports_the_opt_in():
     assert off["active"] is False and on["active"] is True
     assert on["source"] == f"{ENV}=1" and on["reported_version"] == "0.19.8+zero.offload.0.1.0"
     assert (on["real_deepspeed"] is not None) == (REAL is not None)
+
+
+def _pth_line() -> str:
+    """The start-up line the install writes (setup.py's PTH_LINE), read without running setup."""
+    import ast
+
+    tree = ast.parse((Path(__file__).parents[1] / "setup.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "PTH_LINE":
+            return ast.literal_eval(node.value)
+    raise AssertionError("setup.py has no PTH_LINE")
+
+
+@pytest.mark.parametrize(
+    "value, hooked", [("0", False), ("", False), (" Off ", False), ("1", True)]
+)
+def test_pth_line_imports_the_package_only_when_on(value, hooked):
+    """Off ("", 0, false, no, off) the start-up line imports nothing of zero_offload."""
+    code = f"""
+        import json, sys
+        for name in [m for m in sys.modules if m.startswith("zero_offload")]:
+            del sys.modules[name]  # whatever the installed .pth did at this start
+        exec({_pth_line()!r})
+        print(json.dumps({{"hooked": "zero_offload._as_deepspeed_hook" in sys.modules,
+                          "package": "zero_offload" in sys.modules}}))
+        """
+    assert _json(_python(code, env_value=value)) == {"hooked": hooked, "package": hooked}
+
+
+def test_pip_show_agrees_with_importlib_metadata():
+    """Under the opt-in ``pip show deepspeed`` names what serves ``import deepspeed``; without
+    it, pip and importlib.metadata both see the real environment."""
+    import os
+
+    def pip_show(env_value):
+        env = {k: v for k, v in os.environ.items() if k != ENV}
+        if env_value is not None:
+            env[ENV] = env_value
+        cmd = [sys.executable, "-m", "pip", "show", "deepspeed", "--disable-pip-version-check"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        fields = dict(ln.split(": ", 1) for ln in proc.stdout.splitlines() if ": " in ln)
+        return proc.returncode, fields
+
+    code = "import importlib.metadata as md, json; print(json.dumps(md.version('deepspeed')))"
+    rc, fields = pip_show("1")
+    assert rc == 0 and fields["Name"] == "deepspeed"
+    assert fields["Version"] == json.loads(_python(code, env_value="1").splitlines()[0])
+    assert "not DeepSpeed" in fields["Summary"]
+    rc, fields = pip_show(None)
+    if REAL is None:
+        assert rc != 0 and "Version" not in fields
+    else:
+        assert "zero" not in fields["Version"]

@@ -206,7 +206,9 @@ def test_save_refused_by_one_rank_is_refused_by_all(saved, root):
     assert prep == "checkpoint preparation failed on rank(s) [1]; nothing was published", prep
     assert tags.startswith("tag: ranks passed different tags"), tags
     assert list(Path(root, "refused").iterdir()) == []  # no tag, no latest, no staging left
-    assert warned == "latest,rank0"  # tag_validation "warn": rank 0's tag, one checkpoint
+    assert (
+        warned == "latest,rank0,zero_to_fp32.py"
+    )  # tag_validation "warn": rank 0's tag, one checkpoint
 
 
 def test_load_refused_by_one_rank_changes_no_rank(resumed_w2):

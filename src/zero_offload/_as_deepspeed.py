@@ -10,7 +10,7 @@ features). With the opt-in, for this process (and its children, through the envi
 * ``importlib.metadata.version("deepspeed")`` (``distribution``, ``metadata``) answers with the
   DeepSpeed version whose API zero_offload implements, marked as zero_offload's with a PEP 440
   local label (``0.19.8+zero.offload.0.1.0``); ``importlib.util.find_spec("deepspeed")`` finds
-  the namespace.
+  the namespace; ``pip show deepspeed`` shows that same distribution (``_as_deepspeed_pip``).
 
 Nothing is installed under DeepSpeed's name and nothing changes without the opt-in:
 ``ZERO_OFFLOAD_AS_DEEPSPEED=1`` in the environment (read at interpreter start by the
@@ -154,6 +154,11 @@ class _AliasLoader(importlib.abc.Loader):
         # The import system stamped the alias spec on the module; it keeps its own.
         module.__spec__ = self._target_spec
 
+    def get_code(self, fullname):
+        """The target's code: ``python -m deepspeed[.x]`` (runpy) runs the namespace's module."""
+        spec = importlib.util.find_spec(self.target)
+        return spec.loader.get_code(self.target)
+
 
 class AsDeepSpeedFinder(importlib.abc.MetaPathFinder):
     """First on ``sys.meta_path`` while the opt-in is active: ``deepspeed`` names only."""
@@ -182,6 +187,7 @@ class AsDeepSpeedFinder(importlib.abc.MetaPathFinder):
         return importlib.machinery.ModuleSpec(
             fullname,
             _AliasLoader(real_name),
+            origin=real_spec.origin,  # runpy's sys.argv[0] for ``python -m deepspeed``
             is_package=real_spec.submodule_search_locations is not None,
         )
 
@@ -264,8 +270,17 @@ def _patch_accelerate_state(module) -> None:
     state._prepare_backend = _prepare_backend
 
 
+def _patch_pip_show(module) -> None:
+    from ._as_deepspeed_pip import patch_pip_show
+
+    patch_pip_show(module)
+
+
 # other libraries' modules adapted as they are imported (only while the opt-in is active)
-_POST_IMPORT = {"accelerate.state": _patch_accelerate_state}
+_POST_IMPORT = {
+    "accelerate.state": _patch_accelerate_state,
+    "pip._internal.commands.show": _patch_pip_show,
+}
 
 _finder: AsDeepSpeedFinder | None = None
 

@@ -389,13 +389,27 @@ def _make_parent(out_path: Path) -> None:
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(
-    checkpoint_dir, output_dir, tag: str | None = None, exclude_frozen_parameters: bool = False
-) -> Path:
-    """DeepSpeed's name: write ``<output_dir>/model.safetensors`` (fp32)."""
-    return export_safetensors(
+    checkpoint_dir,
+    output_dir,
+    max_shard_size: int | str | None = "5GB",
+    safe_serialization: bool = False,
+    tag: str | None = None,
+    exclude_frozen_parameters: bool = False,
+) -> list[Path]:
+    """DeepSpeed 0.19.8's function, with its arguments and defaults: the fp32 state dict into
+    ``output_dir`` as ``pytorch_model.bin`` (``model.safetensors`` with ``safe_serialization``),
+    sharded past ``max_shard_size`` with Hugging Face's index. The same code as the
+    ``zero_to_fp32.py`` every save puts into ``save_dir`` (``zero_to_fp32_script.py``). Returns
+    the files written."""
+    from . import zero_to_fp32_script as script
+
+    script.parse_size(max_shard_size)  # a bad size fails before anything is read
+    _open(checkpoint_dir, tag).close()  # this project's errors: DeepSpeed format, no ``latest``
+    return script.convert_zero_checkpoint_to_fp32_state_dict(
         checkpoint_dir,
-        Path(output_dir) / "model.safetensors",
-        tag,
-        torch.float32,
-        exclude_frozen_parameters,
+        output_dir,
+        max_shard_size=max_shard_size,
+        safe_serialization=safe_serialization,
+        tag=tag,
+        exclude_frozen_parameters=exclude_frozen_parameters,
     )

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 from pathlib import Path
 
 import torch
@@ -194,6 +195,20 @@ def _digest_file(stage: Path, rank: int) -> Path:
     return stage / f".digests.{rank:05d}.json"
 
 
+# DeepSpeed puts its consolidation script beside ``latest``; so does every save here (a
+# standalone script: torch and safetensors only).
+RECOVERY_SCRIPT = "zero_to_fp32.py"
+
+
+def _write_recovery_script(root: Path) -> None:
+    """``<save_dir>/zero_to_fp32.py``, replaced atomically (before the new tag is published, so a
+    failure here publishes nothing) and executable."""
+    source = Path(__file__).with_name("zero_to_fp32_script.py").read_bytes()
+    path = root / RECOVERY_SCRIPT
+    atomic.write_bytes_atomic(path, source)
+    os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
 def save_checkpoint(
     engine,
     save_dir,
@@ -261,6 +276,8 @@ def save_checkpoint(
                 atomic.write_bytes_atomic(stage / META_FILE, sealed_meta_bytes(meta))
             for r in range(world):
                 os.remove(_digest_file(stage, r))
+            with writing(root / RECOVERY_SCRIPT):
+                _write_recovery_script(root)
             atomic.pause("before_publish")
             with writing(root / tag):
                 atomic.publish(root, tag)

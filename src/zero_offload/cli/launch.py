@@ -2,8 +2,13 @@
 
 ``zero-offload launch --num_gpus 2 train.py --deepspeed_config ds.json`` starts two ranks of
 ``train.py`` on this node, exactly as ``deepspeed --num_gpus 2 train.py ...`` would. On a machine
-without CUDA each "GPU" is a CPU process on the gloo backend. For several nodes, run the same
-command on every node with its own ``--node_rank`` and the first node's ``--master_addr``.
+without CUDA each "GPU" is a CPU process on the gloo backend. Several nodes, as DeepSpeed's
+launcher runs them: ``--hostfile`` (``HOST slots=N`` lines) with ``--include/--exclude/
+--num_nodes/--num_gpus``, one torchrun per node started over ssh (``--launcher pdsh``/``ssh``) or
+srun (``--launcher slurm``) (``launch_nodes``, ``multinode``); or the same command on every node
+with its own ``--node_rank`` and the first node's ``--master_addr``; or one task per node under
+``srun``, which supplies both. The ``deepspeed`` command (``deepspeed.launcher.runner.main``)
+under the opt-in is this command.
 """
 
 from __future__ import annotations
@@ -17,15 +22,26 @@ DEFAULT_MASTER_PORT = 29500  # DeepSpeed's and torchrun's default
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num_nodes", type=int, default=1, help="number of nodes (default 1)")
+    parser.add_argument(
+        "--num_nodes",
+        type=int,
+        default=None,
+        help="number of nodes (default 1; with a hostfile: its first N hosts, default all)",
+    )
     parser.add_argument(
         "--num_gpus",
+        "--num_accelerators",
         type=int,
         default=None,
         help="ranks per node (default: the CUDA devices here, or 1 without CUDA; "
         "without CUDA or with ZERO_OFFLOAD_DEVICE=cpu, N means N CPU ranks on gloo)",
     )
-    parser.add_argument("--node_rank", type=int, default=0, help="this node's rank (default 0)")
+    parser.add_argument(
+        "--node_rank",
+        type=int,
+        default=None,
+        help="this node's rank (default 0, or SLURM's under srun)",
+    )
     parser.add_argument(
         "--master_addr",
         default=None,
@@ -44,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a collective waits for the other ranks before failing with an error that "
         "names it (default 1800); exported to the ranks as $ZERO_OFFLOAD_TIMEOUT",
     )
+    _add_multinode_arguments(parser)
     parser.add_argument(
         "--module",
         action="store_true",
@@ -54,10 +71,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's arguments")
 
 
+def _add_multinode_arguments(parser: argparse.ArgumentParser) -> None:
+    """DeepSpeed's launcher flags for several nodes (``launch_nodes`` reads them)."""
+    parser.add_argument(
+        "-H",
+        "--hostfile",
+        default=None,
+        help="'HOST slots=N' per line: the nodes to launch on (default /job/hostfile if present)",
+    )
+    parser.add_argument(
+        "-i", "--include", default="", help="hosts/slots to use: HOST[:SLOT,SLOT][@HOST...]"
+    )
+    parser.add_argument("-e", "--exclude", default="", help="hosts/slots to leave out (as -i)")
+    parser.add_argument(
+        "--launcher",
+        default="pdsh",
+        help="how each node's torchrun starts: pdsh or ssh (one ssh per node), slurm (srun)",
+    )
+    parser.add_argument("--launcher_args", default="", help="extra arguments for srun")
+    parser.add_argument("--ssh_port", type=int, default=None, help="ssh port of the nodes")
+    parser.add_argument(
+        "--no_ssh",
+        action="store_true",
+        help="with a hostfile: start only this node's ranks (node --node_rank of its world)",
+    )
+    parser.add_argument(
+        "--force_multi", action="store_true", help="the multi-node path even for one host"
+    )
+    parser.add_argument(
+        "--no_ssh_check", action="store_true", help="accepted (no ssh probe is made)"
+    )
+
+
 def torchrun_argv(args: argparse.Namespace, cuda_devices: int) -> list[str]:
     """torchrun's argument list for ``args``. Raises ValueError naming the bad flag."""
-    if args.num_nodes < 1:
-        raise ValueError(f"--num_nodes must be at least 1, got {args.num_nodes}")
+    num_nodes = args.num_nodes if args.num_nodes is not None else 1
+    node_rank = args.node_rank if args.node_rank is not None else 0
+    if num_nodes < 1:
+        raise ValueError(f"--num_nodes must be at least 1, got {num_nodes}")
     num_gpus = args.num_gpus if args.num_gpus is not None else max(cuda_devices, 1)
     if num_gpus < 1:
         raise ValueError(f"--num_gpus must be at least 1, got {num_gpus}")
@@ -66,10 +117,8 @@ def torchrun_argv(args: argparse.Namespace, cuda_devices: int) -> list[str]:
             f"--num_gpus {num_gpus} asks for more ranks than the {cuda_devices} CUDA "
             "device(s) on this node"
         )
-    if not 0 <= args.node_rank < args.num_nodes:
-        raise ValueError(
-            f"--node_rank must be in [0, --num_nodes={args.num_nodes}), got {args.node_rank}"
-        )
+    if not 0 <= node_rank < num_nodes:
+        raise ValueError(f"--node_rank must be in [0, --num_nodes={num_nodes}), got {node_rank}")
     if not 1 <= args.master_port <= 65535:
         raise ValueError(f"--master_port must be in [1, 65535], got {args.master_port}")
     if getattr(args, "timeout", None) is not None:
@@ -79,16 +128,16 @@ def torchrun_argv(args: argparse.Namespace, cuda_devices: int) -> list[str]:
             as_timeout(args.timeout)
         except ValueError as err:
             raise ValueError(f"--timeout: {err}") from None
-    if args.num_nodes > 1 and not args.master_addr:
+    if num_nodes > 1 and not args.master_addr:
         raise ValueError("--master_addr is required with --num_nodes > 1 (node 0's address)")
     if not args.module and not os.path.isfile(args.script):
         raise ValueError(
             f"script {args.script!r} is not a file (use --module to run a module by name)"
         )
     argv = [
-        f"--nnodes={args.num_nodes}",
+        f"--nnodes={num_nodes}",
         f"--nproc_per_node={num_gpus}",
-        f"--node_rank={args.node_rank}",
+        f"--node_rank={node_rank}",
         f"--master_addr={args.master_addr or DEFAULT_MASTER_ADDR}",
         f"--master_port={args.master_port}",
     ]
@@ -106,19 +155,34 @@ def threads_per_rank(ranks_per_node: int, cpus: int) -> int:
     return max(1, cpus // max(1, ranks_per_node))
 
 
+def _run_nodes(nodes, args: argparse.Namespace) -> int:
+    """One ``zero-offload launch`` per node, over ssh or srun (``multinode``)."""
+    from .multinode import exports, run_all, slurm_command, ssh_commands
+
+    if args.launcher.lower() == "slurm":
+        return run_all([slurm_command(nodes, args.launcher_args)])
+    cwd = os.path.abspath(".")
+    return run_all(ssh_commands(nodes, exports(dict(os.environ), cwd), cwd, args.ssh_port))
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
     from ..core.dist import uses_cuda
+    from .launch_nodes import plan_nodes
 
     cuda_devices = torch.cuda.device_count() if uses_cuda() else 0
     try:
+        nodes, node_env = plan_nodes(args, cuda_devices)
+        if nodes is not None:
+            return _run_nodes(nodes, args)
         argv = torchrun_argv(args, cuda_devices)
     except ValueError as err:
         print(f"zero-offload launch: error: {err}", file=sys.stderr)
         return 2
+    os.environ.update(node_env)  # this node's devices (--include); torchrun passes it on
     ranks_per_node = args.num_gpus if args.num_gpus is not None else max(cuda_devices, 1)
     from ..core.dist import TIMEOUT_ENV
 

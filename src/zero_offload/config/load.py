@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .auto import AutoValueWarning, auto_report
+from .dotted import expand_dotted_keys
 from .errors import ConfigError, NotImplementedSettingWarning, SettingSpellingWarning
 from .finite import non_finite_numbers
 from .json_text import read_json_file
@@ -62,6 +63,8 @@ def load_config(
 
     ``source`` is a path to a JSON file, a dict (not modified), or a ZeroOffloadConfig (returned
     as is when already resolved for this world size, else re-resolved from its source).
+    A top-level key written with dots (``"zero_optimization.reduce_bucket_size"``, as TRL's
+    ``prepare_deepspeed`` writes them) is the nested key it spells (:mod:`.dotted`).
     ``micro_batch_size`` supplies ``train_micro_batch_size_per_gpu`` from outside the config,
     as a launcher's ``--batch-size`` does for DeepSpeed's Megatron examples; it must agree with
     the config's value when both are given.
@@ -93,7 +96,8 @@ def load_config(
         raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
 
     problems: list[str] = non_finite_numbers(raw)
-    normalized = _legacy_forms(raw, problems)
+    expanded = expand_dotted_keys(raw, ZeroOffloadConfig, problems)
+    normalized = _legacy_forms(expanded, problems)
     prepared = prepare(normalized, ZeroOffloadConfig)
     problems.extend(prepared.problems)
     config: ZeroOffloadConfig | None = None

@@ -2,7 +2,8 @@
 
 ``get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None,
 exclude_frozen_parameters=False)`` and ``convert_zero_checkpoint_to_fp32_state_dict(
-checkpoint_dir, output_dir, tag=None, exclude_frozen_parameters=False)`` read this project's
+checkpoint_dir, output_dir, max_shard_size="5GB", safe_serialization=False, tag=None,
+exclude_frozen_parameters=False)`` (DeepSpeed 0.19.8's signature) read this project's
 checkpoints (see docs/checkpoints.md); a DeepSpeed checkpoint is first converted with
 ``zero-offload convert-deepspeed``. ``load_state_dict_from_zero_checkpoint(model,
 checkpoint_dir, tag=None)`` loads the fp32 weights into ``model`` (on the CPU, in its own dtype)

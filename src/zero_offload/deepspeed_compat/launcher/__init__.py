@@ -1,7 +1,6 @@
-"""``deepspeed.launcher``: only ``runner.DEEPSPEED_ENVIRONMENT_NAME`` (``accelerate launch
---use_deepspeed`` imports it). The ``deepspeed`` command-line launcher itself is not provided:
-launch with torchrun, ``accelerate launch`` (one node, or ``--deepspeed_multinode_launcher
-standard``) or ``zero-offload launch``."""
+"""``deepspeed.launcher``: ``runner.main`` (the ``deepspeed`` command: ``zero-offload launch``
+with DeepSpeed's launcher flags) and ``runner.DEEPSPEED_ENVIRONMENT_NAME`` (``accelerate launch
+--use_deepspeed`` imports it)."""
 
 from .._common import not_provided_getattr
 from . import runner  # noqa: F401

@@ -122,7 +122,8 @@ class FetchSchedule:
         self.stack: list[torch.nn.Module] = []
         self.needs: dict[int, list[int]] = {}  # id(module) -> slot ids it fetches
         self.need_sets: dict[int, set[int]] = {}
-        self.handles = []
+        self.module_handles: list = []  # forward pre/post hooks of every scheduled module
+        self.grad_handles: list = []  # post-accumulate-grad hooks of the trainable params
         self.modules = []
         store.schedule = self
         for m, owned in scheduled_modules(module):  # a leaf module: its whole subtree
@@ -135,14 +136,9 @@ class FetchSchedule:
             self.need_sets[id(m)] = set(ids)
             self.modules.append(m)
             m.__dict__["_parameters"] = _ParamDict(m._parameters, self)
-            self.handles.append(m.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
-            self.handles.append(m.register_forward_hook(self._post_forward, always_call=True))
         self.grad_pending = [0] * len(store.slots)
         self.grad_count = [sum(p.requires_grad for p in s.params) for s in store.slots]
-        for s in store.slots:
-            for p in s.params:
-                if p.requires_grad:
-                    self.handles.append(p.register_post_accumulate_grad_hook(self._grad_final))
+        self.install_hooks()
         self._reset_grads()
         self.traces: dict[tuple, list[int]] = {}
         self.recording: list[int] | None = None
@@ -153,6 +149,34 @@ class FetchSchedule:
         self.order_checked = False
         self.backwards_checked = 0  # training backwards whose order was compared across ranks
         scope.on_end(self._end_backward, self._end_backward)
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    def install_hooks(self) -> None:
+        """(Re)register the module hooks and the gradient hooks, removing any present first (no
+        hook is ever registered twice). The gradient hooks come after the reducer's, as at
+        construction. TRL's generation unwrap removes both sets and puts them back through this
+        (``zero.parameter_offload``)."""
+        self.remove_hooks()
+        for m in self.modules:
+            pre = m.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+            post = m.register_forward_hook(self._post_forward, always_call=True)
+            self.module_handles += [pre, post]
+        for s in self.store.slots:
+            for p in s.params:
+                if p.requires_grad:
+                    self.grad_handles.append(p.register_post_accumulate_grad_hook(self._grad_final))
+
+    def remove_hooks(self) -> None:
+        for h in [*self.module_handles, *self.grad_handles]:
+            h.remove()  # removing a removed handle is a no-op
+        self.module_handles, self.grad_handles = [], []
+
+    def invalidate_trace(self) -> None:
+        """Forget every recorded fetch order: each kind of pass records its order afresh on its
+        next run (without prefetch until then)."""
+        self.traces.clear()
+        self.recording = self.rec_key = self.replay = None
+        self.pos = 0
 
     # ---- pass bookkeeping ----------------------------------------------------------------------
     def _begin_pass(self) -> None:
@@ -322,7 +346,6 @@ class FetchSchedule:
 
     # ---- teardown ------------------------------------------------------------------------------
     def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
+        self.remove_hooks()
         for m in self.modules:
             m.__dict__["_parameters"] = dict(m._parameters.items())

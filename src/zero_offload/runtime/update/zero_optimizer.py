@@ -40,6 +40,35 @@ class ZeroOptimizer(torch.optim.Optimizer):
         engine = self._engine()
         return bool(engine is not None and engine._step_overflowed())
 
+    @property
+    def parameter_offload(self):
+        """DeepSpeed's ``optimizer.parameter_offload`` of a stage-3 engine, for TRL's generation
+        unwrap: the module hooks and the recorded fetch order (``zero.parameter_offload``).
+        Below stage 3 absent (an AttributeError), as on DeepSpeed's stage-1/2 optimizer."""
+        engine = self._engine()
+        schedule = getattr(engine, "fetch_schedule", None)
+        if schedule is None:
+            raise AttributeError("parameter_offload: the engine is not at ZeRO stage 3")
+        from ..zero.parameter_offload import parameter_offload_of
+
+        return parameter_offload_of(schedule)
+
+    # DeepSpeed's stage-3 optimizer also answers these itself (TRL uses it when it lacks
+    # parameter_offload): each is parameter_offload's.
+    module = property(lambda self: self.parameter_offload.module)
+    param_coordinator = property(lambda self: self.parameter_offload.param_coordinator)
+    forward_hooks = property(
+        lambda self: self.parameter_offload.forward_hooks,
+        lambda self, v: setattr(self.parameter_offload, "forward_hooks", v),
+    )
+    backward_hooks = property(
+        lambda self: self.parameter_offload.backward_hooks,
+        lambda self, v: setattr(self.parameter_offload, "backward_hooks", v),
+    )
+
+    def _register_deepspeed_module(self, module) -> None:
+        self.parameter_offload._register_deepspeed_module(module)
+
     def __getattr__(self, name: str):
         """A DeepSpeed ZeRO optimizer attribute this one lacks (``parameter_offload``,
         ``module``, ...: DeepSpeed internals some libraries reach for) fails by its DeepSpeed
