@@ -111,7 +111,7 @@ def _normalize(name: str) -> str:
 
 
 # ---- the distribution ---------------------------------------------------------------------------
-class _CompatDistribution(importlib.metadata.Distribution):
+class CompatDistribution(importlib.metadata.Distribution):
     """``importlib.metadata``'s view of the namespace: name ``deepspeed``, the compat version."""
 
     def read_text(self, filename):
@@ -207,7 +207,7 @@ class AsDeepSpeedFinder(importlib.abc.MetaPathFinder):
         name = getattr(context, "name", None)
         if name is None or _normalize(name) != ALIAS:
             return iter(())  # listings of every distribution show the real environment
-        return iter((_CompatDistribution(),))
+        return iter((CompatDistribution(),))
 
     def _announce(self) -> None:
         if AsDeepSpeedFinder._announced:

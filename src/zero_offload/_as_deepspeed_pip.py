@@ -42,9 +42,9 @@ def patch_pip_show(module) -> None:
 
 
 def _compat_info(info_type, fields: set[str], include_files: bool):
-    from ._as_deepspeed import _CompatDistribution
+    from ._as_deepspeed import CompatDistribution
 
-    meta = _CompatDistribution().metadata
+    meta = CompatDistribution().metadata
     values = {
         "name": meta["Name"],
         "version": meta["Version"],

@@ -36,8 +36,12 @@ from ...core.flat_group import FlatGroup
 from ...core.labels import REDUCE, label
 from ...core.streams import Streams
 from ..backward_scope import BackwardScope
-from ..engine.guards import EngineAssertionError
 from .grad_shard import GradShard
+
+
+class UnusedParamsError(RuntimeError, AssertionError):
+    """Trainable params got no gradient while ``ignore_unused_parameters`` is false (DeepSpeed
+    asserts: code that catches ``AssertionError`` for it catches this too)."""
 
 
 class Reducer:
@@ -258,7 +262,7 @@ class Reducer:
                 if (g.index, i) not in self.arrived
             ]
             self._reset()
-            raise EngineAssertionError(
+            raise UnusedParamsError(
                 "zero_optimization.ignore_unused_parameters is false and these parameters got no "
                 f"gradient in this backward: {missing}; set it to true to reduce them as zeros"
             )

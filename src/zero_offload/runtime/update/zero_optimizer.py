@@ -49,7 +49,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         schedule = getattr(engine, "fetch_schedule", None)
         if schedule is None:
             raise AttributeError("parameter_offload: the engine is not at ZeRO stage 3")
-        from ..zero.parameter_offload import parameter_offload_of
+        from ...zero.parameter_offload import parameter_offload_of
 
         return parameter_offload_of(schedule)
 
