@@ -98,6 +98,19 @@ def every_rank(world: int, fn, *args, timeout: float = 1200) -> list:
     return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(world)]
 
 
+def short_timeout_after_start_up(seconds: float) -> None:
+    """Every rank is past start-up (process group, engine built); from here the collectives
+    time out after ``seconds``. Start-up keeps the long timeout it was given, so a rank slow to
+    start on a loaded machine cannot change which collective times out."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    dist.barrier()
+    _set_pg_timeout(datetime.timedelta(seconds=seconds), None)
+
+
 def answer_of(world: int, target, rank: int = 0, limit: float = 900) -> str:
     """Spawn ``world`` processes running ``target(rank, port, queue)``, each free to put
     ``(rank, message)`` on the queue and ``os._exit``; return ``rank``'s message, then kill
