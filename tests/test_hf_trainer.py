@@ -74,6 +74,12 @@ def plain(work, model_dir) -> dict:
             "model_dir": model_dir,
             "args": train_args(work / "plainbf", bf16=True, use_cpu=True),
         },
+        "bf16-bs4": {  # the two-rank bf16 runs' global batch in one process
+            "model_dir": model_dir,
+            "args": train_args(
+                work / "plainbf4", bf16=True, use_cpu=True, per_device_train_batch_size=4
+            ),  # fmt: skip
+        },
         "lora": {"model_dir": model_dir, "args": train_args(work / "plainlora"), "lora": True},
     }
     out = run_script("run_trainer.py", {"opt_in": "none", "runs": list(runs.values())}, work)
@@ -179,7 +185,11 @@ def test_stage3_checkpoint_resume_matches_the_uninterrupted_run(one_process, pla
 
 
 def test_two_ranks_under_torchrun_with_the_environment_variable(work, model_dir, plain):
-    """An unchanged Trainer script, ZERO_OFFLOAD_AS_DEEPSPEED=1 passed through torchrun."""
+    """An unchanged Trainer script, ZERO_OFFLOAD_AS_DEEPSPEED=1 passed through torchrun: stage 3
+    with both offloads and stage 1 in fp32; stage 3 in bf16 interrupted at a save_steps
+    checkpoint, then resumed."""
+    bf16 = train_args(work / "r2-bf16", bf16=True, save_strategy="steps", save_steps=2)
+    s3 = ds_config(3, offload=True)
     runs = [
         {
             "model_dir": model_dir,
@@ -194,6 +204,8 @@ def test_two_ranks_under_torchrun_with_the_environment_variable(work, model_dir,
             "args": train_args(work / "r2-s1"),
             "final_params": True,
         },
+        {"model_dir": model_dir, "ds": s3, "args": bf16, "stop_after": 2},
+        {"model_dir": model_dir, "ds": s3, "args": bf16, "resume": True},
     ]
     out = run_script(
         "run_trainer.py",
@@ -203,10 +215,16 @@ def test_two_ranks_under_torchrun_with_the_environment_variable(work, model_dir,
         launcher="torchrun",
         opt_in_env=True,
     )
-    for got, after in zip(out, (False, True)):  # a wrong 1/world factor shows in the grad norm
+    for got, after in zip(out[:2], (False, True)):  # a wrong 1/world factor: the grad norm
         assert got["world_size"] == 2 and got["engine"] == ENGINE
         assert_same_training(got, plain["bs4"], FP32, lr_after_step=after)
     assert out[0]["after_load"]["all_partitioned"] and out[0]["after_train"]["all_partitioned"]
+    first, resumed = out[2:]
+    assert first["steps"] == [1, 2] and resumed["steps"] == [1, 2, 3, 4]
+    assert (work / "r2-bf16" / "checkpoint-2" / "global_step2").is_dir()
+    ref = plain["bf16-bs4"]
+    assert_same_training(first, {k: ref[k][:2] for k in ("losses", "grad_norms", "lrs")}, BF16)
+    assert_same_training(resumed, ref, BF16, first=2)
 
 
 @pytest.mark.slow
