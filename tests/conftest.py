@@ -16,3 +16,17 @@ def _device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         return
     if os.environ.get("ZERO_OFFLOAD_TEST_DEVICE", "cpu") == "cpu":
         monkeypatch.setenv("ZERO_OFFLOAD_DEVICE", "cpu")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    from required_parts import check_session
+
+    check_session()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    from required_parts import fail_required_skip
+
+    outcome = yield
+    fail_required_skip(outcome.get_result())

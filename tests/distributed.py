@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks (spawned processes) and collect rank 0's return value."""
+"""Run a function on N gloo ranks (spawned processes) and collect every rank's return value."""
 
 from __future__ import annotations
 
@@ -34,10 +34,9 @@ def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
         out = fn(*args)
-        if rank == 0:  # bytes, not shared-memory tensors: they must outlive this process
-            buf = io.BytesIO()
-            torch.save(out, buf)
-            queue.put(("ok", buf.getvalue()))
+        buf = io.BytesIO()  # bytes, not shared-memory tensors: they must outlive this process
+        torch.save(out, buf)
+        queue.put((rank, "ok", buf.getvalue()))
         del out
         gc.collect()  # engines (hooks, async work handles) go while the process group lives
         dist.barrier()
@@ -45,12 +44,19 @@ def _entry(rank: int, world: int, port: int, fn, args, queue) -> None:
 
         shutdown()  # lets gloo's threads release their tensors before the interpreter exits
     except BaseException:
-        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+        queue.put((rank, "error", f"rank {rank}:\n{traceback.format_exc()}"))
         raise
 
 
 def run_ranks(world: int, fn, *args, timeout: float = 1200):
-    """Spawn ``world`` gloo ranks running ``fn(*args)``; return rank 0's result."""
+    """Spawn ``world`` gloo ranks running ``fn(*args)``; return rank 0's result (every rank
+    must finish without error; ``every_rank`` returns them all)."""
+    return every_rank(world, fn, *args, timeout=timeout)[0]
+
+
+def every_rank(world: int, fn, *args, timeout: float = 1200) -> list:
+    """Spawn ``world`` gloo ranks running ``fn(*args)``; return the list of every rank's result,
+    indexed by rank. Any rank's error fails the call with that rank's traceback."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _free_port()
@@ -60,27 +66,49 @@ def run_ranks(world: int, fn, *args, timeout: float = 1200):
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
-    while queue.empty() and any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    got = None if queue.empty() else queue.get()  # read before join: a large result blocks the pipe
+    got: dict[int, tuple[str, object]] = {}
+    # read before join: a large result blocks the pipe; an error ends the wait (peers may hang)
+    while len(got) < world and time.monotonic() < deadline:
+        if not queue.empty():
+            rank, status, out = queue.get()
+            got[rank] = (status, out)
+            if status != "ok":
+                break
+        elif not any(p.is_alive() for p in procs):
+            break
+        else:
+            time.sleep(0.05)
     for p in procs:
-        p.join(max(1.0, deadline - time.monotonic()))
+        p.join(max(1.0, deadline - time.monotonic()) if len(got) == world else 5.0)
     for p in procs:
         if p.is_alive():
             p.kill()
-    if got is None:
+    errors = [out for status, out in got.values() if status != "ok"]
+    if errors:
+        raise AssertionError("\n".join(errors))
+    if len(got) < world:
         raise RuntimeError(
-            f"no result from {world} ranks (exit codes {[p.exitcode for p in procs]})"
+            f"results from ranks {sorted(got)} of {world} "
+            f"(exit codes {[p.exitcode for p in procs]})"
         )
-    status, out = got
-    if status != "ok":
-        raise AssertionError(out)
-    import torch
-
-    out = torch.load(io.BytesIO(out), weights_only=False)
     if any(p.exitcode != 0 for p in procs):
         raise AssertionError(f"rank exit codes {[p.exitcode for p in procs]}")
-    return out
+    import torch
+
+    return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(world)]
+
+
+def short_timeout_after_start_up(seconds: float) -> None:
+    """Every rank is past start-up (process group, engine built); from here the collectives
+    time out after ``seconds``. Start-up keeps the long timeout it was given, so a rank slow to
+    start on a loaded machine cannot change which collective times out."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    dist.barrier()
+    _set_pg_timeout(datetime.timedelta(seconds=seconds), None)
 
 
 def answer_of(world: int, target, rank: int = 0, limit: float = 900) -> str:

@@ -187,9 +187,48 @@ def run_script(
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def assert_close_losses(got: list[float], ref: list[float], rel: float) -> None:
-    assert len(got) == len(ref) and got, (got, ref)
+def assert_close_series(what: str, got: list, ref: list, rel: float) -> None:
+    """Step by step, ``got`` within ``rel`` (relative) of the plain run's ``ref``."""
+    assert len(got) == len(ref) and got, (what, got, ref)
     for i, (a, b) in enumerate(zip(got, ref)):
+        assert a is not None and b is not None, f"{what}: step {i + 1} not logged\n{got}\n{ref}"
         assert abs(a - b) <= rel * abs(b), (
-            f"step {i + 1}: {a} vs plain {b} (rel tol {rel})\n{got}\n{ref}"
+            f"{what}, step {i + 1}: {a} vs plain {b} (rel tol {rel})\n{got}\n{ref}"
+        )
+
+
+def assert_close_losses(got: list[float], ref: list[float], rel: float) -> None:
+    assert_close_series("loss", got, ref, rel)
+
+
+LR_TOL = 1e-6  # the schedule is arithmetic on the step count: no precision to lose
+
+
+def assert_same_training(
+    got: dict, ref: dict, rel: float, first: int = 0, lr_after_step: bool = False
+) -> None:
+    """Per logged step from ``first`` on: the loss, the gradient norm before clipping (a wrong
+    1/GAS or 1/world factor in the gradients scales it, where AdamW and clipping leave the
+    loss almost unchanged) and the learning rate; then the trained params where both runs
+    recorded them (``final_params``). ``lr_after_step``: a scheduler built from the config
+    (an optimizer block) is stepped inside the engine's step, as DeepSpeed's is, before the
+    Trainer reads the rate it logs, so each logged rate is the plain run's next one."""
+    assert_close_series("loss", got["losses"][first:], ref["losses"][first:], rel)
+    assert_close_series("grad norm", got["grad_norms"][first:], ref["grad_norms"][first:], rel)
+    lrs, ref_lrs = got["lrs"][first:], ref["lrs"][first:]
+    if lr_after_step:
+        lrs, ref_lrs = lrs[:-1], ref_lrs[1:]
+    assert_close_series("learning rate", lrs, ref_lrs, LR_TOL)
+    if "final_params" in got and "final_params" in ref:
+        assert_close_params(got["final_params"], ref["final_params"], rel)
+
+
+def assert_close_params(got: dict, ref: dict, rel: float) -> None:
+    """Each param's [sum, norm] within ``rel`` of the plain run's, relative to its norm."""
+    assert got.keys() == ref.keys() and got, (sorted(got), sorted(ref))
+    for name, (s_ref, n_ref) in ref.items():
+        s_got, n_got = got[name]
+        scale = rel * max(n_ref, 1e-12)
+        assert abs(n_got - n_ref) <= scale and abs(s_got - s_ref) <= scale, (
+            f"param {name}: [sum, norm] {got[name]} vs plain {ref[name]} (rel tol {rel})"
         )

@@ -1,7 +1,8 @@
 """Accelerate on zero_offload through the DeepSpeed opt-in: an ``Accelerator`` with a
 ``DeepSpeedPlugin`` (prepare, backward, step) in one process, and ``accelerate launch
 --use_deepspeed --zero_stage 3 --offload_optimizer_device cpu --offload_param_device cpu`` with
-two CPU processes; per-micro-step losses equal the plain Accelerate loop's (fp32, 1e-4).
+two CPU processes; per-micro-step losses equal the plain Accelerate loop's (fp32, 1e-4), and
+``save_state``/``load_state`` bring back the weights and the optimizer state.
 Scripts: ``tests/hf_route/run_accelerate.py``, run in subprocesses."""
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def test_accelerate_launch_zero3_offload_two_processes(work, model_dir):
         "no",
     ]
     spec = {**BASE, "opt_in": "env", "model_dir": model_dir, "threshold0": True}
+    spec["save_state"] = str(work / "accelerate_state")
     got = run_script(
         "run_accelerate.py",
         spec,
@@ -81,3 +83,9 @@ def test_accelerate_launch_zero3_offload_two_processes(work, model_dir):
     assert got["engine"] == ENGINE and got["num_processes"] == 2
     assert got["partitioned_after_load"] and got["partitioned_after_prepare"]
     assert_close_losses(got["losses"], _plain(work, model_dir, 4), 1e-4)
+    # save_state / load_state: the partitioned weights and the offloaded optimizer state return
+    trip = got["state_roundtrip"]
+    before, moved, after = trip["probe"]
+    assert after == before and moved != before, trip["probe"]
+    assert trip["again"] == trip["first"], trip
+    assert (work / "accelerate_state").is_dir()

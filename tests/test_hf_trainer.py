@@ -1,6 +1,7 @@
 """Hugging Face ``Trainer`` with ``TrainingArguments(deepspeed=...)`` trains on zero_offload
-through the DeepSpeed opt-in, and every logged loss equals the same Trainer run without DeepSpeed
-(fp32: 1e-4 relative; bf16: 2e-2): stages 0-3, optimizer offload and (stage 3) param offload, the
+through the DeepSpeed opt-in, and every logged loss, gradient norm and learning rate equals the
+same Trainer run without DeepSpeed (fp32: 1e-4 relative; bf16: 2e-2), and so do the trained
+params (fp32): stages 0-3, optimizer offload and (stage 3) param offload, the
 optimizer from the config or the Trainer's own, gradient accumulation 2, one process without a
 launcher and two ranks under torchrun (CPU, gloo). Stage 3 also: ``from_pretrained`` builds the
 model partitioned and loads it right, evaluation during training, ``generate``, ``save_model``,
@@ -18,6 +19,7 @@ import pytest
 import torch
 from hf_route_helpers import (
     assert_close_losses,
+    assert_same_training,
     ds_config,
     run_script,
     tiny_llama_dir,
@@ -61,14 +63,22 @@ def plain(work, model_dir) -> dict:
             "load_logits": True,
             "generate": True,
             "final_logits": True,
+            "final_params": True,
         },
         "bs4": {  # the two-rank runs' global batch in one process
             "model_dir": model_dir,
             "args": train_args(work / "plain4", per_device_train_batch_size=4),
+            "final_params": True,
         },
         "bf16": {
             "model_dir": model_dir,
             "args": train_args(work / "plainbf", bf16=True, use_cpu=True),
+        },
+        "bf16-bs4": {  # the two-rank bf16 runs' global batch in one process
+            "model_dir": model_dir,
+            "args": train_args(
+                work / "plainbf4", bf16=True, use_cpu=True, per_device_train_batch_size=4
+            ),  # fmt: skip
         },
         "lora": {"model_dir": model_dir, "args": train_args(work / "plainlora"), "lora": True},
     }
@@ -86,6 +96,7 @@ def one_process(work, model_dir) -> dict:
             "ds": ds_config(stage, off, offp, optimizer_block=opt_block),
             "args": train_args(work / name),
             "after_train_partitioned": stage == 3,
+            "final_params": True,
         }
     runs["s2-offload-bf16"] = {
         "model_dir": model_dir,
@@ -120,7 +131,7 @@ def one_process(work, model_dir) -> dict:
 def test_every_stage_matches_the_plain_trainer(name, one_process, plain):
     got = one_process[name]
     assert got["engine"] == ENGINE
-    assert_close_losses(got["losses"], plain["fp32"]["losses"], FP32)
+    assert_same_training(got, plain["fp32"], FP32, lr_after_step=name.endswith("config-opt"))
     if name.startswith("s3"):  # every param really was partitioned, before and after training
         assert got["after_load"]["all_partitioned"] and got["after_train"]["all_partitioned"]
     else:
@@ -128,7 +139,7 @@ def test_every_stage_matches_the_plain_trainer(name, one_process, plain):
 
 
 def test_bf16_matches_the_plain_trainer(one_process, plain):
-    assert_close_losses(one_process["s2-offload-bf16"]["losses"], plain["bf16"]["losses"], BF16)
+    assert_same_training(one_process["s2-offload-bf16"], plain["bf16"], BF16)
 
 
 def test_stage3_from_pretrained_eval_generate_and_save_model(one_process, plain, work):
@@ -138,7 +149,7 @@ def test_stage3_from_pretrained_eval_generate_and_save_model(one_process, plain,
     torch.testing.assert_close(
         torch.tensor(got["load_logits"]), torch.tensor(ref["load_logits"]), rtol=0, atol=1e-6
     )
-    assert_close_losses(got["losses"], ref["losses"], FP32)
+    assert_same_training(got, ref, FP32)
     assert len(got["eval_losses"]) == 2
     assert_close_losses(got["eval_losses"], ref["eval_losses"], FP32)
     assert got["generated"] == ref["generated"]
@@ -154,7 +165,7 @@ def test_stage3_lora_with_peft(one_process, plain, work):
     """peft LoRA adapters on a partitioned model; save_model writes the adapters alone (the
     Trainer asks for the consolidated state dict without the frozen base)."""
     got = one_process["s3-lora"]
-    assert_close_losses(got["losses"], plain["lora"]["losses"], FP32)
+    assert_same_training(got, plain["lora"], FP32)
     saved = sorted(p.name for p in (work / "lora-saved").iterdir())
     assert "adapter_model.safetensors" in saved and "model.safetensors" not in saved
     from safetensors.torch import load_file
@@ -163,29 +174,38 @@ def test_stage3_lora_with_peft(one_process, plain, work):
     assert adapters and all("lora_" in k and v.numel() > 0 for k, v in adapters.items())
 
 
-def test_stage3_checkpoint_resume_matches_the_uninterrupted_run(one_process, work):
+def test_stage3_checkpoint_resume_matches_the_uninterrupted_run(one_process, plain, work):
     first, resumed = one_process["s3-interrupted"], one_process["s3-resumed"]
-    uninterrupted = one_process["s3-offload-both-config-opt"]  # same data, steps and schedule
+    uninterrupted = one_process["s3-features"]  # same config, data, steps and schedule
     assert first["steps"] == [1, 2]
     assert (work / "ckpt" / "checkpoint-2" / "global_step2").is_dir()
     assert resumed["steps"] == [1, 2, 3, 4]  # the first two from the checkpoint's state
-    assert_close_losses(resumed["losses"][2:], uninterrupted["losses"][2:], FP32)
+    assert_same_training(resumed, uninterrupted, FP32, first=2)
+    assert_same_training(resumed, plain["fp32"], FP32, first=2)
 
 
 def test_two_ranks_under_torchrun_with_the_environment_variable(work, model_dir, plain):
-    """An unchanged Trainer script, ZERO_OFFLOAD_AS_DEEPSPEED=1 passed through torchrun."""
+    """An unchanged Trainer script, ZERO_OFFLOAD_AS_DEEPSPEED=1 passed through torchrun: stage 3
+    with both offloads and stage 1 in fp32; stage 3 in bf16 interrupted at a save_steps
+    checkpoint, then resumed."""
+    bf16 = train_args(work / "r2-bf16", bf16=True, save_strategy="steps", save_steps=2)
+    s3 = ds_config(3, offload=True)
     runs = [
         {
             "model_dir": model_dir,
             "ds": ds_config(3, offload=True, offload_param=True),
             "args": train_args(work / "r2-s3"),
             "after_train_partitioned": True,
+            "final_params": True,
         },
         {
             "model_dir": model_dir,
             "ds": ds_config(1, optimizer_block=True),
             "args": train_args(work / "r2-s1"),
+            "final_params": True,
         },
+        {"model_dir": model_dir, "ds": s3, "args": bf16, "stop_after": 2},
+        {"model_dir": model_dir, "ds": s3, "args": bf16, "resume": True},
     ]
     out = run_script(
         "run_trainer.py",
@@ -195,10 +215,16 @@ def test_two_ranks_under_torchrun_with_the_environment_variable(work, model_dir,
         launcher="torchrun",
         opt_in_env=True,
     )
-    for got in out:
+    for got, after in zip(out[:2], (False, True)):  # a wrong 1/world factor: the grad norm
         assert got["world_size"] == 2 and got["engine"] == ENGINE
-        assert_close_losses(got["losses"], plain["bs4"]["losses"], FP32)
+        assert_same_training(got, plain["bs4"], FP32, lr_after_step=after)
     assert out[0]["after_load"]["all_partitioned"] and out[0]["after_train"]["all_partitioned"]
+    first, resumed = out[2:]
+    assert first["steps"] == [1, 2] and resumed["steps"] == [1, 2, 3, 4]
+    assert (work / "r2-bf16" / "checkpoint-2" / "global_step2").is_dir()
+    ref = plain["bf16-bs4"]
+    assert_same_training(first, {k: ref[k][:2] for k in ("losses", "grad_norms", "lrs")}, BF16)
+    assert_same_training(resumed, ref, BF16, first=2)
 
 
 @pytest.mark.slow
@@ -234,9 +260,8 @@ def test_two_rank_sweep(work, model_dir, plain):
         "run_trainer.py", {"opt_in": "call", "runs": list(runs.values())}, work, 2, "torchrun"
     )
     got = dict(zip(runs, out))
-    ref4 = plain["bs4"]["losses"]
-    for name, *_ in MATRIX:
-        assert_close_losses(got[name]["losses"], ref4, FP32)
+    for name, *_, opt_block in MATRIX:
+        assert_same_training(got[name], plain["bs4"], FP32, lr_after_step=opt_block)
     plain_bf = run_script(
         "run_trainer.py",
         {
@@ -258,7 +283,7 @@ def test_two_rank_sweep(work, model_dir, plain):
         2,
         "torchrun",
     )
-    assert_close_losses(got["bf16"]["losses"], plain_bf[0]["losses"], BF16)
+    assert_same_training(got["bf16"], plain_bf[0], BF16)
     feats, ref = got["features"], plain_bf[1]
     assert feats["after_load"]["all_partitioned"]
     torch.testing.assert_close(
@@ -267,7 +292,7 @@ def test_two_rank_sweep(work, model_dir, plain):
         rtol=0,
         atol=1e-6,
     )
-    assert_close_losses(feats["losses"], ref["losses"], FP32)
+    assert_same_training(feats, ref, FP32)
     assert_close_losses(feats["eval_losses"], ref["eval_losses"], FP32)
     assert feats["generated"] == ref["generated"]
     saved = transformers.AutoModelForCausalLM.from_pretrained(str(work / "sw-saved")).eval()
@@ -275,7 +300,7 @@ def test_two_rank_sweep(work, model_dir, plain):
         logits = saved(input_ids=torch.arange(12).reshape(2, 6) * 7 % 256).logits
     torch.testing.assert_close(logits, torch.tensor(feats["final_logits"]), rtol=0, atol=1e-6)
     assert got["resumed"]["steps"] == [1, 2, 3, 4]
-    assert_close_losses(got["resumed"]["losses"][2:], got["features"]["losses"][2:], FP32)
+    assert_same_training(got["resumed"], got["features"], FP32, first=2)
 
 
 REPO = Path(__file__).resolve().parents[1]

@@ -342,23 +342,14 @@ def test_io_error_mid_step_keeps_master_and_checkpoint(tmp_path, monkeypatch, op
 def test_removed_swap_file_is_named(tmp_path):
     engine = _engine(tmp_path / "swap")
     _train(engine, range(1))
+    before, steps = _params(engine), engine.shard_opts[0].step_count
     path = engine.shard_opts[0].state.file.path
     path.unlink()
     with pytest.raises(NvmeSwapError, match="was removed while the run used it"):
         _train(engine, range(1, 2))
+    assert torch.equal(_params(engine), before), "a failed step changed the weights"
+    assert engine.shard_opts[0].step_count == steps
     engine.destroy()
-
-
-def test_truncated_swap_file_is_named(tmp_path):
-    engine = _engine(tmp_path / "swap")
-    _train(engine, range(1))
-    before = _master(engine)
-    f = engine.shard_opts[0].state.file
-    os.truncate(f.path, 4096)
-    with pytest.raises(NvmeSwapError, match=str(f.path)):
-        _train(engine, range(1, 2))
-    engine.destroy()
-    assert before.numel() > 0
 
 
 def test_param_swap_read_error_is_named(tmp_path, monkeypatch):
@@ -540,6 +531,34 @@ def _mlp_run(
     params = _params(engine)
     engine.destroy()
     return losses, torch.cat([master, params])
+
+
+def test_truncated_swap_file_is_named_and_keeps_the_weights(tmp_path):
+    """The file cut after its first chunks: those chunks' update is computed and uploaded
+    before a later read fails, so the weights are unchanged only if the step is rolled back."""
+    import zero_offload
+
+    torch.manual_seed(0)
+    model = _Mlp()
+    cfg = engine_config(3, "nvme", 1, 4, 0.5, overlap=False, nvme_path=str(tmp_path),
+                        zero_extra={**S3, "sub_group_size": 2048})  # fmt: skip
+    engine, *_ = zero_offload.initialize(model=model, config=cfg)
+    assert all(p.numel() == 0 < p.ds_numel for p in model.parameters())
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 48, generator=g)
+    engine.backward(engine(x))
+    engine.step()
+    state = engine.shard_opts[0].state
+    assert state.nchunks >= 10
+    before, steps = _params(engine), engine.shard_opts[0].step_count
+    assert torch.equal(before, _master(engine))  # fp32: the params are the committed master
+    os.truncate(state.file.path, 3 * 2 * state.record)  # chunks 0-2 stay whole
+    engine.backward(engine(x))
+    with pytest.raises(NvmeSwapError, match=f"{state.file.path}.* chunk 3 "):
+        engine.step()
+    assert torch.equal(_params(engine), before), "a failed step changed the weights"
+    assert engine.shard_opts[0].step_count == steps
+    engine.destroy()
 
 
 @pytest.mark.parametrize(("dtype", "buffers"), [("fp32", 2), ("bf16", 3), ("bf16", 6)])

@@ -285,6 +285,7 @@ def _stage3(out: str, world: int, lora: bool):
     masters = {n: safe_get_full_fp32_param(p) for n, p in hf.named_parameters()}
     live_before = store.live
     peaks: list[int] = []
+    bound: list[int] = []  # the same, not trusting the store: elements the params really hold
     start, wait = store.start, store.wait
 
     def start_spy(i):
@@ -294,6 +295,7 @@ def _stage3(out: str, world: int, lora: bool):
     def wait_spy(i):
         wait(i)
         peaks.append(store.live)
+        bound.append(sum(p.numel() for p in hf.parameters()))
 
     def whole_model(*a, **k):
         raise AssertionError("the stream bound the whole model (params_on_host)")
@@ -303,12 +305,13 @@ def _stage3(out: str, world: int, lora: bool):
     engine.params_on_host = whole_model  # the stream must never take the whole-model path
     try:
         written = save_pretrained_streamed(engine, hf, f"{out}/hf_model", max_shard_size=SMALL)
-        export_peak = max(peaks)
+        export_peak, export_bound = max(peaks), max(bound)
         peaks.clear()
+        bound.clear()
         # the free function: engine.save_16bit_model does not pass max_shard_size on (yet)
         path = save_16bit_model(engine, f"{out}/s16", max_shard_size=SMALL)
         sd = consolidated_state_dict(engine)
-        save_peak = max(peaks)
+        save_peak, save_bound = max(peaks), max(bound)
     finally:
         store.start, store.wait = start, wait
         del engine.params_on_host
@@ -327,6 +330,7 @@ def _stage3(out: str, world: int, lora: bool):
         "masters": masters,
         "export_peak": export_peak,
         "save_peak": save_peak,
+        "bound": [export_bound, save_bound],
         "units": units,
         "largest_slot": largest_slot,
         "sd": sd,
@@ -335,8 +339,11 @@ def _stage3(out: str, world: int, lora: bool):
 
 
 def _check_stage3(res, out: Path):
-    # one unit gathered at a time: a plain export gathers one slot per tensor
+    # one unit gathered at a time: a plain export gathers one slot per tensor; measured twice,
+    # by the store's counter and by the elements the model's params hold (each phase held some)
     assert res["export_peak"] <= max(res["units"]) and res["save_peak"] <= res["largest_slot"]
+    export_bound, save_bound = res["bound"]
+    assert 0 < export_bound <= max(res["units"]) and 0 < save_bound <= res["largest_slot"]
     assert res["written"] == [str(out / "hf_model")]
     tensors = read_export(out / "hf_model")
     assert len(set(index_of(out / "hf_model")["weight_map"].values())) > 2
@@ -364,7 +371,8 @@ def test_stage3_streamed_exports_hold_the_masters(tmp_path, world):
         if world == 1
         else run_ranks(2, _stage3, str(tmp_path), 2, False)
     )
-    assert res["export_peak"] <= res["largest_slot"]  # one param per tensor: one slot at a time
+    # one param per tensor: one slot at a time
+    assert res["export_peak"] <= res["largest_slot"] and res["bound"][0] <= res["largest_slot"]
     _check_stage3(res, tmp_path)
 
 
@@ -382,6 +390,7 @@ def test_stage3_lora_merged_per_layer(tmp_path, world):
     )
     # the merge gathers a LoRA layer's base weight with its adapters, nothing more
     assert res["export_peak"] <= max(res["units"]) < sum(res["units"])
+    assert res["bound"][0] <= max(res["units"])
     assert (tmp_path / "hf_model_adapter" / "adapter_config.json").is_file()
     assert res["written"] == [str(tmp_path / "hf_model_adapter"), str(tmp_path / "hf_model")]
     # reference: peft's own merge_and_unload of the trained values

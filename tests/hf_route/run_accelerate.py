@@ -3,7 +3,8 @@ SPEC.json`` (the spec's ``plugin`` builds a ``DeepSpeedPlugin``), or under ``acc
 --use_deepspeed ...`` (the plugin comes from the launcher). Rank 0 prints ``RESULT <json>``.
 
 SPEC: ``{"opt_in": "call" | "env" | "none", "model_dir": ..., "plugin": {...} | null,
-"steps": N, "micro": M, "gas": G, "client_optimizer": bool, "threshold0": bool}``.
+"steps": N, "micro": M, "gas": G, "client_optimizer": bool, "threshold0": bool,
+"save_state": folder | absent}``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,42 @@ from torch.utils.data import DataLoader  # noqa: E402
 from transformers import AutoModelForCausalLM, get_constant_schedule  # noqa: E402
 
 VOCAB, LR = 256, 1e-2
+
+
+def one_pass(accelerator, model, optimizer, loader) -> list[float]:
+    """Train over ``loader`` once; each micro-step's loss (mean over the processes)."""
+    losses = []
+    model.train()
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(float(accelerator.gather(loss.detach()[None]).mean()))
+    return losses
+
+
+def roundtrip(accelerator, model, optimizer, loader, folder: str) -> dict:
+    """accelerate's checkpoint (the engine's save/load_checkpoint): save, train a pass (the
+    weights and optimizer state move away), load, train the same pass again. The weights are
+    the saved ones again, and the second pass repeats the first only if the optimizer state
+    (moments, step count) came back too."""
+    probe = next(iter(loader))
+
+    def probe_loss() -> float:
+        model.eval()
+        with torch.no_grad():
+            return float(accelerator.gather(model(**probe).loss.detach()[None]).mean())
+
+    before = probe_loss()
+    accelerator.save_state(folder)
+    first = one_pass(accelerator, model, optimizer, loader)
+    moved = probe_loss()
+    accelerator.load_state(folder)
+    after = probe_loss()
+    again = one_pass(accelerator, model, optimizer, loader)
+    return {"probe": [before, moved, after], "first": first, "again": again}
 
 
 def main() -> None:
@@ -72,25 +109,8 @@ def main() -> None:
             optimizer.zero_grad()
         losses.append(float(accelerator.gather(loss.detach()[None]).mean()))
     state_roundtrip = None
-    if SPEC.get("save_state"):  # accelerate's checkpoint: the engine's save/load_checkpoint
-        probe = next(iter(loader))
-        model.eval()
-        with torch.no_grad():
-            before = float(model(**probe).loss)
-        accelerator.save_state(SPEC["save_state"])
-        model.train()
-        for batch in loader:  # move the weights away from the saved ones
-            with accelerator.accumulate(model):
-                accelerator.backward(model(**batch).loss)
-                optimizer.step()
-                optimizer.zero_grad()
-        model.eval()
-        with torch.no_grad():
-            moved = float(model(**probe).loss)
-        accelerator.load_state(SPEC["save_state"])
-        with torch.no_grad():
-            after = float(model(**probe).loss)
-        state_roundtrip = [before, moved, after]
+    if SPEC.get("save_state"):
+        state_roundtrip = roundtrip(accelerator, model, optimizer, loader, SPEC["save_state"])
     if accelerator.is_main_process:
         result = {
             "losses": losses,

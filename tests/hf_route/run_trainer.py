@@ -3,9 +3,11 @@
 
 SPEC: ``{"opt_in": "call" | "env" | "none", "runs": [RUN, ...]}``; each RUN is one Trainer
 training from ``model_dir`` (a tiny saved Llama) with ``TrainingArguments(**args,
-deepspeed=ds)``, then optionally evaluation, ``generate``, ``save_model``. "call" opts in with
-``zero_offload.as_deepspeed()`` before transformers is imported, "env" expects
-``ZERO_OFFLOAD_AS_DEEPSPEED=1`` to have done it at interpreter start, "none" is the plain run.
+deepspeed=ds)``, then optionally evaluation, ``generate``, ``save_model``, a digest of the
+trained params (``final_params``); each result holds the logged losses, grad norms and learning
+rates. "call" opts in with ``zero_offload.as_deepspeed()`` before transformers is imported,
+"env" expects ``ZERO_OFFLOAD_AS_DEEPSPEED=1`` to have done it at interpreter start, "none" is
+the plain run.
 """
 
 from __future__ import annotations
@@ -58,6 +60,22 @@ def full_logits(model) -> list:
         with torch.no_grad():
             out = model(input_ids=probe_ids()).logits
     return out.float().tolist()
+
+
+def param_digest(model) -> dict:
+    """Each param's sum and L2 norm (in float64), its params gathered first at stage 3."""
+    import contextlib
+
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    named = dict(model.named_parameters())
+    gather = contextlib.nullcontext()
+    if is_deepspeed_zero3_enabled() and hasattr(next(iter(named.values())), "ds_numel"):
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(list(named.values()))
+    with gather, torch.no_grad():
+        return {n: [float(p.double().sum()), float(p.double().norm())] for n, p in named.items()}
 
 
 def partition_state(model) -> dict:
@@ -136,6 +154,8 @@ def one_run(run: dict) -> dict:
         out["generated"] = gen.tolist()
     if run.get("final_logits"):
         out["final_logits"] = full_logits(trainer.model)
+    if run.get("final_params"):
+        out["final_params"] = param_digest(trainer.model)
     if run.get("save_model"):
         trainer.save_model(run["save_model"])
     if run.get("after_train_partitioned"):

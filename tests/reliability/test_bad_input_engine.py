@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import every_rank
 from parity import engine_config, make_model
 
 import zero_offload
@@ -64,7 +64,7 @@ def _reshape_inside(world: int) -> dict:
     engine, *_ = zero_offload.initialize(model=model, config=cfg)
     rank = zero_offload.comm.get_rank()
     p = model.l1.weight
-    out = {}
+    out = {"rank": rank}
     try:
         with zero.GatheredParameters(p, modifier_rank=0):
             if rank == 0:
@@ -83,7 +83,9 @@ def _reshape_inside(world: int) -> dict:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_new_shape_inside_gathered_parameters_is_refused_on_every_rank(world):
-    r = _reshape_inside(1) if world == 1 else run_ranks(2, _reshape_inside, 2)
-    assert "given a new shape" in r["error"]
-    assert r["after"] == (0, (24, 16))
-    assert r["adopted"]
+    ranks = [_reshape_inside(1)] if world == 1 else every_rank(2, _reshape_inside, 2)
+    assert [r["rank"] for r in ranks] == list(range(world))
+    for r in ranks:  # rank 1 made no edit, yet it must refuse too (or it leaves the collective)
+        assert "given a new shape" in r.get("error", ""), r
+        assert r["after"] == (0, (24, 16)), r
+        assert r["adopted"], r

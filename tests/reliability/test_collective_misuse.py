@@ -9,7 +9,7 @@ import os
 import time
 
 import torch
-from distributed import answer_of, run_ranks
+from distributed import answer_of, run_ranks, short_timeout_after_start_up
 from parity import engine_config
 
 
@@ -57,11 +57,12 @@ def _rank(rank: int, port: int, queue) -> None:
     from zero_offload import zero
 
     try:
-        zero_offload.init_distributed(timeout=5)
+        zero_offload.init_distributed(timeout=600)  # start-up: no race with a slow peer
         model = Branches()
         cfg = engine_config(3, False, 1, 2, 0.0, overlap=False,
                             zero_extra={"stage3_param_persistence_threshold": 0})  # fmt: skip
         zero_offload.initialize(model=model, config=cfg)
+        short_timeout_after_start_up(5)  # the gather alone is timed
         if rank == 0:  # rank 1 never enters the block
             with zero.GatheredParameters(model.left.weight):
                 pass

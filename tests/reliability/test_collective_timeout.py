@@ -8,7 +8,7 @@ import os
 import time
 
 import pytest
-from distributed import _free_port, answer_of
+from distributed import _free_port, answer_of, short_timeout_after_start_up
 
 from zero_offload.core.dist import as_timeout
 
@@ -27,8 +27,9 @@ def _rank(rank: int, port: int, queue) -> None:
     import zero_offload
 
     try:
-        zero_offload.init_distributed(timeout=10)
+        zero_offload.init_distributed(timeout=600)  # start-up: no race with a slow peer
         eng = h.engine(stage=2)
+        short_timeout_after_start_up(10)  # the steps alone are timed
         for step in range(3):
             if rank == 1 and step == 2:
                 time.sleep(3600)  # frozen for good: only the timeout can end the wait

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import every_rank
 from parity import engine_config, make_model
 
 import zero_offload
 from zero_offload import zero
+
+
+def _gathered(params) -> list[torch.Tensor]:
+    with zero.GatheredParameters(params):
+        return [p.detach().clone() for p in params]
 
 
 def _edit_without_modifier(world: int) -> dict:
@@ -26,20 +31,30 @@ def _edit_without_modifier(world: int) -> dict:
     with torch.no_grad():
         before = float(engine(x, x))
     norm, big = model.norm.weight, model.l1.weight
-    assert norm.ds_persist and not big.ds_persist
+    assert norm.ds_persist and not big.ds_persist and big.numel() == 0
+    values = _gathered([norm, big])
     with zero.GatheredParameters([norm, big]):
         norm.data.mul_(5.0 + rank)  # a different edit per rank
         big.data.zero_()
     with torch.no_grad():
         after = float(engine(x, x))
-    return {"before": before, "after": after, "norm_available": norm.numel() > 0}
+    kept = [torch.equal(a, b) for a, b in zip(_gathered([norm, big]), values)]
+    out = {"rank": rank, "before": before, "after": after, "kept": kept}
+    out["norm_available"] = norm.numel() > 0
+    out["big_released"] = big.numel() == 0
+    engine.destroy()
+    return out
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_edits_without_modifier_rank_are_discarded(world):
-    r = _edit_without_modifier(1) if world == 1 else run_ranks(2, _edit_without_modifier, 2)
-    assert r["norm_available"]  # the persistent param stays gathered...
-    assert r["after"] == r["before"]  # ...with its own value, not the edit
+    ranks = [_edit_without_modifier(1)] if world == 1 else every_rank(2, _edit_without_modifier, 2)
+    assert [r["rank"] for r in ranks] == list(range(world))
+    for r in ranks:  # rank 1's edit (x6) is discarded as rank 0's (x5) is
+        assert r["norm_available"] and r["big_released"], r  # the persistent param stays
+        assert r["kept"] == [True, True], r  # ...gathered, with its own value, not the edit
+        assert r["after"] == r["before"], r
+    assert len({r["after"] for r in ranks}) == 1  # every rank computes with the same weights
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -65,6 +80,7 @@ def test_a_param_the_engine_cannot_train_stops_the_step(stage, how):
 
 def test_a_subset_in_model_parameters_is_allowed():
     model = make_model()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     cfg = engine_config(2, False, 1, 2, 0.0, overlap=False)
     engine, *_ = zero_offload.initialize(
         model=model, model_parameters=list(model.l1.parameters()), config=cfg
@@ -72,3 +88,5 @@ def test_a_subset_in_model_parameters_is_allowed():
     x = torch.randint(0, 32, (2, 5))
     engine.backward(engine(x, x))
     engine.step()  # the other trainable params were left out on purpose
+    for n, p in model.named_parameters():  # only the params given were trained
+        assert torch.equal(p, initial[n]) != n.startswith("l1."), n

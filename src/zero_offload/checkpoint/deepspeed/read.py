@@ -249,6 +249,11 @@ def _shapes(model_states: dict, where: Path) -> list[list[tuple[str, tuple[int, 
             f"{where}: param_shapes: expected a list with one dict (param name -> shape) per "
             f"param group, got {_brief(shapes)}"
         )
+    if not shapes:  # the optimizer state would be dropped without a word
+        raise CheckpointError(
+            f"{where}: param_shapes: expected one dict (param name -> shape) per param group, "
+            "got an empty list"
+        )
     out = []
     for gi, g in enumerate(shapes):
         g = _dict(g, where, f"param_shapes[{gi}]", "a dict of param name -> shape")
@@ -279,6 +284,12 @@ def read_deepspeed(src: Path, tag: str | None = None) -> DSCheckpoint:
         ).items()
     }
     frozen = list(frozen_shapes)
+    fragments = ms.get("frozen_param_fragments")
+    if stage3 and not frozen_shapes and isinstance(fragments, dict) and fragments:
+        raise CheckpointError(  # the frozen weights would be dropped without a word
+            f"{ms_path}: frozen_param_shapes: expected a dict of name -> shape for the params "
+            f"in 'frozen_param_fragments', got {_brief(ms.get('frozen_param_shapes'))}"
+        )
     if stage3:  # every rank's model states hold its fragment of each frozen param
         per_rank = [(ms_path, ms)] + [(f, load_deepspeed_file(f)) for f in model_files[1:]]
         for name, shape in frozen_shapes.items():
@@ -309,12 +320,17 @@ def read_deepspeed(src: Path, tag: str | None = None) -> DSCheckpoint:
                     f"{_brief(t)}"
                 )
             module.setdefault(name, t)
-    with _expect(ms_path, "integer counters 'global_steps', 'global_samples', 'skipped_steps'"):
+    with _expect(
+        ms_path, "non-negative integer counters 'global_steps', 'global_samples', 'skipped_steps'"
+    ):
         counters = {
             "global_steps": _int(ms.get("global_steps", 0)),
             "global_samples": _int(ms.get("global_samples", 0)),
             "skipped_steps": _int(ms.get("skipped_steps", 0)),
         }
+        for key, value in counters.items():  # a count below 0 would resume a run before it began
+            if value < 0:
+                raise ValueError(f"{key} is {value}")
     known = {
         "module",
         "buffer_names",
@@ -338,6 +354,11 @@ def read_deepspeed(src: Path, tag: str | None = None) -> DSCheckpoint:
     }
     client = {k: v for k, v in ms.items() if k not in known}
     config = ms.get("ds_config")
+    for key in ("ds_config", "lr_scheduler"):  # carried into the converted checkpoint as is
+        if not isinstance(ms.get(key), (dict, type(None))):
+            raise CheckpointError(
+                f"{ms_path}: {key}: expected a dict (or None), got {_brief(ms.get(key))}"
+            )
     stage, grad_accum = 0, 1
     if isinstance(config, dict):
         with _expect(
@@ -362,11 +383,12 @@ def read_deepspeed(src: Path, tag: str | None = None) -> DSCheckpoint:
         with _expect(optim_files[0], "an integer 'zero_stage' in 'optimizer_state_dict'"):
             zstage = _int(osds[0].get("zero_stage", stage))
         if stage3 or zstage == 3:
-            groups = _stage3_groups(osds, shapes, path, optim_files)
+            groups = _stage3_groups(osds, shapes, path, optim_files, ms_path)
             stage = 3
         else:
             groups = _partitioned_groups(osds, shapes, path, optim_files)
-        loss_scale = _loss_scale(osds[0])
+        with _expect(optim_files[0], "a boolean 'dynamic_loss_scale' in 'optimizer_state_dict'"):
+            loss_scale = _loss_scale(osds[0])
     else:
         groups = _stage0_groups(ms, shapes, module, ms_path)
         loss_scale = None
@@ -405,7 +427,10 @@ def _loss_scale(osd: dict) -> dict | None:
     scaler = osd.get("loss_scaler")
     if scaler is None or not hasattr(scaler, "get"):
         return None
-    return {"cur_scale": scaler.get("cur_scale"), "dynamic": bool(osd.get("dynamic_loss_scale"))}
+    dynamic = osd.get("dynamic_loss_scale")
+    if not isinstance(dynamic, (bool, type(None))):
+        raise TypeError(f"dynamic_loss_scale is {_brief(dynamic)}")
+    return {"cur_scale": scaler.get("cur_scale"), "dynamic": bool(dynamic)}
 
 
 def _partitioned_groups(osds: list[dict], shapes, where: Path, files: list[Path]) -> list[DSGroup]:
@@ -447,7 +472,9 @@ def _partitioned_groups(osds: list[dict], shapes, where: Path, files: list[Path]
     return groups
 
 
-def _stage3_groups(osds: list[dict], shapes, where: Path, files: list[Path]) -> list[DSGroup]:
+def _stage3_groups(
+    osds: list[dict], shapes, where: Path, files: list[Path], shapes_file: Path
+) -> list[DSGroup]:
     world = len(osds)
     flats: dict[str, list[torch.Tensor]] = {"master": [], "exp_avg": [], "exp_avg_sq": []}
     for rank, o in enumerate(osds):
@@ -477,6 +504,14 @@ def _stage3_groups(osds: list[dict], shapes, where: Path, files: list[Path]) -> 
                     _hyper(inner_groups[min(gi, len(inner_groups) - 1)])
                     for gi in range(len(shapes))
                 ]
+    need = sum(math.ceil(math.prod(shape) / world) for params in shapes for _, shape in params)
+    held = flats["master"][0].numel()
+    if need != held:  # DeepSpeed's own reader refuses this too: params would go missing
+        raise CheckpointError(
+            f"{shapes_file}: param_shapes name {need} elements per rank, but the flat fp32 "
+            f"partitions ('fp32_flat_groups') of {files[0]} hold {held}: one of the two does "
+            "not describe this checkpoint"
+        )
     groups, offset = [], 0
     for gi, params in enumerate(shapes):
         kinds: dict[str, dict[str, list[torch.Tensor]]] = {
