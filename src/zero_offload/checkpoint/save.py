@@ -18,6 +18,7 @@ import torch
 
 from . import atomic, rng
 from .collective import agree_on_tag, failed_ranks
+from .finite_state import check_tensor, checked
 from .format import (
     FORMAT,
     FORMAT_VERSION,
@@ -129,7 +130,7 @@ def _write_rank_file(engine, stage: Path, groups: list) -> dict:
     entries = []
     if engine.stage >= 1 or engine.global_rank == 0:
         for gi, so in enumerate(engine.shard_opts):
-            entries += [_state_entry(shard_tensor(gi, k), so, k) for k in SHARD_KINDS]
+            entries += [_state_entry(shard_tensor(gi, k), so, k, gi) for k in SHARD_KINDS]
     rng_json, rng_tensors = rng.capture(engine.device)
     entries += [Entry.of(k, v) for k, v in rng_tensors.items()]
     info = {
@@ -143,17 +144,19 @@ def _write_rank_file(engine, stage: Path, groups: list) -> dict:
         return write_file(path, entries, {RANK_META_KEY: json.dumps(info)})
 
 
-def _state_entry(name: str, so, kind: str) -> Entry:
+def _state_entry(name: str, so, kind: str, gi: int) -> Entry:
     """One kind of a group's optimizer state: the tensor, or streamed chunk by chunk from an
-    NVMe state (host memory: one chunk at a time)."""
+    NVMe state (host memory: one chunk at a time); either is refused when not finite."""
     state = so.state
     if hasattr(state, kind):
+        check_tensor(so.group, so.segs, kind, gi, getattr(state, kind))
         return Entry.of(name, getattr(state, kind))
+    pieces = lambda: (state.read(kind, lo, hi) for lo, hi in so.chunks)  # noqa: E731
     return Entry(
         name,
         torch.float32,
         (state.numel,),
-        lambda: (state.read(kind, lo, hi) for lo, hi in so.chunks),
+        lambda: checked(so.group, so.segs, kind, gi, pieces()),
     )
 
 
