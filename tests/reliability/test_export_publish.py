@@ -67,3 +67,18 @@ def test_a_kill_before_the_swap_keeps_the_previous_export(tmp_path):
         "tokenizer.json",
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging folder left
+
+
+def test_a_folder_with_subfolders_is_published_in_place(tmp_path):
+    """A Trainer's output folder (checkpoints, logs that other code may be writing): the export
+    moves its files in, the index last, and never moves or copies the folder's subfolders."""
+    out = tmp_path / "out"
+    (out / "checkpoint-10").mkdir(parents=True)
+    (out / "checkpoint-10" / "state.bin").write_bytes(b"x" * 10)
+    inode = (out / "checkpoint-10").stat().st_ino
+    _export(out, 1.0, 8000)
+    _export(out, 2.0, None)
+    assert (out / "checkpoint-10").stat().st_ino == inode
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-10", "model.safetensors"]
+    assert torch.equal(load_file(str(out / "model.safetensors"))["t5"], torch.full((1000,), 2.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

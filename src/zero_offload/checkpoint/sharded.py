@@ -18,12 +18,10 @@ and afterwards releases the ones the next item does not need, so at most one ite
 module's params; a LoRA layer's base weight and adapters) are gathered at a time. Rank 0 writes,
 the other ranks only take part in the gathers.
 
-Atomicity: the new export is built whole in a sibling folder, ``<parent>/.<out>.zero_offload_export.partial/``
-(every file fsynced, the index included), with links to the entries of ``<out>`` that are not an
-export's weights (the user's tokenizer files and the like); then that folder and ``<out>`` are
-exchanged in one rename (``folder_swap.py``). A kill at any instant leaves the previous export
-whole in ``<out>``, or the new one; stale shards of an earlier export simply are not carried
-over, as ``save_pretrained`` cleans them.
+Atomicity (``export_publish.py``): the new export is built whole in a sibling folder and
+swapped in for ``<out>`` in one rename, so a kill at any instant leaves the previous export whole
+or the new one; a folder that cannot be swapped safely (it holds folders or links, is a mount
+point or the working directory) gets the files moved in, the index last.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from . import atomic, folder_swap
+from . import atomic, export_publish, folder_swap
 from .format import CheckpointError
 from .tensor_file import CHUNK_BYTES, dtype_name
 
@@ -49,8 +47,6 @@ WEIGHTS_NAME = "model.safetensors"
 # transformers 5's ``save_pretrained(max_shard_size="50GB")`` (huggingface_hub's own helper
 # defaults to 5GB; transformers passes 50GB).
 DEFAULT_MAX_SHARD_SIZE = "50GB"
-STAGING = "zero_offload_export.partial"  # the sibling staging folder: .<out>.<STAGING>
-PAUSE_BEFORE_SWAP = "export_before_swap"  # ZERO_OFFLOAD_CHECKPOINT_PAUSE point (crash tests)
 
 _UNITS = {
     "KB": 10**3,
@@ -231,11 +227,13 @@ class ShardWriter:
         self._check_targets()
         with _naming(self.out_dir, "create the export folder"):
             folder_swap.recover(self.out_dir)  # a swap a kill interrupted (non-Linux only)
+            self.swap = export_publish.swappable(self.out_dir)
             self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.stage_dir = folder_swap.sibling(self.out_dir, STAGING)
+        self.stage_dir = export_publish.staging_folder(self.out_dir, self.swap)
         with _naming(self.stage_dir, "prepare the staging folder"):
-            if self.stage_dir.exists():
-                shutil.rmtree(self.stage_dir)  # left by a crashed export
+            for stale in (self.stage_dir, export_publish.staging_folder(self.out_dir, True)):
+                if stale.exists():
+                    shutil.rmtree(stale)  # left by a crashed export
             self.stage_dir.mkdir()
 
     @property
@@ -296,8 +294,9 @@ class ShardWriter:
 
     # ---- publishing ----------------------------------------------------------------------------
     def publish(self) -> ExportResult:
-        """Complete the staged folder (index, the old folder's other files) and swap it in for
-        ``out_dir``; an earlier export's weights are not carried over (stale shards go)."""
+        """Complete the staged folder (the index) and make it ``out_dir``
+        (``export_publish.py``: swapped in whole, or moved in place); an earlier export's
+        shards that this one does not overwrite go."""
         if self._pos != len(self._order):
             missing = self._order[self._pos][1].name
             raise CheckpointError(
@@ -323,15 +322,17 @@ class ShardWriter:
         weights = set(self.names)
         extra = sorted(p.name for p in stage.iterdir() if p.name not in weights and p.name != idx)
         pattern = _shard_pattern(self.weights_name)
+        if self.swap:
 
-        def earlier_export(name: str) -> bool:  # weights this export replaces, or leaves out
-            return name in (idx, self.weights_name) or pattern.fullmatch(name) is not None
+            def earlier_export(name: str) -> bool:  # weights this export replaces or drops
+                return name in (idx, self.weights_name) or pattern.fullmatch(name) is not None
 
-        with _naming(out, "carry the folder's other files over"):
-            folder_swap.carry_over(out, stage, earlier_export)
-        atomic.pause(PAUSE_BEFORE_SWAP)
-        with _naming(out, "replace"):
-            folder_swap.swap_into_place(stage, out)
+            export_publish.publish_swap(stage, out, earlier_export, _naming)
+        else:
+            single = self.weights_name if self.sharded else None
+            export_publish.publish_in_place(stage, out, self.names, idx, single, _naming)
+            export_publish.remove_stale_shards(out, pattern, weights)
+            shutil.rmtree(stage, ignore_errors=True)
         index = out / idx if self.sharded else None
         return ExportResult(
             out,
