@@ -57,11 +57,6 @@ def find_weights(folder: str | os.PathLike[str]) -> WeightFiles:
     )
 
 
-def weight_files(folder: str | os.PathLike[str]) -> dict[str, Path]:
-    """{tensor name: the safetensors file holding it}."""
-    return find_weights(folder).where
-
-
 def tensor_names(path: Path) -> list[str]:
     """The tensors in ``path``'s header; a file that is not a complete safetensors file (cut
     short, damaged header) is an error naming it."""
