@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import time
+import weakref
 from collections.abc import Callable
 
 import torch.distributed as tdist
@@ -51,7 +52,9 @@ class GatherAgreement:
     def __init__(self, store, rank: int, world: int, describe: Callable[[str], str]) -> None:
         self.store, self.rank, self.world, self.describe = store, rank, world, describe
         self._previous: str | None = None
-        self._remove_note = dist.add_failure_note(self.explain)
+        explain = weakref.WeakMethod(self.explain)  # the note must not keep the engine alive
+        self._remove_note = dist.add_failure_note(lambda c: (m := explain()) and m(c))
+        weakref.finalize(self, self._remove_note)
 
     @classmethod
     def create(cls, describe: Callable[[str], str]) -> GatherAgreement | None:
