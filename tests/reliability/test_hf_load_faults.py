@@ -119,3 +119,16 @@ def test_train_cli_reports_a_truncated_file_in_one_line(tmp_path, capsys):
     assert main([*argv, "--steps", "1", "--config", str(config)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{single}: not a complete safetensors file" in err[0], err
+
+
+def test_a_tensor_the_architecture_declares_optional_may_be_missing(tmp_path, monkeypatch):
+    from safetensors.torch import load_file, save_file
+
+    tiny_model("llama").save_pretrained(str(tmp_path))
+    single = tmp_path / "model.safetensors"
+    tensors = load_file(str(single))
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    save_file(tensors, str(single), metadata={"format": "pt"})
+    cls = transformers.LlamaForCausalLM
+    monkeypatch.setattr(cls, "_keys_to_ignore_on_load_missing", [r"layers\.0\.mlp\.up_proj"])
+    _stage3_logits(tmp_path)  # loads (the param keeps its initial value, with a warning)
