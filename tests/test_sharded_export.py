@@ -54,7 +54,7 @@ def read_export(folder: Path) -> dict[str, torch.Tensor]:
         assert set(tensors) == {k for k, v in doc["weight_map"].items() if v == f}, f
         out.update(tensors)
     assert doc["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in out.values())
-    assert not (folder / ".zero_offload_export.partial").exists()
+    assert not (folder.parent / f".{folder.name}.zero_offload_export.partial").exists()
     return out
 
 
@@ -224,31 +224,37 @@ def test_failure_mid_export_leaves_the_previous_export_and_no_index(tmp_path):
     assert list(fresh.iterdir()) == []  # nothing that looks like an export
 
 
-def test_killed_before_the_index_leaves_nothing_complete(trained_gpt2, tmp_path):
+def test_killed_before_the_swap_leaves_the_previous_export(trained_gpt2, tmp_path):
+    """Issue 31: a kill between writing the new export and publishing it used to leave shards
+    without an index where a loadable export was; now the previous export stays whole."""
     root, _ = trained_gpt2
     out = tmp_path / "out"
-    env = dict(os.environ, ZERO_OFFLOAD_CHECKPOINT_PAUSE="export_before_index")
-    argv = [sys.executable, "-m", "zero_offload.cli.main", "export", str(root / "ckpt"), str(out)]
-    argv += ["--max-shard-size", SMALL, "--hf-config", str(root / "initial")]
-    argv += ["--strip-prefix", "model."]
+    base = ["export", str(root / "ckpt"), str(out), "--hf-config", str(root / "initial")]
+    base += ["--strip-prefix", "model."]
+    assert cli([*base, "--single-file"]) == 0
+    (out / "tokenizer.json").write_text("{}")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    env = dict(os.environ, ZERO_OFFLOAD_CHECKPOINT_PAUSE="export_before_swap")
+    argv = [sys.executable, "-m", "zero_offload.cli.main", *base, "--max-shard-size", SMALL]
     proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         line = ""
-        while "paused at export_before_index" not in line and time.monotonic() < deadline:
+        while "paused at export_before_swap" not in line and time.monotonic() < deadline:
             line = proc.stderr.readline()
             assert line or proc.poll() is None, "export ended without pausing"
-        assert "paused at export_before_index" in line
+        assert "paused at export_before_swap" in line
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
-    assert any(p.name.startswith("model-") for p in out.iterdir())  # shards were moved in
-    assert not (out / INDEX).exists() and not (out / "model.safetensors").exists()
-    with pytest.raises((OSError, ValueError)):
-        transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old export, whole
+    transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    assert cli([*base, "--max-shard-size", SMALL]) == 0  # the next export clears the leftover
+    assert (out / INDEX).exists() and (out / "tokenizer.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 # ---- stage 3: streamed from the engine ---------------------------------------------------------

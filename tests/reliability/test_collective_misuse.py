@@ -1,7 +1,7 @@
-"""Issue: collective misuse at stage 3. Ranks that run different modules are refused at the
-end of the first backward, naming the gathers that differ (before, same-sized gathers paired
-different params silently); a gather only some ranks enter fails at the timeout naming the
-params it was fetching (before, a bare gloo error)."""
+"""Issue: collective misuse at stage 3. Ranks that run different modules are refused before
+the first gather that differs, naming its params (before, same-sized gathers paired different
+params silently); a ``GatheredParameters`` block only some ranks enter fails at the timeout
+naming the params it was fetching (before, a bare gloo error)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _different_modules() -> str:
 
 def test_ranks_running_different_modules_are_refused_by_name():
     msg = run_ranks(2, _different_modules)
-    assert msg.startswith("RankMismatchError: ranks gathered stage-3 params in different"), msg
+    assert msg.startswith("RankMismatchError: ranks gather different stage-3 params at"), msg
     assert "left.weight" in msg and "right.weight" in msg and "set_z3_leaf_modules" in msg
 
 
@@ -75,6 +75,6 @@ def _rank(rank: int, port: int, queue) -> None:
 
 
 def test_a_gather_only_one_rank_enters_names_its_params():
-    msg = answer_of(2, _rank)
-    assert msg.startswith("CollectiveError: collective all_gather (stage-3 gather of left."), msg
-    assert "left.weight" in msg, msg
+    msg = answer_of(2, _rank)  # refused before the gather (the peer never reached the block)
+    assert msg.startswith("RankMismatchError: rank 0: at GatheredParameters block 1"), msg
+    assert "left.weight" in msg and "did not reach that point" in msg, msg

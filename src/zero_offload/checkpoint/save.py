@@ -19,6 +19,7 @@ import torch
 
 from . import atomic, rng
 from .collective import agree, agree_on_tag
+from .finite_state import check_tensor, checked
 from .format import (
     FORMAT,
     FORMAT_VERSION,
@@ -138,9 +139,9 @@ def _write_rank_file(engine, stage: Path, groups: list) -> dict:
     if engine.stage >= 1 or engine.global_rank == 0:
         for gi, so in enumerate(og.optimizer for og in engine.opt_groups):
             if so.client is None:
-                entries += [_state_entry(shard_tensor(gi, k), so, k) for k in SHARD_KINDS]
+                entries += [_state_entry(shard_tensor(gi, k), so, k, gi) for k in SHARD_KINDS]
                 continue
-            entries.append(_state_entry(shard_tensor(gi, "master"), so, "master"))
+            entries.append(_state_entry(shard_tensor(gi, "master"), so, "master", gi))
             entries += [
                 Entry.of(shard_tensor(gi, f"client.{k}"), so.client.shard(k))
                 for k in groups[gi]["client"]["shard"]
@@ -158,17 +159,19 @@ def _write_rank_file(engine, stage: Path, groups: list) -> dict:
         return write_file(path, entries, {RANK_META_KEY: json.dumps(info)})
 
 
-def _state_entry(name: str, so, kind: str) -> Entry:
+def _state_entry(name: str, so, kind: str, gi: int) -> Entry:
     """One kind of a group's optimizer state: the tensor, or streamed chunk by chunk from an
-    NVMe state (host memory: one chunk at a time)."""
+    NVMe state (host memory: one chunk at a time); either is refused when not finite."""
     state = so.state
     if hasattr(state, kind):
+        check_tensor(so.group, so.segs, kind, gi, getattr(state, kind))
         return Entry.of(name, getattr(state, kind))
+    pieces = lambda: (state.read(kind, lo, hi) for lo, hi in so.chunks)  # noqa: E731
     return Entry(
         name,
         torch.float32,
         (state.numel,),
-        lambda: (state.read(kind, lo, hi) for lo, hi in so.chunks),
+        lambda: checked(so.group, so.segs, kind, gi, pieces()),
     )
 
 

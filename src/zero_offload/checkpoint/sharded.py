@@ -18,11 +18,10 @@ and afterwards releases the ones the next item does not need, so at most one ite
 module's params; a LoRA layer's base weight and adapters) are gathered at a time. Rank 0 writes,
 the other ranks only take part in the gathers.
 
-Atomicity: everything is written into ``<out>/.zero_offload_export.partial/`` and fsynced, then
-moved into ``<out>`` with the index last (an old index is removed first), so a crash at any point
-leaves either the previous export, or a folder with no index (nothing that looks complete).
-Stale shards of an earlier export are removed after the new index is in place, as
-``save_pretrained`` cleans them.
+Atomicity (``export_publish.py``): the new export is built whole in a sibling folder and
+swapped in for ``<out>`` in one rename, so a kill at any instant leaves the previous export whole
+or the new one; a folder that cannot be swapped safely (it holds folders or links, is a mount
+point or the working directory) gets the files moved in, the index last.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from . import atomic
+from . import atomic, export_publish, folder_swap
 from .format import CheckpointError
 from .tensor_file import CHUNK_BYTES, dtype_name
 
@@ -48,8 +47,6 @@ WEIGHTS_NAME = "model.safetensors"
 # transformers 5's ``save_pretrained(max_shard_size="50GB")`` (huggingface_hub's own helper
 # defaults to 5GB; transformers passes 50GB).
 DEFAULT_MAX_SHARD_SIZE = "50GB"
-STAGING = ".zero_offload_export.partial"
-PAUSE_BEFORE_INDEX = "export_before_index"  # ZERO_OFFLOAD_CHECKPOINT_PAUSE point (crash tests)
 
 _UNITS = {
     "KB": 10**3,
@@ -191,8 +188,8 @@ class ExportResult:
 class ShardWriter:
     """Rank 0's writer: ``add`` the tensors of ``specs`` in that order, then ``publish``.
 
-    ``out_dir`` is created if missing; files are staged in ``<out_dir>/.zero_offload_export.partial``
-    (``stage_dir``: write config files there too) until ``publish``. ``abort`` (or an exception
+    ``out_dir`` is created if missing; files are staged in the sibling folder ``stage_dir``
+    (write config files there too) until ``publish`` swaps it in. ``abort`` (or an exception
     from ``add``/``publish``) removes the staging folder and leaves ``out_dir`` as it was."""
 
     def __init__(
@@ -229,11 +226,14 @@ class ShardWriter:
         self._left = [len(shard) for shard in self.shards]
         self._check_targets()
         with _naming(self.out_dir, "create the export folder"):
+            folder_swap.recover(self.out_dir)  # a swap a kill interrupted (non-Linux only)
+            self.swap = export_publish.swappable(self.out_dir)
             self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.stage_dir = self.out_dir / STAGING
+        self.stage_dir = export_publish.staging_folder(self.out_dir, self.swap)
         with _naming(self.stage_dir, "prepare the staging folder"):
-            if self.stage_dir.exists():
-                shutil.rmtree(self.stage_dir)  # left by a crashed export
+            for stale in (self.stage_dir, export_publish.staging_folder(self.out_dir, True)):
+                if stale.exists():
+                    shutil.rmtree(stale)  # left by a crashed export
             self.stage_dir.mkdir()
 
     @property
@@ -294,8 +294,9 @@ class ShardWriter:
 
     # ---- publishing ----------------------------------------------------------------------------
     def publish(self) -> ExportResult:
-        """Move the staged files into ``out_dir``: extra files, then the weights, then the index;
-        remove what an earlier export left that the new one does not replace."""
+        """Complete the staged folder (the index) and make it ``out_dir``
+        (``export_publish.py``: swapped in whole, or moved in place); an earlier export's
+        shards that this one does not overwrite go."""
         if self._pos != len(self._order):
             missing = self._order[self._pos][1].name
             raise CheckpointError(
@@ -308,7 +309,6 @@ class ShardWriter:
                 self._close(k)
         out, stage = self.out_dir, self.stage_dir
         idx = index_name(self.weights_name)
-        index = None
         if self.sharded:
             weight_map = {s.name: self.names[k] for k, s in self._order}
             doc = {
@@ -319,35 +319,21 @@ class ShardWriter:
                 atomic.write_bytes_atomic(
                     stage / idx, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
                 )
-        atomic.fsync_dir(stage)
         weights = set(self.names)
         extra = sorted(p.name for p in stage.iterdir() if p.name not in weights and p.name != idx)
-        with _naming(out / idx, "replace"):
-            if (out / idx).exists():  # the previous shard set stops looking complete first
-                os.remove(out / idx)
-                atomic.fsync_dir(out)
-        for name in extra:
-            with _naming(out / name, "replace"):
-                os.replace(stage / name, out / name)
-        for name in self.names:
-            with _naming(out / name, "replace"):
-                os.replace(stage / name, out / name)
-        if self.sharded:
-            with _naming(out / self.weights_name, "replace"):
-                if (out / self.weights_name).is_file():  # would shadow the index on load
-                    os.remove(out / self.weights_name)
-            atomic.fsync_dir(out)
-            atomic.pause(PAUSE_BEFORE_INDEX)
-            with _naming(out / idx, "replace"):
-                os.replace(stage / idx, out / idx)
-            index = out / idx
-        atomic.fsync_dir(out)
         pattern = _shard_pattern(self.weights_name)
-        for p in out.iterdir():  # shards of an earlier export that this one did not overwrite
-            if pattern.fullmatch(p.name) and p.name not in weights and p.is_file():
-                p.unlink()
-        shutil.rmtree(stage, ignore_errors=True)
-        atomic.fsync_dir(out)
+        if self.swap:
+
+            def earlier_export(name: str) -> bool:  # weights this export replaces or drops
+                return name in (idx, self.weights_name) or pattern.fullmatch(name) is not None
+
+            export_publish.publish_swap(stage, out, earlier_export, _naming)
+        else:
+            single = self.weights_name if self.sharded else None
+            export_publish.publish_in_place(stage, out, self.names, idx, single, _naming)
+            export_publish.remove_stale_shards(out, pattern, weights)
+            shutil.rmtree(stage, ignore_errors=True)
+        index = out / idx if self.sharded else None
         return ExportResult(
             out,
             [out / n for n in self.names],

@@ -106,6 +106,27 @@ def shutdown() -> None:
 
 
 _step: int | None = None
+_notes: list = []  # callables: what other ranks were doing, for a failed collective's message
+
+
+def add_failure_note(fn) -> object:
+    """``fn(collective) -> str | None`` adds to the message of every collective that fails here
+    (stage 3: what the other ranks wait to gather); ``collective`` names the one that failed.
+    Returns a function that removes it."""
+    _notes.append(fn)
+    return lambda: _notes.remove(fn) if fn in _notes else None
+
+
+def _failure_notes(collective: str) -> str:
+    out = []
+    for fn in list(_notes):
+        try:
+            note = fn(collective)
+        except Exception:  # noqa: BLE001 - a note must never hide the error it explains
+            note = None
+        if note:
+            out.append(note)
+    return "".join(f"; {n}" for n in out)
 
 
 def set_step(step: int | None) -> None:
@@ -123,10 +144,11 @@ def _named(name: str, what: str | None = None):
     except RuntimeError as e:  # torch's DistBackendError and gloo's timeouts are RuntimeErrors
         at = f"engine step {_step}" if _step is not None else "start-up (before the first step)"
         doing = f" ({what})" if what else ""
+        notes = _failure_notes(f"{name}{doing} at {at}")
         raise CollectiveError(
             f"collective {name}{doing} failed on rank {rank()} of {world_size()} at {at}: {e} "
             "(a rank that died, froze or was started differently; the collective timeout is "
-            "init_distributed(timeout=...) or the launcher's --timeout)"
+            f"init_distributed(timeout=...) or the launcher's --timeout){notes}"
         ) from e
 
 

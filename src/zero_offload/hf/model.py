@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .deps import require_transformers
+from .weight_files import WeightFiles, find_weights
 
 
 class CausalLMLoss(torch.nn.Module):
@@ -39,7 +40,10 @@ def load_causal_lm(
       model (buffers keep their own dtype, as the engine keeps them);
     - ``zero3_config`` given (stage 3): the model is built under ``zero.Init`` with that config,
       each module partitioned as it is constructed, then each rank reads only its own chunks of
-      the weights from the memory-mapped files (``partitioned_load``)."""
+      the weights from the memory-mapped files (``partitioned_load``): ``from_pretrained``'s
+      model, or a ``WeightFileError`` naming the tensor and the file.
+
+    Every weight file is opened first: a truncated or damaged one is an error naming it."""
     folder = Path(path)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
@@ -48,24 +52,27 @@ def load_causal_lm(
         )
     transformers = require_transformers()
     try:
+        found = find_weights(folder)  # every weight file opens whole, or an error names it
         if zero3_config is None:
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 str(folder), local_files_only=True, dtype=dtype
             )
         else:
-            model = _load_partitioned(transformers, folder, dtype, zero3_config)
+            model = _load_partitioned(transformers, found, dtype, zero3_config)
     except (OSError, ValueError) as exc:
         raise ValueError(f"--model {path}: cannot load a causal LM: {exc}") from None
     model.config.use_cache = False
     return model
 
 
-def _load_partitioned(transformers, folder: Path, dtype: torch.dtype, ds_config: dict):
+def _load_partitioned(transformers, found: WeightFiles, dtype: torch.dtype, ds_config: dict):
     from ..zero import Init
     from .partitioned_load import stream_into
+    from .tied import untie_stored_apart
 
-    config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    config = transformers.AutoConfig.from_pretrained(str(found.folder), local_files_only=True)
+    untie_stored_apart(transformers, config, found)  # from_pretrained's model, built untied
     with Init(config_dict_or_path=ds_config, dtype=dtype):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    stream_into(model, folder)
+    stream_into(model, found)
     return model

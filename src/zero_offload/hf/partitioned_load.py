@@ -6,38 +6,27 @@ at a time.
 
 Buffers in the files (persistent ones) are small and read whole; buffers an ``__init__``
 computes (rotary tables) are left as computed, as ``from_pretrained`` leaves them.
+
+The rule: the load gives ``from_pretrained``'s model or refuses, naming the tensor and the
+file. Tensors are found where the files hold them (``weight_files.py``); tied pairs the files
+hold apart were untied before the model was built (``tied.py``); a param no file holds is a
+:class:`WeightFileError` unless the architecture declares it optional
+(``_keys_to_ignore_on_load_missing``). Every rank reads the same files, so every rank raises
+the same error.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-from pathlib import Path
+import re
 
 import torch
 
+from .weight_files import WeightFileError, WeightFiles, find_weights
+
 log = logging.getLogger("zero_offload")
-
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-
-
-def weight_files(folder: str | os.PathLike[str]) -> dict[str, Path]:
-    """{tensor name: the safetensors file holding it}, from the index or the single file."""
-    folder = Path(folder)
-    if (folder / INDEX).is_file():
-        weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
-    if (folder / SINGLE).is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(folder / SINGLE), "pt") as f:
-            return {name: folder / SINGLE for name in f.keys()}  # noqa: SIM118 (not a dict)
-    raise FileNotFoundError(
-        f"{folder}: no {SINGLE} or {INDEX}; give a folder save_pretrained wrote with safetensors"
-    )
 
 
 def _chunk(view, spec) -> torch.Tensor:
@@ -53,19 +42,20 @@ def _chunk(view, spec) -> torch.Tensor:
     return rows[spec.lo - first * row : spec.hi - first * row]
 
 
-def stream_into(model: torch.nn.Module, folder: str | os.PathLike[str]) -> None:
+def stream_into(model: torch.nn.Module, folder: str | os.PathLike[str] | WeightFiles) -> None:
     """Fill ``model`` (built under ``zero.Init``) from ``folder``'s safetensors, this rank's
-    chunks only. A param missing from the files keeps its initial value, with one warning;
-    a name in the files the model does not have is named in the same warning."""
+    chunks only (see the module's rule). Names in the files the model does not have are
+    ignored with one warning, as ``from_pretrained`` does."""
     from safetensors import safe_open
 
-    files = weight_files(folder)
+    found = folder if isinstance(folder, WeightFiles) else find_weights(folder)
     params = dict(model.named_parameters(remove_duplicate=False))
+    _check_complete(model, params, found)
     buffers = dict(model.named_buffers())
     loaded: set[int] = set()
     unknown = []
-    by_file: dict[Path, list[str]] = {}
-    for name, path in files.items():
+    by_file: dict = {}
+    for name, path in found.where.items():
         by_file.setdefault(path, []).append(name)
     with torch.no_grad():
         for path, names in by_file.items():
@@ -73,28 +63,49 @@ def stream_into(model: torch.nn.Module, folder: str | os.PathLike[str]) -> None:
                 for name in names:
                     p = params.get(name)
                     if p is not None and id(p) not in loaded:
-                        _load_param(p, f.get_slice(name), name)
+                        _load_param(p, f.get_slice(name), name, path)
                         loaded.add(id(p))
                     elif name in buffers:
                         buf = buffers[name]
                         buf.copy_(f.get_tensor(name).to(buf.dtype))
                     elif p is None:
                         unknown.append(name)
-    missing = [n for n, p in params.items() if id(p) not in loaded]
-    if missing or unknown:
+    if unknown:
         log.warning(
-            "%s: %s%s",
-            folder,
-            f"not in the files (keep their initial values): {missing[:8]} " if missing else "",
-            f"in the files but not in the model (ignored): {unknown[:8]}" if unknown else "",
+            "%s: in the files but not in the model (ignored): %s", found.folder, unknown[:8]
         )
 
 
-def _load_param(p: torch.nn.Parameter, view, name: str) -> None:
+def _check_complete(model, params: dict[str, torch.nn.Parameter], found: WeightFiles) -> None:
+    """Every param is held by the files under one of its names, or declared optional."""
+    held = {id(p) for n, p in params.items() if n in found.where}
+    optional = getattr(model, "_keys_to_ignore_on_load_missing", None) or ()
+    pattern = re.compile("|".join(f"({p})" for p in optional)) if optional else None
+    missing = [n for n, p in params.items() if id(p) not in held]
+    required = [n for n in missing if pattern is None or not pattern.search(n)]
+    if required:
+        raise WeightFileError(
+            f"{required[0]}: {found.describe_missing(required[0])}"
+            + (
+                f" ({len(required) - 1} more params missing: {required[1:6]})"
+                if required[1:]
+                else ""
+            )
+            + "; the model would train from its random init"
+        )
+    if missing:
+        log.warning(
+            "%s: not in the files, optional for this architecture (initial values kept): %s",
+            found.folder,
+            missing[:8],
+        )
+
+
+def _load_param(p: torch.nn.Parameter, view, name: str, path) -> None:
     shape = tuple(view.get_shape())
     want = tuple(getattr(p, "ds_shape", p.shape))
     if shape != want:
-        raise ValueError(f"{name}: the files hold shape {list(shape)}, the model {list(want)}")
+        raise WeightFileError(f"{name}: {path} holds shape {list(shape)}, the model {list(want)}")
     spec = getattr(p, "_z3_init", None)
     if spec is None:  # not partitioned (zero.Init leaves integer params whole)
         p.data.copy_(view[:].to(p.dtype))

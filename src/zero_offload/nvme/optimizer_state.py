@@ -14,13 +14,16 @@ Invariants:
 - at most ``len(pool)`` records are in host memory (the pool's aligned, pinned-on-CUDA buffers);
   the update reads chunk k+1 ahead while chunk k is computed and chunk k-1 written back;
 - every I/O is one record or one region: offsets and sizes are multiples of 4096 bytes, as
-  direct I/O needs.
+  direct I/O needs;
+- ``sums[v, k]`` holds the block checksums of what this run last wrote to version v of chunk
+  k (``known[v, k]``: it wrote it); every read is checked against them, so a record changed
+  underneath the run is an ``NvmeSwapError``, never master weights or moments silently
+  replaced.
 """
 
 from __future__ import annotations
 
 import collections
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,7 +31,9 @@ import torch
 
 from ..core.shard_state import KINDS, Body, Chunk
 from .aio import ALIGN, AioEngine, SwapFile, aligned_empty
+from .checksum import BLOCK, block_sums, first_mismatch
 from .errors import NvmeSwapError
+from .file_guard import check_swap_file, hold
 from .scratch import own_file
 
 
@@ -52,7 +57,10 @@ class NvmeOptimizerState:
         self.nchunks = max(1, -(-numel // chunk))
         folder.mkdir(parents=True, exist_ok=True)
         self.file = SwapFile.create(folder / f"{name}.swp", 2 * self.nchunks * self.record)
+        hold(self.file)
         self.current = [0] * self.nchunks
+        self.sums = torch.zeros(2, self.nchunks, self.record // BLOCK, dtype=torch.int64)
+        self.known = torch.zeros(2, self.nchunks, dtype=torch.bool)
         self.pool = [aligned_empty(self.record, pin) for _ in range(max(2, buffers))]
         self._dirty: tuple[int, int] | None = None  # (chunk, kind) cached in pool[0] by write
         self._written = False  # an update wrote the other versions, not committed yet
@@ -77,16 +85,36 @@ class NvmeOptimizerState:
         )
 
     def check(self) -> None:
-        """The swap file is still there (an open file that was unlinked keeps working, but
-        something is deleting this run's scratch: stop before the next step depends on it)."""
-        try:
-            gone = os.fstat(self.file.fd).st_nlink == 0
-        except OSError as e:
-            raise NvmeSwapError(f"{self.file.path}: swap file unusable: {e}") from None
-        if gone:
+        """The swap file is still the one this state created (an open file that was unlinked
+        keeps working, but something is deleting this run's scratch: stop before the next step
+        depends on it)."""
+        check_swap_file(self.file, "optimizer-state")
+
+    # ---- checksums -----------------------------------------------------------------------------
+    def _blocks_of(self, kind: int | None) -> slice:
+        per = self.region // BLOCK
+        return slice(0, 3 * per) if kind is None else slice(kind * per, (kind + 1) * per)
+
+    def _wrote(self, k: int, version: int, buf: torch.Tensor, kind: int | None = None) -> None:
+        """Record the checksums of ``buf`` (the record, or region ``kind``), about to be written."""
+        self.sums[version, k, self._blocks_of(kind)] = block_sums(buf)
+        self.known[version, k] = True
+
+    def _verify(self, k: int, version: int, buf: torch.Tensor, kind: int | None = None) -> None:
+        if not bool(self.known[version, k]):
+            return
+        blocks = self._blocks_of(kind)
+        want = self.sums[version, k, blocks]
+        bad = first_mismatch(buf, want, torch.ones_like(want, dtype=torch.bool))
+        if bad is not None:
+            region = KINDS[(bad + (blocks.start or 0)) * BLOCK // self.region]
+            lo = k * self.chunk
             raise NvmeSwapError(
-                f"{self.file.path}: the optimizer-state swap file was removed while the run used "
-                "it; keep nvme_path free of cleaners and restart from the last checkpoint"
+                f"{self.file.path}: optimizer-state chunk {k} (elements {lo}.."
+                f"{min(lo + self.chunk, self.numel)}, {region}) does not hold what this run "
+                "wrote (checksum mismatch): the swap file was changed underneath the run by "
+                "another process or the disk; nothing of this step was committed; keep "
+                "nvme_path for this run alone and restart from the last checkpoint"
             )
 
     # ---- the streamed update -------------------------------------------------------------------
@@ -131,11 +159,13 @@ class NvmeOptimizerState:
                     nxt += 1
                 buf, req = reads.pop(k)
                 self._wait(req, "read", k)
+                self._verify(k, self.current[k], buf)
                 body(lo, hi, self._views(buf, hi - lo))
                 if not write:
                     free.append(buf)
                     continue
                 off = self._offset(k, 1 - self.current[k])
+                self._wrote(k, 1 - self.current[k], buf)
                 writes.append((k, buf, self.aio.write(self.file, off, buf)))
             while writes:
                 k, buf, req = writes.popleft()
@@ -186,9 +216,9 @@ class NvmeOptimizerState:
         buf = self.pool[0].view(torch.float32)[: self.chunk]
         region = self.pool[0][: self.region]
         for k, a, b, at in self._regions(lo, hi):
-            self._wait(
-                self.aio.read(self.file, self._offset(k, self.current[k], i), region), "read", k
-            )
+            v = self.current[k]
+            self._wait(self.aio.read(self.file, self._offset(k, v, i), region), "read", k)
+            self._verify(k, v, region, i)
             out[at : at + b - a].copy_(buf[a:b])
         return out
 
@@ -204,6 +234,7 @@ class NvmeOptimizerState:
                 self.flush()
                 off = self._offset(k, self.current[k], i)
                 self._wait(self.aio.read(self.file, off, self.pool[0][: self.region]), "read", k)
+                self._verify(k, self.current[k], self.pool[0][: self.region], i)
                 self._dirty = (k, i)
             buf[a:b].copy_(src[at : at + b - a])
 
@@ -213,6 +244,7 @@ class NvmeOptimizerState:
             return
         (k, i), self._dirty = self._dirty, None
         off = self._offset(k, self.current[k], i)
+        self._wrote(k, self.current[k], self.pool[0][: self.region], i)
         self._wait(self.aio.write(self.file, off, self.pool[0][: self.region]), "write", k)
 
     def fill(self, master_of: Callable[[int, int, torch.Tensor], None]) -> None:
@@ -226,6 +258,7 @@ class NvmeOptimizerState:
             buf.zero_()
             master_of(lo, hi, self._views(buf, hi - lo)["master"])
             off = self._offset(k, self.current[k])
+            self._wrote(k, self.current[k], buf)
             self._wait(self.aio.write(self.file, off, buf), "write", k)
 
     def nbytes(self) -> dict[str, int]:

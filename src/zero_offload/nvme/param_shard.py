@@ -16,7 +16,11 @@ Invariants:
 - a buffer is never reused or freed while a request on it is in flight (the cache and
   ``pending`` hold the request with its buffer until it was waited for); on the CPU a dropped
   buffer is kept for reuse (a few per size: no page faults per fetch), pinned ones go back to
-  torch's pinned allocator, which knows when a non-blocking copy from them has finished.
+  torch's pinned allocator, which knows when a non-blocking copy from them has finished;
+- ``sums[j]`` is the checksum of what this run last wrote to block j of the file
+  (``known[j]``: it wrote it), taken before the write is submitted; every read is checked
+  against it, and every read first checks that the file is still the one this run created, so
+  a file changed, truncated, removed or replaced underneath the run is an ``NvmeSwapError``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ from pathlib import Path
 import torch
 
 from .aio import ALIGN, AioEngine, SwapFile, aligned_empty
+from .checksum import BLOCK, block_sums, first_mismatch
 from .errors import NvmeSwapError
+from .file_guard import RESTART, check_swap_file, hold
 from .scratch import own_file
 
 MAX_PENDING_WRITES = 4  # writes in flight per shard; a fifth waits for the oldest
@@ -50,6 +56,9 @@ class NvmeParamShard:
         self.max_in_cpu = max_in_cpu
         folder.mkdir(parents=True, exist_ok=True)
         self.file = SwapFile.create(folder / f"{name}.swp", max(ALIGN, numel * self.itemsize))
+        hold(self.file)
+        self.sums = torch.zeros(self.file.nbytes // BLOCK, dtype=torch.int64)
+        self.known = torch.zeros(self.file.nbytes // BLOCK, dtype=torch.bool)
         # (lo, hi) -> (buffer, first byte of the slice in it, pending request or None)
         self.cache: collections.OrderedDict = collections.OrderedDict()
         self.cached = 0  # elements held by the cache
@@ -72,6 +81,24 @@ class NvmeParamShard:
             raise NvmeSwapError(
                 f"{self.file.path}: {what} of param-shard elements {lo}..{hi} failed: {e}"
             ) from e
+
+    def _verify(self, a: int, buf: torch.Tensor, lo: int, hi: int) -> None:
+        """``buf``, read from byte ``a``, holds what this run wrote there."""
+        j = a // BLOCK
+        n = buf.numel() // BLOCK
+        bad = first_mismatch(buf, self.sums[j : j + n], self.known[j : j + n])
+        if bad is not None:
+            raise NvmeSwapError(
+                f"{self.file.path}: param-shard elements {lo}..{hi} (block {j + bad}) do not "
+                "hold what this run wrote (checksum mismatch): the swap file was changed "
+                f"underneath the run by another process or the disk; {RESTART}"
+            )
+
+    def _read_checked(self, a: int, buf: torch.Tensor, lo: int, hi: int) -> None:
+        """A demanded read of the blocks from byte ``a`` into ``buf``, waited for and checked."""
+        check_swap_file(self.file, "param-shard")
+        self._wait(self.aio.read(self.file, a, buf), "read", lo, hi)
+        self._verify(a, buf, lo, hi)
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         spare = self._spare.get(nbytes)
@@ -107,6 +134,7 @@ class NvmeParamShard:
         if (lo, hi) in self.cache or hi <= lo or not self._make_room(hi - lo, used_only=True):
             return
         self.flush(lo, hi)
+        check_swap_file(self.file, "param-shard")
         a, b = self._blocks(lo, hi)
         buf = self._buffer(b - a)
         req = self.aio.read(self.file, a, buf)
@@ -123,13 +151,14 @@ class NvmeParamShard:
             self.flush(lo, hi)
             a, b = self._blocks(lo, hi)
             buf = aligned_empty(b - a, self.pin) if not cache else self._buffer(b - a)
-            self._wait(self.aio.read(self.file, a, buf), "read", lo, hi)
+            self._read_checked(a, buf, lo, hi)
             hit = [buf, lo * self.itemsize - a, None, True]
             if cache and self._make_room(hi - lo, used_only=False):
                 self._insert(key, hit)
         elif hit[2] is not None:
             try:
                 self._wait(hit[2], "read", lo, hi)
+                self._verify(lo * self.itemsize // ALIGN * ALIGN, hit[0], lo, hi)
             except NvmeSwapError:
                 self._drop(key)
                 raise
@@ -184,10 +213,12 @@ class NvmeParamShard:
             self.flush()
         buf = self._buffer(b - a)
         if partial:
-            self._wait(self.aio.read(self.file, a, buf), "read", lo, hi)
+            self._read_checked(a, buf, lo, hi)
         else:
             buf[end:].zero_()  # the file's padding after the shard's last element
         buf[start:end].view(self.dtype).copy_(src.detach().reshape(-1))
+        self.sums[a // BLOCK : b // BLOCK] = block_sums(buf)
+        self.known[a // BLOCK : b // BLOCK] = True
         while len(self.pending) >= MAX_PENDING_WRITES:  # bounded host memory for writes
             self._finish(self.pending.pop(0))
         self.pending.append((lo, hi, buf, self.aio.write(self.file, a, buf)))

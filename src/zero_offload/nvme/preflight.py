@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 from ..config.errors import ConfigError, json_repr
+from .reclaim import Reclaimed, reclaim_dead_runs
 
 GIB = 1 << 30
 
@@ -25,9 +26,12 @@ def check_nvme_path(key: str, path: str | os.PathLike[str], need_bytes: int) -> 
     - ``path`` exists and is a directory (symlinks followed);
     - this process can create and remove a file in it (a uniquely named probe file, so ranks
       checking one directory at once do not collide; it is removed before returning);
+    - the swap folders of dead runs of this host under it were removed first
+      (``reclaim.py``), with one log line saying how much was reclaimed;
     - its filesystem has at least ``need_bytes`` bytes free (``shutil.disk_usage``). Only this
       caller's need is checked: callers sharing a filesystem each check their own share, and
-      space taken after the check is not reserved.
+      space taken after the check is not reserved. The error names the swap folders left
+      there (other hosts' runs, live runs, folders that could not be removed).
 
     ``key`` is the config key the path came from (``zero_optimization.offload_optimizer.nvme_path``);
     every failure raises :class:`~zero_offload.config.errors.ConfigError` naming it and the path,
@@ -64,10 +68,23 @@ def check_nvme_path(key: str, path: str | os.PathLike[str], need_bytes: int) -> 
             f"{where}: could not remove the probe file {json_repr(probe)} "
             f"({exc.strerror or exc}); {fix}"
         ) from None
+    reclaimed = reclaim_dead_runs(resolved)
     free = shutil.disk_usage(resolved).free
     if free < need_bytes:
         raise ConfigError(
             f"{where} has {_gib(free)} free, {_gib(need_bytes)} needed ({need_bytes} bytes) for "
             "this rank's swap files; free space there or point the key at a larger local drive"
+            + _leftovers(reclaimed)
         )
     return resolved
+
+
+def _leftovers(reclaimed: Reclaimed) -> str:
+    if not reclaimed.left:
+        return ""
+    shown = [f"{p} ({_gib(n)}, {why})" for p, n, why in reclaimed.left[:8]]
+    more = f" and {len(reclaimed.left) - 8} more" if len(reclaimed.left) > 8 else ""
+    return (
+        f"; swap folders of other runs are there and were kept: {', '.join(shown)}{more} "
+        "(remove those whose runs have ended)"
+    )

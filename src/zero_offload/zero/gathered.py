@@ -67,6 +67,9 @@ class GatheredParameters:
                 entry[1].append(p._z3_slot)
 
     def __enter__(self) -> None:
+        for store, ids in self.by_store.values():  # every rank enters with the same params
+            if store.schedule is not None:
+                store.schedule.agree_block(ids)
         if self.modifier_rank is not None:  # the edit must land after any pending update
             for store, _ in self.by_store.values():
                 store.settle()

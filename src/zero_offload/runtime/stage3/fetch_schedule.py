@@ -27,7 +27,10 @@ eval, grad or not) is replayed; on each demand that matches the recorded order t
 gathered asynchronously, up to ``stage3_prefetch_bucket_size`` elements ahead and never beyond
 ``stage3_max_live_parameters`` live. A demand that departs from the recorded order stops
 prefetching for the rest of the pass; the new order is used on the next one. All ranks record the
-same order, so they issue the same collectives.
+same order, so they issue the same collectives. Where ranks could diverge (a pass with no
+recorded order, a departure from it) every demand is first agreed on by all ranks through the
+rendezvous store (``gather_agreement.py``): different modules on different ranks are an error
+naming the params, never a mismatched collective.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from ...core import dist
 from ...core.consistency import RankMismatchError
 from ...core.status import ZeroParamStatus
 from ..backward_scope import BackwardScope, in_backward
+from .gather_agreement import GatherAgreement
 from .param_store import ParamStore, Stage3Policy
 from .partition_units import scheduled_modules
 
@@ -148,7 +152,21 @@ class FetchSchedule:
         self.suspended = False  # unwrap_model_for_generation: every param held gathered
         self.order_checked = False
         self.backwards_checked = 0  # training backwards whose order was compared across ranks
+        self.passes = 0  # passes begun: the same count on every rank while they agree
+        self.blocks = 0  # GatheredParameters blocks entered
+        self.agreement = GatherAgreement.create(self.describe)
         scope.on_end(self._end_backward, self._end_backward)
+
+    def describe(self, value: str) -> str:
+        """The params of the slots ``value`` lists (an agreement point's value)."""
+        return "; ".join(self.store.slots[int(i)].label for i in value.split(","))
+
+    def agree_block(self, ids: list[int]) -> None:
+        """A ``GatheredParameters`` block: every rank enters it with the same params."""
+        if self.agreement is not None:
+            self.blocks += 1
+            where = f"GatheredParameters block {self.blocks}"
+            self.agreement.agree(f"block{self.blocks}", ",".join(map(str, ids)), where)
 
     # ---- hooks ---------------------------------------------------------------------------------
     def install_hooks(self) -> None:
@@ -186,20 +204,33 @@ class FetchSchedule:
         self.recording = []
         self.replay = self.traces.get(self.rec_key)
         self.pos = 0
+        self.passes += 1
 
     def _demand(self, ids: list[int]) -> None:
         rec, replay = self.recording, self.replay
         for i in ids:
-            if rec is not None and (not rec or rec[-1] != i):
+            new = rec is not None and (not rec or rec[-1] != i)
+            if new:
                 rec.append(i)
+            recorded = None  # what the recorded order has here, when this demand departs from it
             if replay is not None:
                 if self.pos < len(replay) and replay[self.pos] == i:
                     self.pos += 1
                 elif not (self.pos > 0 and replay[self.pos - 1] == i):
+                    recorded = replay[self.pos] if self.pos < len(replay) else None
                     self.replay = replay = None  # the order changed: stop guessing this pass
+            if new and replay is None and self.agreement is not None:
+                self._agree(len(rec), i, recorded)
         self.store.fetch(ids)
         if replay is not None:
             self._prefetch(replay)
+
+    def _agree(self, k: int, i: int, recorded: int | None) -> None:
+        """Gather ``k`` of this pass (slot ``i``) where ranks could diverge: all ranks agree."""
+        where = f"pass {self.passes}, gather {k}"
+        if recorded is not None:
+            where += f" (earlier passes had the {self.store.slots[recorded].label} there)"
+        self.agreement.agree(f"pass{self.passes}/{k}", str(i), where)
 
     def _prefetch(self, replay: list[int]) -> None:
         store, ahead, j = self.store, 0, self.pos
@@ -346,6 +377,8 @@ class FetchSchedule:
 
     # ---- teardown ------------------------------------------------------------------------------
     def remove(self) -> None:
+        if self.agreement is not None:
+            self.agreement.close()
         self.remove_hooks()
         for m in self.modules:
             m.__dict__["_parameters"] = dict(m._parameters.items())

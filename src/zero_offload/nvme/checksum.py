@@ -1,0 +1,31 @@
+"""Checksums of swap-file blocks: what this run wrote, checked on every read, so contents
+changed underneath the run (another process, a bad disk, a stray ``dd``) are an error instead
+of master weights or params silently replaced.
+
+A block's sum is the sum of its 1024 int32 words, accumulated in int64 (no overflow: 1024 *
+2**31 < 2**42), one per 4096-byte block, kept per block position. Any change of one word changes
+it, and an overwritten, zeroed, truncated or misplaced block changes it unless the new words sum
+to the old ones (for unrelated data, a 1 in 2**32 or rarer coincidence); a reordering of words
+inside one block is not seen. It is one vectorised reduction over the buffer (a memory-bandwidth
+pass, multi-threaded by torch), so the check costs far less than the I/O it guards.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 4096  # bytes per checksummed block: the swap files' I/O unit
+
+
+def block_sums(buf: torch.Tensor) -> torch.Tensor:
+    """One int64 sum per 4096-byte block of ``buf`` (a uint8 CPU tensor whose length is a
+    multiple of 4096)."""
+    assert buf.numel() % BLOCK == 0, "checksums cover whole 4096-byte blocks"
+    return buf.view(torch.int32).view(-1, BLOCK // 4).sum(1, dtype=torch.int64)
+
+
+def first_mismatch(buf: torch.Tensor, want: torch.Tensor, known: torch.Tensor) -> int | None:
+    """Index of the first block of ``buf`` whose sum differs from ``want`` where ``known``
+    (blocks this run has written), or None."""
+    bad = (block_sums(buf) != want) & known
+    return int(bad.nonzero()[0]) if bool(bad.any()) else None
