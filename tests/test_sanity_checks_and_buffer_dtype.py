@@ -1,5 +1,4 @@
-"""DeepSpeed's ``zero_optimization.enable_sanity_checks`` (stage 3: ranks' gather orders compared
-in every training backward, not only the first; an in-place edit inside
+"""DeepSpeed's ``zero_optimization.enable_sanity_checks`` (stage 3: an in-place edit inside
 ``GatheredParameters`` without ``modifier_rank`` refused on every rank) and
 ``data_types.buffer_dtype`` (floating buffers cast when the engine is built)."""
 
@@ -21,47 +20,17 @@ def _config(**zero) -> dict:
 
 
 class Branchy(torch.nn.Module):
-    """Runs ``a`` or ``b`` depending on the data: ranks diverge when their inputs differ."""
-
     def __init__(self) -> None:
         super().__init__()
         self.a = torch.nn.Linear(4, 4)
         self.b = torch.nn.Linear(4, 4)
 
-    def forward(self, x, use_b: bool):
-        return (self.b(x) if use_b else self.a(x)).sum()
-
-
-def _diverge_in_second_step(checks: bool) -> list:
-    torch.manual_seed(0)
-    engine = zero_offload.initialize(model=Branchy(), config=_config(enable_sanity_checks=checks))[
-        0
-    ]
-    assert all(p.numel() == 0 for p in engine.module.parameters())
-    got = "trained"
-    try:
-        for step in range(2):
-            use_b = step == 1 and tdist.get_rank() == 1  # step 1: rank 1 takes the other branch
-            engine.backward(engine(torch.randn(2, 4), use_b))
-            engine.step()
-    except Exception as e:  # noqa: BLE001 (the outcome is compared)
-        got = f"{type(e).__name__}: {e}"
-    engine.destroy()
-    out: list = [None] * tdist.get_world_size()
-    tdist.all_gather_object(out, got)
-    return out
+    def forward(self, x):
+        return (self.b(self.a(x))).sum()
 
 
 def _both(fn) -> list:
     return [fn(True), fn(False)]
-
-
-def test_sanity_checks_compare_the_gather_order_every_step() -> None:
-    from distributed import run_ranks
-
-    on, off = run_ranks(2, _both, _diverge_in_second_step)
-    assert all("different orders in training backward 2" in m for m in on), on
-    assert off == ["trained", "trained"]  # same sizes: nothing notices without the checks
 
 
 def _edit_without_modifier(checks: bool) -> list:

@@ -296,11 +296,11 @@ class ZeroConfig(Section):
     )
     enable_sanity_checks: Bool = Field(
         False,
-        description="Stage 3: cross-rank checks on every step instead of the first only: the "
-        "ranks gathered the same params in the same order in each training backward, and a "
-        "GatheredParameters block without modifier_rank changed no gathered param in place "
-        "(both refused on every rank, naming the params). Costs one small all-gather per "
-        "backward and one all-reduce per such block.",
+        description="Stage 3: a GatheredParameters block without modifier_rank must not change "
+        "a gathered param in place (a new storage or a bumped version counter; a write through "
+        "p.data is not seen, as in DeepSpeed): such an edit is refused on every rank, the edits "
+        "discarded. Costs one all-reduce per such block. (Ranks gathering different params are "
+        "refused whatever this says.)",
     )
     ignore_unused_parameters: Bool = Field(
         True,

@@ -151,7 +151,6 @@ class FetchSchedule:
         self.pos = 0
         self.suspended = False  # unwrap_model_for_generation: every param held gathered
         self.order_checked = False
-        self.backwards_checked = 0  # training backwards whose order was compared across ranks
         self.passes = 0  # passes begun: the same count on every rank while they agree
         self.blocks = 0  # GatheredParameters blocks entered
         self.agreement = GatherAgreement.create(self.describe)
@@ -337,16 +336,14 @@ class FetchSchedule:
 
     def _end_backward(self) -> None:
         self._reset_grads()
-        if self.module.training and (not self.order_checked or self.policy.sanity_checks):
+        if not self.order_checked and self.module.training:
             self.order_checked = True
-            self.backwards_checked += 1
             self._check_same_order()
         if not self.stack:
             self.store.release_all()
 
     def _check_same_order(self) -> None:
-        """At the end of the first training backward (of every one with
-        ``enable_sanity_checks``): every rank gathered the same slots in the same order. Ranks that ran different modules (data-dependent calls, as in
+        """Once, at the end of the first training backward: every rank gathered the same slots in the same order. Ranks that ran different modules (data-dependent calls, as in
         Mixture-of-Experts routing) pair different params in one all-gather, silently when the
         sizes agree: refuse before the first update, naming the first difference."""
         if self.store.world == 1 or self.recording is None:
@@ -364,8 +361,7 @@ class FetchSchedule:
                 self.store.slots[o[k]].label if k < len(o) else "nothing" for o in (ref, order)
             )
             raise RankMismatchError(
-                f"ranks gathered stage-3 params in different orders in training backward "
-                f"{self.backwards_checked}: at "
+                f"ranks gathered stage-3 params in different orders in the first step: at "
                 f"gather {k} rank 0 did the {mine}, rank {r} the {theirs}. Modules "
                 "called depending on the data (Mixture-of-Experts experts) must be fetched "
                 "whole: mark their block with zero_offload.utils.set_z3_leaf_modules or the "
