@@ -146,7 +146,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         self.window.check_backward()
         factor = 1.0
         if driver == PLAIN:
-            if self.config.fp16.enabled and not self._loss_scaled:
+            if self._fp16 and not self._loss_scaled:
                 raise guards.unscaled_backward_error()
             factor = 1.0 / self.window.gas
         self._loss_scaled = False
@@ -169,7 +169,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         window = self.window
         window.begin_step(self.global_steps)
         self._before_step_counts = (self.global_steps, self.skipped_steps)
-        samples = self.config.train_micro_batch_size_per_gpu * self.world_size
+        samples = self._micro_batch * self.world_size
         if not window.managed:  # this step() is the boundary of its backwards
             samples *= window.backwards
             window.backwards = 0
@@ -230,7 +230,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         self.zero_grad()
         self.global_steps += 1
         self._overflows.after_step(overflow, scale, self.loss_scaler.loss_scale, self.global_steps)
-        every = self.config.steps_per_print
+        every = self._print_every
         if self.global_rank == 0 and every and self.global_steps % every == 0:
             self._log_step(overflow, every)
         if (
