@@ -19,7 +19,6 @@ KNOWN = frozenset(
         "zero_offload.checkpoint.sharded:ShardWriter.publish",
         "zero_offload.cli.train:_train",
         "zero_offload.cli.train:resolve_config",
-        "zero_offload.cli.train:run",
         "zero_offload.config.batch:resolve_batch_sizes",
         "zero_offload.config.load:load_config",
         "zero_offload.kernels.bench:_bench_size",

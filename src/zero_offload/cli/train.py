@@ -260,6 +260,46 @@ def _pooled(total: float, count: int, device) -> tuple[float, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    built = _build(args)
+    if isinstance(built, int):  # reported
+        return built
+    engine, job, ds_config, steps, notes = built
+    micro = engine.train_micro_batch_size_per_gpu()
+    try:
+        batches = _batches(job.train_set, micro, engine.global_rank, engine.world_size, args.seed)
+    except ValueError as err:
+        return report("train", err)
+    first = 1
+    if args.resume:
+        try:
+            first = _resume(engine, args.resume, batches)
+        except _ResumeError as err:
+            return report("train", ValueError(str(err)))
+    folder = RunFolder.create(
+        args.out, engine.global_rank, resume_at=first if args.resume else None
+    )
+    if engine.global_rank == 0:
+        for note in notes + job.notes:
+            print(f"note: {note}")
+        _describe(engine, job, ds_config, steps)
+        resolved = getattr(engine, "config", None)
+        folder.write_json(
+            "config.json", resolved.to_dict() if hasattr(resolved, "to_dict") else ds_config
+        )
+    if first > steps:
+        if engine.global_rank == 0:
+            print(
+                f"the checkpoint is at step {first - 1}, the run asks for {steps} steps: nothing "
+                "to train (give a larger --steps to continue)"
+            )
+        folder.close()
+        engine.destroy()
+        return 0
+    return _train_and_finish(engine, job, args, batches, steps, first, folder)
+
+
+def _build(args: argparse.Namespace):
+    """(engine, job, DeepSpeed config, steps, notes), or the exit status of a reported error."""
     import torch
 
     import zero_offload
@@ -293,48 +333,34 @@ def run(args: argparse.Namespace) -> int:
                 for p in err.problems
             ]
         return report("train", err, args.config)
-    micro = engine.train_micro_batch_size_per_gpu()
-    try:
-        batches = _batches(job.train_set, micro, engine.global_rank, engine.world_size, args.seed)
-    except ValueError as err:
-        return report("train", err)
+    return engine, job, ds_config, steps, notes
+
+
+class _ResumeError(Exception):
+    """The run cannot resume from the folder it was given."""
+
+
+def _resume(engine, resume: str, batches) -> int:
+    """Load the newest checkpoint in ``resume`` and skip the data it consumed; the first step."""
     from zero_offload.checkpoint import CheckpointError
 
-    first = 1
-    if args.resume:
-        try:
-            path, client = engine.load_checkpoint(args.resume)
-        except (CheckpointError, FileNotFoundError) as err:  # damaged or for another model
-            return report("train", ValueError(f"cannot resume from {args.resume}: {err}"))
-        if path is None:
-            return report("train", ValueError(f"no checkpoint to resume from in {args.resume}"))
-        position = _resume_position(engine, client)
-        first = position["step"] + 1
-        for _ in range(position["micro_batches"]):  # the data position, exactly
-            next(batches)
-        if engine.global_rank == 0:
-            print(f"resumed from {path} at step {first}")
-    folder = RunFolder.create(
-        args.out, engine.global_rank, resume_at=first if args.resume else None
-    )
+    try:
+        path, client = engine.load_checkpoint(resume)
+    except (CheckpointError, FileNotFoundError) as err:  # damaged or for another model
+        raise _ResumeError(f"cannot resume from {resume}: {err}") from err
+    if path is None:
+        raise _ResumeError(f"no checkpoint to resume from in {resume}")
+    position = _resume_position(engine, client)
+    for _ in range(position["micro_batches"]):  # the data position, exactly
+        next(batches)
     if engine.global_rank == 0:
-        for note in notes + job.notes:
-            print(f"note: {note}")
-        _describe(engine, job, ds_config, steps)
-        resolved = getattr(engine, "config", None)
-        folder.write_json(
-            "config.json", resolved.to_dict() if hasattr(resolved, "to_dict") else ds_config
-        )
+        print(f"resumed from {path} at step {position['step'] + 1}")
+    return position["step"] + 1
+
+
+def _train_and_finish(engine, job, args, batches, steps: int, first: int, folder) -> int:
+    """The steps, periodic saves, evaluation, export and summary; the exit status."""
     save_dir = args.save_dir or os.path.join(folder.path, "checkpoints")
-    if first > steps:
-        if engine.global_rank == 0:
-            print(
-                f"the checkpoint is at step {first - 1}, the run asks for {steps} steps: nothing "
-                "to train (give a larger --steps to continue)"
-            )
-        folder.close()
-        engine.destroy()
-        return 0
     saver = PeriodicSaver(engine, save_dir, args.save_every, args.keep_last)
     losses, elapsed = _train(
         engine,
@@ -346,6 +372,7 @@ def run(args: argparse.Namespace) -> int:
         first=first,
         saver=saver,
     )
+    micro = engine.train_micro_batch_size_per_gpu()
     heldout = evaluate(engine, job.heldout_set, micro, args.eval_batches)
     exported = job.finish(engine, folder) if job.finish is not None else []
     if engine.global_rank == 0:
