@@ -21,7 +21,6 @@ KNOWN = frozenset(
         "zero_offload.cli.train:resolve_config",
         "zero_offload.config.batch:resolve_batch_sizes",
         "zero_offload.config.load:load_config",
-        "zero_offload.kernels.bench:_bench_size",
         "zero_offload.nvme.optimizer_state:NvmeOptimizerState.update",
     }
 )
