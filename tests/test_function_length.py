@@ -18,7 +18,6 @@ KNOWN = frozenset(
         "zero_offload.checkpoint.save:save_checkpoint",
         "zero_offload.checkpoint.sharded:ShardWriter.publish",
         "zero_offload.cli.train:_train",
-        "zero_offload.cli.train:resolve_config",
         "zero_offload.config.batch:resolve_batch_sizes",
         "zero_offload.config.load:load_config",
         "zero_offload.nvme.optimizer_state:NvmeOptimizerState.update",

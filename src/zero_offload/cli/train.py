@@ -183,6 +183,13 @@ def resolve_config(
         if "scheduler" not in config:
             # Only with the built-in optimizer: its warmup_max_lr is that optimizer's lr.
             config["scheduler"] = _builtin_scheduler(steps)
+    _fill_scheduler(config, steps)
+    return config, steps, notes
+
+
+def _fill_scheduler(config: dict[str, Any], steps: int) -> None:
+    """The scheduler's "auto" values the run knows: a decaying schedule's ``total_num_steps``
+    (the steps) and ``warmup_max_lr`` (the optimizer's lr)."""
     scheduler = config.get("scheduler")
     if isinstance(scheduler, dict) and isinstance(scheduler.get("params", {}), dict):
         params = scheduler.setdefault("params", {})
@@ -194,7 +201,6 @@ def resolve_config(
         lr = config.get("optimizer", {}).get("params", {}).get("lr")
         if params.get("warmup_max_lr") == "auto" and isinstance(lr, (int, float)):
             params["warmup_max_lr"] = lr  # Hugging Face's rule: the optimizer's lr
-    return config, steps, notes
 
 
 def _builtin_scheduler(steps: int) -> dict[str, Any]:
