@@ -17,7 +17,6 @@ KNOWN = frozenset(
         "zero_offload.checkpoint.save:save_16bit_model",
         "zero_offload.checkpoint.save:save_checkpoint",
         "zero_offload.checkpoint.sharded:ShardWriter.publish",
-        "zero_offload.cli.train:_train",
         "zero_offload.config.batch:resolve_batch_sizes",
         "zero_offload.config.load:load_config",
         "zero_offload.nvme.optimizer_state:NvmeOptimizerState.update",

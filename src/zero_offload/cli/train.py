@@ -480,25 +480,30 @@ def _train(
             "loss_scale": engine.loss_scale,
             "mem_mib": memory_mib(device),
         }
-        if not rank0:
-            continue
-        folder.add_metrics(row)
-        bar.set_postfix(
-            loss=f"{row['loss']:.3f}",
-            tok_s=f"{row['tokens_per_s']:.0f}",
-            lr=f"{lr:.2e}",
-            mem=f"{row['mem_mib']:.0f}MiB",
-            refresh=False,
-        )
-        bar.update(1)
-        if log_every and (step % log_every == 0 or step == steps):
-            grad_norm = row["grad_norm"] if row["grad_norm"] is not None else math.nan
-            bar.write(
-                f"step {step}/{steps} loss {row['loss']:.4f} lr {lr:.3e} grad_norm "
-                f"{grad_norm:.3f} {row['tokens_per_s']:.0f} tokens/s mem {row['mem_mib']:.0f} MiB"
-            )
+        if rank0:
+            folder.add_metrics(row)
+            _show(bar, row, steps, log_every)
     bar.close()
     return losses, time.perf_counter() - start
+
+
+def _show(bar, row: dict[str, Any], steps: int, log_every: int) -> None:
+    """Rank 0: the step's row on the progress bar, and every ``log_every`` steps as a line."""
+    step, lr = row["step"], row["lr"]
+    bar.set_postfix(
+        loss=f"{row['loss']:.3f}",
+        tok_s=f"{row['tokens_per_s']:.0f}",
+        lr=f"{lr:.2e}",
+        mem=f"{row['mem_mib']:.0f}MiB",
+        refresh=False,
+    )
+    bar.update(1)
+    if log_every and (step % log_every == 0 or step == steps):
+        grad_norm = row["grad_norm"] if row["grad_norm"] is not None else math.nan
+        bar.write(
+            f"step {step}/{steps} loss {row['loss']:.4f} lr {lr:.3e} grad_norm "
+            f"{grad_norm:.3f} {row['tokens_per_s']:.0f} tokens/s mem {row['mem_mib']:.0f} MiB"
+        )
 
 
 def _summarize(
