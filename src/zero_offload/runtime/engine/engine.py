@@ -1,6 +1,7 @@
 """The engine: a thin orchestrator of the components, with DeepSpeed's engine API.
 
-Built once from the validated config; the hot path (backward hooks, step) never re-reads it.
+Built once from the validated config (``assembly.py``); the hot path (backward hooks, step)
+never re-reads it.
 ``engine(*inputs)`` runs the module, ``backward(loss)`` scales the loss (fp16 scale, 1/GAS) and
 runs autograd while the reducer moves gradients out, ``step()`` updates at the accumulation
 boundary only.
