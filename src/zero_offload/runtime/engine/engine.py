@@ -85,12 +85,6 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
     def eval(self):
         return self.train(False)
 
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
     def gradient_accumulation_steps(self) -> int:
         return self.window.gas
 
