@@ -17,13 +17,8 @@ KNOWN = frozenset(
         "zero_offload.checkpoint.save:save_16bit_model",
         "zero_offload.checkpoint.save:save_checkpoint",
         "zero_offload.checkpoint.sharded:ShardWriter.publish",
-        "zero_offload.cli.estimate:run",
-        "zero_offload.cli.train:_train",
-        "zero_offload.cli.train:resolve_config",
-        "zero_offload.cli.train:run",
         "zero_offload.config.batch:resolve_batch_sizes",
         "zero_offload.config.load:load_config",
-        "zero_offload.kernels.bench:_bench_size",
         "zero_offload.nvme.optimizer_state:NvmeOptimizerState.update",
     }
 )

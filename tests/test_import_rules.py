@@ -103,3 +103,22 @@ def test_rules_catch_a_bad_import(source, expected):
     """The checker itself: a bad import in a module of core/ is reported."""
     found = _violations("zero_offload.core.planted", False, source)
     assert any(expected in v for v in found), found
+
+
+# Inside runtime/, only these read the config: the assembly, and DeepSpeed's accessors that
+# report it. Everything else receives typed policies or plain values.
+CONFIG_READERS = {"engine/assembly.py", "engine/engine_api.py", "engine/engine_compat.py"}
+
+
+def test_only_the_assembly_and_accessors_read_the_config():
+    readers = []
+    for path in sorted((PKG / "runtime").rglob("*.py")):
+        rel = path.relative_to(PKG / "runtime").as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "config"
+                and rel not in CONFIG_READERS
+            ):
+                readers.append(f"runtime/{rel}:{node.lineno}")
+    assert readers == []

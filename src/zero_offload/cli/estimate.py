@@ -58,41 +58,10 @@ def run(args: argparse.Namespace) -> int:
     from ..runtime.engine.memory import per_param_table
     from .errors import report
 
-    if args.model == "gpt2":
-        from ..models.gpt2 import GPT2Config, num_parameters
-
-        if args.hidden_size % args.num_attention_heads:
-            return report(
-                "estimate",
-                ValueError(
-                    f"--hidden-size {args.hidden_size} must be divisible by "
-                    f"--num-attention-heads {args.num_attention_heads}"
-                ),
-            )
-        cfg = GPT2Config(
-            num_layers=args.num_layers,
-            hidden_size=args.hidden_size,
-            num_attention_heads=args.num_attention_heads,
-            seq_length=args.seq_length,
-            vocab_size=args.vocab_size,
-        )
-        numel = num_parameters(cfg)
-        if numel > 1e300:  # past what the GB columns (floats) can show
-            return report(
-                "estimate",
-                ValueError(
-                    f"the GPT-2 of --num-layers {args.num_layers}, --hidden-size "
-                    f"{args.hidden_size}, --vocab-size {args.vocab_size}, --seq-length "
-                    f"{args.seq_length} has about 1e{len(str(numel)) - 1} params, too many to "
-                    "estimate; give sizes of a real model"
-                ),
-            )
-        what = f"GPT-2 {args.num_layers}x{args.hidden_size} ({numel / 1e9:.3f}B params)"
-    elif args.params is not None:
-        numel = args.params
-        what = f"{numel / 1e9:.3f}B params"
-    else:
-        raise SystemExit("estimate: give --params N or --model gpt2 (with its size flags)")
+    try:
+        numel, what = _model_size(args)
+    except _SizeError as e:
+        return report("estimate", ValueError(str(e)))
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     print(
         f"model-state memory for {what}, {args.dtype} training with Adam, {args.gpus} rank(s); "
@@ -117,3 +86,39 @@ def run(args: argparse.Namespace) -> int:
         "(at most stage3_max_live_parameters), not included above"
     )
     return 0
+
+
+class _SizeError(ValueError):
+    """Model size flags that describe no model the table can show."""
+
+
+def _model_size(args: argparse.Namespace) -> tuple[int, str]:
+    """(params, description) from --params or --model gpt2 and its size flags; ``_SizeError``
+    names the flags that are wrong."""
+    if args.model != "gpt2":
+        if args.params is None:
+            raise SystemExit("estimate: give --params N or --model gpt2 (with its size flags)")
+        return args.params, f"{args.params / 1e9:.3f}B params"
+    from ..models.gpt2 import GPT2Config, num_parameters
+
+    if args.hidden_size % args.num_attention_heads:
+        raise _SizeError(
+            f"--hidden-size {args.hidden_size} must be divisible by "
+            f"--num-attention-heads {args.num_attention_heads}"
+        )
+    cfg = GPT2Config(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+    )
+    numel = num_parameters(cfg)
+    if numel > 1e300:  # past what the GB columns (floats) can show
+        raise _SizeError(
+            f"the GPT-2 of --num-layers {args.num_layers}, --hidden-size "
+            f"{args.hidden_size}, --vocab-size {args.vocab_size}, --seq-length "
+            f"{args.seq_length} has about 1e{len(str(numel)) - 1} params, too many to "
+            "estimate; give sizes of a real model"
+        )
+    return numel, f"GPT-2 {args.num_layers}x{args.hidden_size} ({numel / 1e9:.3f}B params)"

@@ -183,6 +183,13 @@ def resolve_config(
         if "scheduler" not in config:
             # Only with the built-in optimizer: its warmup_max_lr is that optimizer's lr.
             config["scheduler"] = _builtin_scheduler(steps)
+    _fill_scheduler(config, steps)
+    return config, steps, notes
+
+
+def _fill_scheduler(config: dict[str, Any], steps: int) -> None:
+    """The scheduler's "auto" values the run knows: a decaying schedule's ``total_num_steps``
+    (the steps) and ``warmup_max_lr`` (the optimizer's lr)."""
     scheduler = config.get("scheduler")
     if isinstance(scheduler, dict) and isinstance(scheduler.get("params", {}), dict):
         params = scheduler.setdefault("params", {})
@@ -194,7 +201,6 @@ def resolve_config(
         lr = config.get("optimizer", {}).get("params", {}).get("lr")
         if params.get("warmup_max_lr") == "auto" and isinstance(lr, (int, float)):
             params["warmup_max_lr"] = lr  # Hugging Face's rule: the optimizer's lr
-    return config, steps, notes
 
 
 def _builtin_scheduler(steps: int) -> dict[str, Any]:
@@ -260,6 +266,46 @@ def _pooled(total: float, count: int, device) -> tuple[float, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    built = _build(args)
+    if isinstance(built, int):  # reported
+        return built
+    engine, job, ds_config, steps, notes = built
+    micro = engine.train_micro_batch_size_per_gpu()
+    try:
+        batches = _batches(job.train_set, micro, engine.global_rank, engine.world_size, args.seed)
+    except ValueError as err:
+        return report("train", err)
+    first = 1
+    if args.resume:
+        try:
+            first = _resume(engine, args.resume, batches)
+        except _ResumeError as err:
+            return report("train", ValueError(str(err)))
+    folder = RunFolder.create(
+        args.out, engine.global_rank, resume_at=first if args.resume else None
+    )
+    if engine.global_rank == 0:
+        for note in notes + job.notes:
+            print(f"note: {note}")
+        _describe(engine, job, ds_config, steps)
+        resolved = getattr(engine, "config", None)
+        folder.write_json(
+            "config.json", resolved.to_dict() if hasattr(resolved, "to_dict") else ds_config
+        )
+    if first > steps:
+        if engine.global_rank == 0:
+            print(
+                f"the checkpoint is at step {first - 1}, the run asks for {steps} steps: nothing "
+                "to train (give a larger --steps to continue)"
+            )
+        folder.close()
+        engine.destroy()
+        return 0
+    return _train_and_finish(engine, job, args, batches, steps, first, folder)
+
+
+def _build(args: argparse.Namespace):
+    """(engine, job, DeepSpeed config, steps, notes), or the exit status of a reported error."""
     import torch
 
     import zero_offload
@@ -293,48 +339,34 @@ def run(args: argparse.Namespace) -> int:
                 for p in err.problems
             ]
         return report("train", err, args.config)
-    micro = engine.train_micro_batch_size_per_gpu()
-    try:
-        batches = _batches(job.train_set, micro, engine.global_rank, engine.world_size, args.seed)
-    except ValueError as err:
-        return report("train", err)
+    return engine, job, ds_config, steps, notes
+
+
+class _ResumeError(Exception):
+    """The run cannot resume from the folder it was given."""
+
+
+def _resume(engine, resume: str, batches) -> int:
+    """Load the newest checkpoint in ``resume`` and skip the data it consumed; the first step."""
     from zero_offload.checkpoint import CheckpointError
 
-    first = 1
-    if args.resume:
-        try:
-            path, client = engine.load_checkpoint(args.resume)
-        except (CheckpointError, FileNotFoundError) as err:  # damaged or for another model
-            return report("train", ValueError(f"cannot resume from {args.resume}: {err}"))
-        if path is None:
-            return report("train", ValueError(f"no checkpoint to resume from in {args.resume}"))
-        position = _resume_position(engine, client)
-        first = position["step"] + 1
-        for _ in range(position["micro_batches"]):  # the data position, exactly
-            next(batches)
-        if engine.global_rank == 0:
-            print(f"resumed from {path} at step {first}")
-    folder = RunFolder.create(
-        args.out, engine.global_rank, resume_at=first if args.resume else None
-    )
+    try:
+        path, client = engine.load_checkpoint(resume)
+    except (CheckpointError, FileNotFoundError) as err:  # damaged or for another model
+        raise _ResumeError(f"cannot resume from {resume}: {err}") from err
+    if path is None:
+        raise _ResumeError(f"no checkpoint to resume from in {resume}")
+    position = _resume_position(engine, client)
+    for _ in range(position["micro_batches"]):  # the data position, exactly
+        next(batches)
     if engine.global_rank == 0:
-        for note in notes + job.notes:
-            print(f"note: {note}")
-        _describe(engine, job, ds_config, steps)
-        resolved = getattr(engine, "config", None)
-        folder.write_json(
-            "config.json", resolved.to_dict() if hasattr(resolved, "to_dict") else ds_config
-        )
+        print(f"resumed from {path} at step {position['step'] + 1}")
+    return position["step"] + 1
+
+
+def _train_and_finish(engine, job, args, batches, steps: int, first: int, folder) -> int:
+    """The steps, periodic saves, evaluation, export and summary; the exit status."""
     save_dir = args.save_dir or os.path.join(folder.path, "checkpoints")
-    if first > steps:
-        if engine.global_rank == 0:
-            print(
-                f"the checkpoint is at step {first - 1}, the run asks for {steps} steps: nothing "
-                "to train (give a larger --steps to continue)"
-            )
-        folder.close()
-        engine.destroy()
-        return 0
     saver = PeriodicSaver(engine, save_dir, args.save_every, args.keep_last)
     losses, elapsed = _train(
         engine,
@@ -346,6 +378,7 @@ def run(args: argparse.Namespace) -> int:
         first=first,
         saver=saver,
     )
+    micro = engine.train_micro_batch_size_per_gpu()
     heldout = evaluate(engine, job.heldout_set, micro, args.eval_batches)
     exported = job.finish(engine, folder) if job.finish is not None else []
     if engine.global_rank == 0:
@@ -447,25 +480,30 @@ def _train(
             "loss_scale": engine.loss_scale,
             "mem_mib": memory_mib(device),
         }
-        if not rank0:
-            continue
-        folder.add_metrics(row)
-        bar.set_postfix(
-            loss=f"{row['loss']:.3f}",
-            tok_s=f"{row['tokens_per_s']:.0f}",
-            lr=f"{lr:.2e}",
-            mem=f"{row['mem_mib']:.0f}MiB",
-            refresh=False,
-        )
-        bar.update(1)
-        if log_every and (step % log_every == 0 or step == steps):
-            grad_norm = row["grad_norm"] if row["grad_norm"] is not None else math.nan
-            bar.write(
-                f"step {step}/{steps} loss {row['loss']:.4f} lr {lr:.3e} grad_norm "
-                f"{grad_norm:.3f} {row['tokens_per_s']:.0f} tokens/s mem {row['mem_mib']:.0f} MiB"
-            )
+        if rank0:
+            folder.add_metrics(row)
+            _show(bar, row, steps, log_every)
     bar.close()
     return losses, time.perf_counter() - start
+
+
+def _show(bar, row: dict[str, Any], steps: int, log_every: int) -> None:
+    """Rank 0: the step's row on the progress bar, and every ``log_every`` steps as a line."""
+    step, lr = row["step"], row["lr"]
+    bar.set_postfix(
+        loss=f"{row['loss']:.3f}",
+        tok_s=f"{row['tokens_per_s']:.0f}",
+        lr=f"{lr:.2e}",
+        mem=f"{row['mem_mib']:.0f}MiB",
+        refresh=False,
+    )
+    bar.update(1)
+    if log_every and (step % log_every == 0 or step == steps):
+        grad_norm = row["grad_norm"] if row["grad_norm"] is not None else math.nan
+        bar.write(
+            f"step {step}/{steps} loss {row['loss']:.4f} lr {lr:.3e} grad_norm "
+            f"{grad_norm:.3f} {row['tokens_per_s']:.0f} tokens/s mem {row['mem_mib']:.0f} MiB"
+        )
 
 
 def _summarize(

@@ -156,19 +156,40 @@ def run_benchmark(
 def _bench_size(n, threads, repeats, C, ds_cls, triad_a, triad_b, log) -> list[dict[str, Any]]:
     import torch
 
+    log(f"[{n / 1e6:g}M params] allocating ...")
+    b = {
+        "master": torch.randn(n).mul_(0.02),
+        "exp_avg": torch.zeros(n),
+        "exp_avg_sq": torch.zeros(n),
+        "grad": torch.randn(n).to(torch.bfloat16),
+        "param_out": torch.empty(n, dtype=torch.bfloat16),
+        "g32": torch.empty(n),
+    }
+    paths = _update_paths(b, threads, ds_cls)
+    probes, traffic_bufs = _probes(n, threads, C, triad_a, triad_b)
+    everything = probes + paths
+    for _, fn in everything:  # warm-up: page faults, JIT, thread pools
+        fn()
+    times: dict[str, list[float]] = {name: [] for name, _ in everything}
+    log(f"[{n / 1e6:g}M params] timing {', '.join(times)} x {repeats} (interleaved) ...")
+    for _ in range(repeats):
+        for name, fn in everything:
+            times[name].append(_time_call(fn))
+    del traffic_bufs  # alive until the probes that read them were timed
+    return _rows(n, [name for name, _ in paths], times)
+
+
+def _update_paths(b: dict, threads, ds_cls) -> list[tuple[str, Callable[[], Any]]]:
+    """One step of each Adam implementation over the same buffers (``b``)."""
+    import torch
+
     from zero_offload.kernels import host_adam_step
 
-    log(f"[{n / 1e6:g}M params] allocating ...")
-    master = torch.randn(n).mul_(0.02)
-    exp_avg = torch.zeros(n)
-    exp_avg_sq = torch.zeros(n)
-    grad = torch.randn(n).to(torch.bfloat16)
-    param_out = torch.empty(n, dtype=torch.bfloat16)
-    g32 = torch.empty(n)
+    master, exp_avg, exp_avg_sq = b["master"], b["exp_avg"], b["exp_avg_sq"]
+    grad, param_out, g32 = b["grad"], b["param_out"], b["g32"]
     param = torch.nn.Parameter(master, requires_grad=True)  # shares master's storage
     param.grad = g32
-
-    steps = {"kernel": 0, "torch": 0, "deepspeed": 0}
+    steps = {"kernel": 0}
     hp = HP
 
     def kernel_step():
@@ -186,81 +207,61 @@ def _bench_size(n, threads, repeats, C, ds_cls, triad_a, triad_b, log) -> list[d
             **hp,
         )
 
-    torch_opt = torch.optim.AdamW(
-        [param],
-        lr=hp["lr"],
-        betas=(hp["beta1"], hp["beta2"]),
-        eps=hp["eps"],
-        weight_decay=hp["weight_decay"],
-        fused=True,
-    )
+    betas = (hp["beta1"], hp["beta2"])
+    common = dict(lr=hp["lr"], betas=betas, eps=hp["eps"], weight_decay=hp["weight_decay"])
+    torch_opt = torch.optim.AdamW([param], **common, fused=True)
     torch_opt.state[param] = {
         "step": torch.tensor(0.0),
         "exp_avg": exp_avg,
         "exp_avg_sq": exp_avg_sq,
     }
 
-    def torch_step():
-        g32.copy_(grad).mul_(GRAD_SCALE)
-        torch_opt.step()
-        param_out.copy_(master)
-
-    paths: list[tuple[str, Callable[[], Any]]] = [("kernel", kernel_step), ("torch", torch_step)]
-    ds_opt = None
-    if ds_cls is not None:
-        ds_opt = ds_cls(
-            [param],
-            lr=hp["lr"],
-            betas=(hp["beta1"], hp["beta2"]),
-            eps=hp["eps"],
-            weight_decay=hp["weight_decay"],
-            adamw_mode=True,
-        )
-        ds_opt.state[param] = {"step": 0, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-
-        def ds_step():
+    def step_with(opt):
+        def step():
             g32.copy_(grad).mul_(GRAD_SCALE)
-            ds_opt.step()
+            opt.step()
             param_out.copy_(master)
 
-        paths.append(("deepspeed", ds_step))
+        return step
 
-    # Bandwidth probes.
+    paths: list[tuple[str, Callable[[], Any]]] = [
+        ("kernel", kernel_step),
+        ("torch", step_with(torch_opt)),
+    ]
+    if ds_cls is not None:
+        ds_opt = ds_cls([param], **common, adamw_mode=True)
+        ds_opt.state[param] = {"step": 0, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+        paths.append(("deepspeed", step_with(ds_opt)))
+    return paths
+
+
+def _probes(n, threads, C, triad_a, triad_b):
+    """Bandwidth probes: torch's triad, and with the compiled module its triad and a probe that
+    moves the update's bytes without its math. Returns (probes, the buffers they read)."""
+    import torch
+
     def torch_triad():
         triad_a.add_(triad_b, alpha=0.5)
 
     probes: list[tuple[str, Callable[[], Any]]] = [("triad_torch", torch_triad)]
-    traffic_bufs = None
-    if C is not None:
+    if C is None:
+        return probes, None
 
-        def c_triad():
-            C.bandwidth_probe(
-                0, triad_a.data_ptr(), triad_b.data_ptr(), 0, 0, 0, TRIAD_ELEMS, threads
-            )
+    def c_triad():
+        C.bandwidth_probe(0, triad_a.data_ptr(), triad_b.data_ptr(), 0, 0, 0, TRIAD_ELEMS, threads)
 
-        traffic_bufs = [
-            torch.zeros(n),
-            torch.zeros(n),
-            torch.zeros(n),
-            torch.zeros(n, dtype=torch.bfloat16),
-            torch.zeros(n, dtype=torch.bfloat16),
-        ]
-        tb = [t.data_ptr() for t in traffic_bufs]
+    traffic_bufs = [torch.zeros(n) for _ in range(3)]
+    traffic_bufs += [torch.zeros(n, dtype=torch.bfloat16) for _ in range(2)]
+    tb = [t.data_ptr() for t in traffic_bufs]
 
-        def traffic():
-            C.bandwidth_probe(1, tb[0], tb[1], tb[2], tb[3], tb[4], n, threads)
+    def traffic():
+        C.bandwidth_probe(1, tb[0], tb[1], tb[2], tb[3], tb[4], n, threads)
 
-        probes += [("triad_probe", c_triad), ("traffic_probe", traffic)]
+    return probes + [("triad_probe", c_triad), ("traffic_probe", traffic)], traffic_bufs
 
-    everything = probes + paths
-    for _, fn in everything:  # warm-up: page faults, JIT, thread pools
-        fn()
-    times: dict[str, list[float]] = {name: [] for name, _ in everything}
-    log(f"[{n / 1e6:g}M params] timing {', '.join(times)} x {repeats} (interleaved) ...")
-    for _ in range(repeats):
-        for name, fn in everything:
-            times[name].append(_time_call(fn))
 
+def _rows(n: int, paths: list[str], times: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """One row per update path and the traffic probe, against the memory-bandwidth bound."""
     med = {k: statistics.median(v) for k, v in times.items()}
     triad_bytes = 3 * TRIAD_ELEMS * 4
     bw = {k: triad_bytes / med[k] for k in ("triad_torch", "triad_probe") if k in med}
@@ -270,41 +271,29 @@ def _bench_size(n, threads, repeats, C, ds_cls, triad_a, triad_b, log) -> list[d
     bandwidth = bw[bound_by]
     bound_pps = bandwidth / BYTES_PER_PARAM
     kernel_pps = n / med["kernel"]
-
-    rows = []
     labels = {
         "kernel": "zero_offload host_adam_step",
         "torch": "torch AdamW(fused) path",
         "deepspeed": "DeepSpeedCPUAdam path",
+        "traffic_probe": "traffic probe (same 28 B/param, no math)",
     }
-    for name, _ in paths:
+
+    def row(name: str) -> dict[str, Any]:
         pps = n / med[name]
-        rows.append(
-            {
-                "path": labels[name],
-                "key": name,
-                "params": n,
-                "median_s": med[name],
-                "min_s": min(times[name]),
-                "mparams_per_s": pps / 1e6,
-                "ratio_vs_kernel": pps / kernel_pps,
-                "pct_of_bound": 100 * pps / bound_pps,
-            }
-        )
+        return {
+            "path": labels[name],
+            "key": name,
+            "params": n,
+            "median_s": med[name],
+            "min_s": min(times[name]),
+            "mparams_per_s": pps / 1e6,
+            "ratio_vs_kernel": pps / kernel_pps,
+            "pct_of_bound": 100 * pps / bound_pps,
+        }
+
+    rows = [row(name) for name in paths]
     if "traffic_probe" in med:
-        pps = n / med["traffic_probe"]
-        rows.append(
-            {
-                "path": "traffic probe (same 28 B/param, no math)",
-                "key": "traffic_probe",
-                "params": n,
-                "median_s": med["traffic_probe"],
-                "min_s": min(times["traffic_probe"]),
-                "mparams_per_s": pps / 1e6,
-                "ratio_vs_kernel": pps / kernel_pps,
-                "pct_of_bound": 100 * pps / bound_pps,
-            }
-        )
+        rows.append(row("traffic_probe"))
     rows.append(
         {
             "path": f"bound: 28 B/param @ {bandwidth / 1e9:.1f} GB/s ({bound_by})",
@@ -319,7 +308,6 @@ def _bench_size(n, threads, repeats, C, ds_cls, triad_a, triad_b, log) -> list[d
             "bound_by": bound_by,
         }
     )
-
     return rows
 
 

@@ -227,6 +227,9 @@ def build_step_policies(e: ZeroOffloadEngine) -> None:
         e.global_rank,
     )
     e.clip = float(config.gradient_clipping)
+    e._fp16 = bool(config.fp16.enabled)  # a plain backward needs engine.scale(loss)
+    e._print_every = config.steps_per_print
+    e._micro_batch = int(config.train_micro_batch_size_per_gpu)
     e._t_step = time.perf_counter()
     e.wall_clock = bool(config.wall_clock_breakdown)
     e._times: dict[str, float] = {}

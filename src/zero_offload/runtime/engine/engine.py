@@ -1,6 +1,7 @@
 """The engine: a thin orchestrator of the components, with DeepSpeed's engine API.
 
-Built once from the validated config; the hot path (backward hooks, step) never re-reads it.
+Built once from the validated config (``assembly.py``); the hot path (backward hooks, step)
+never re-reads it.
 ``engine(*inputs)`` runs the module, ``backward(loss)`` scales the loss (fp16 scale, 1/GAS) and
 runs autograd while the reducer moves gradients out, ``step()`` updates at the accumulation
 boundary only.
@@ -84,12 +85,6 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
     def eval(self):
         return self.train(False)
 
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
     def gradient_accumulation_steps(self) -> int:
         return self.window.gas
 
@@ -146,7 +141,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         self.window.check_backward()
         factor = 1.0
         if driver == PLAIN:
-            if self.config.fp16.enabled and not self._loss_scaled:
+            if self._fp16 and not self._loss_scaled:
                 raise guards.unscaled_backward_error()
             factor = 1.0 / self.window.gas
         self._loss_scaled = False
@@ -169,7 +164,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         window = self.window
         window.begin_step(self.global_steps)
         self._before_step_counts = (self.global_steps, self.skipped_steps)
-        samples = self.config.train_micro_batch_size_per_gpu * self.world_size
+        samples = self._micro_batch * self.world_size
         if not window.managed:  # this step() is the boundary of its backwards
             samples *= window.backwards
             window.backwards = 0
@@ -230,7 +225,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         self.zero_grad()
         self.global_steps += 1
         self._overflows.after_step(overflow, scale, self.loss_scaler.loss_scale, self.global_steps)
-        every = self.config.steps_per_print
+        every = self._print_every
         if self.global_rank == 0 and every and self.global_steps % every == 0:
             self._log_step(overflow, every)
         if (

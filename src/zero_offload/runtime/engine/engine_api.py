@@ -117,6 +117,12 @@ class DeepSpeedEngineAPI:
         )
 
     # ---- configuration accessors ---------------------------------------------------------------
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
     def zero_optimization_stage(self) -> int:
         return int(self.stage)
 
