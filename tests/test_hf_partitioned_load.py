@@ -5,6 +5,8 @@ to the bit in fp32."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from hf_models import tiny_model
@@ -98,8 +100,31 @@ def test_each_rank_reads_only_the_rows_of_its_chunk(shape, world):
             assert (stop - start) * row <= (spec.hi - spec.lo) + 2 * row
 
 
+class _LiveParams:
+    """Every param registered on a module while installed, and the most elements they held at
+    once (materialized, not on the meta device), measured at each registration: a model built
+    whole holds all of them by its last registration; one partitioned while it is built holds
+    about one module's."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.refs: list[weakref.ref] = []
+        self.peak = 0
+        real = torch.nn.Module.register_parameter
+
+        def register(module, name, param):
+            real(module, name, param)
+            if param is not None:
+                self.refs.append(weakref.ref(param))
+            alive = [r() for r in self.refs]
+            held = sum(p.numel() for p in alive if p is not None and p.device.type != "meta")
+            self.peak = max(self.peak, held)
+
+        monkeypatch.setattr(torch.nn.Module, "register_parameter", register)
+
+
 def test_train_model_at_stage3_never_builds_the_whole_model(tmp_path, monkeypatch):
-    """The CLI's load: the model is partitioned while it is being built."""
+    """The CLI's load: the model is partitioned while it is being built (watched as it is built,
+    not only in the finished model)."""
     import zero_offload.hf.model as hf_model
 
     _save("llama", tmp_path / "m")
@@ -116,5 +141,12 @@ def test_train_model_at_stage3_never_builds_the_whole_model(tmp_path, monkeypatc
 
     dtype, zero3 = _load_plan(STAGE3)
     assert dtype == torch.float32 and zero3 is STAGE3
-    hf_model.load_causal_lm(str(tmp_path / "m"), dtype, zero3)
+    live = _LiveParams(monkeypatch)
+    model = hf_model.load_causal_lm(str(tmp_path / "m"), dtype, zero3)
     assert seen == [True]
+    total = sum(p.ds_numel for p in model.parameters())
+    largest_module = max(
+        sum(p.ds_numel for p in m.parameters(recurse=False)) for m in model.modules()
+    )
+    assert len(live.refs) == len(list(model.parameters()))  # every param was watched
+    assert 0 < live.peak <= largest_module < total / 4, (live.peak, largest_module, total)
