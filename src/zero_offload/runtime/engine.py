@@ -212,6 +212,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             self.scope,
             ignore_unused=bool(zc.ignore_unused_parameters),
             average=self.config.gradient_allreduce_op == "mean",
+            bucket_size=int(zc.reduce_bucket_size),
         )
         if self.param_store is not None:
             self.fetch_schedule = FetchSchedule(
@@ -519,8 +520,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         for part in parts:
             for k, v in part.items():
                 out[k] = out.get(k, 0) + v
-        if self.reducer.bucket_pool_bytes():
-            out["device.grad_buckets"] = self.reducer.bucket_pool_bytes()
+        for k, v in self.reducer.transient_peaks().items():
+            out[f"peak.{k}"] = v
         return out
 
     def expected_memory(self) -> dict[str, int]:
