@@ -145,6 +145,14 @@ class ReduceBuffers:
         self._alive = 0
 
     # ---- accounting ----------------------------------------------------------------------------
+    def bounds(self, esize: int) -> dict[str, int]:
+        """The most bytes the config allows: two buffers of the largest bucket within the cap,
+        and the full gradients of two of the largest bucket above it."""
+        sizes = [b.numel for g in self.groups for b in g.layout.buckets]
+        whole = max((n for n in sizes if n <= self.cap), default=0)
+        held = max((n for n in sizes if n > self.cap), default=0)
+        return {"reduce_buffers": 2 * whole * esize, "held_grads": 2 * held * esize}
+
     _alive = 0
 
     def reset_peak(self) -> None:

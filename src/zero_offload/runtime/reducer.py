@@ -289,6 +289,12 @@ class Reducer:
         self.streams.wait(None, self.stream)
         self._reset()
 
+    def bounds(self) -> dict[str, int]:
+        """Stage 2/3: the working-set bytes the config allows (see ``ReduceBuffers.bounds``)."""
+        if self.stage != 2 or not self.groups:
+            return {}
+        return self.bufs.bounds(self.groups[0].dtype.itemsize)
+
     def transient_peaks(self) -> dict[str, int]:
         """Stage 2/3: the most bytes of reduce buffers and of held full gradients at once."""
         if self.stage != 2:
