@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from . import estimate_step
+
 
 def _param_count(text: str) -> int:
     """``--params``: a finite count >= 1, written as an integer or a float (1.5e9)."""
@@ -41,7 +43,7 @@ def _positive_int(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", type=_param_count, help="parameter count, e.g. 1.5e9")
-    p.add_argument("--model", choices=["gpt2"], help="count the parameters of a model instead")
+    p.add_argument("--model", choices=["gpt2", "llama"], help="a model's shape instead of --params")
     p.add_argument("--num-layers", type=_positive_int, default=48)
     p.add_argument("--hidden-size", type=_positive_int, default=1600)
     p.add_argument("--num-attention-heads", type=_positive_int, default=16)
@@ -50,15 +52,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=_positive_int, default=1, help="data-parallel ranks (default 1)")
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="show only this stage")
     p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default="fp16")
+    estimate_step.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    from .errors import report
+
+    try:
+        return _run(args)
+    except (ValueError, FileNotFoundError) as err:
+        return report("estimate", err, getattr(args, "config", None))
+
+
+def _shape(args: argparse.Namespace):
+    """The model shape of ``--hf`` or ``--model llama`` (``--model gpt2``: see ``_run``)."""
+    from ..runtime.model_shape import ModelShape
+
+    if args.hf:
+        return ModelShape.from_path(args.hf)
+    if args.model == "llama":
+        return estimate_step.make_shape(args, "llama", args.num_layers, args.hidden_size,
+                                        args.num_attention_heads)  # fmt: skip
+    return None
+
+
+def _run(args: argparse.Namespace) -> int:
     import torch
 
     from ..runtime.memory import per_param_table
+    from ..runtime.model_shape import ModelShape
     from .errors import report
 
-    if args.model == "gpt2":
+    dtype_bytes = 4 if args.dtype == "fp32" else 2
+    if args.max_model:
+        return estimate_step.print_max_model(args, dtype_bytes)
+    shape = _shape(args)
+    if shape is not None:
+        numel = shape.numel()
+        what = f"{shape.kind} {shape.layers}x{shape.hidden} ({numel / 1e9:.3f}B params)"
+    elif args.model == "gpt2":
         from ..models.gpt2 import GPT2Config, num_parameters
 
         if args.hidden_size % args.num_attention_heads:
@@ -77,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
             vocab_size=args.vocab_size,
         )
         numel = num_parameters(cfg)
+        shape = ModelShape.from_config(cfg)
         if numel > 1e300:  # past what the GB columns (floats) can show
             return report(
                 "estimate",
@@ -116,4 +149,7 @@ def run(args: argparse.Namespace) -> int:
         "stage 3 also holds the gathered params of the modules running now "
         "(at most stage3_max_live_parameters), not included above"
     )
+    if shape is not None:
+        print()
+        estimate_step.print_step_table(args, shape, dtype_bytes)
     return 0

@@ -133,12 +133,17 @@ def working_set(shape: ModelShape, step: StepShape, plan: ZeroPlan) -> dict[str,
     out = {"activations": activation_bytes(shape, step, b), "logits": logit_bytes(shape, step, b)}
     largest = shape.largest_param()
     if plan.stage >= 2:
-        bucket = shape.largest_unit() if plan.stage == 3 else shape.numel()
-        count = min(2, -(-shape.numel() // plan.reduce_bucket_size))  # one bucket: one buffer
-        out["reduce_buffers"] = count * min(plan.reduce_bucket_size, bucket) * b
+        cap = plan.reduce_bucket_size
+        bucket = min(cap, shape.largest_unit() if plan.stage == 3 else shape.numel())
+        count = min(2, -(-shape.numel() // cap))  # one bucket: one buffer
+        # A tied embedding's bucket stays open from the head's backward to the embedding's:
+        # one more buffer within the cap, or its full gradient held above it.
+        tied = shape.vocab * shape.hidden if shape.tied else 0
+        extra = (tied if plan.stage == 3 else bucket) if 0 < tied <= cap else 0
+        out["reduce_buffers"] = (count * bucket + extra) * b
         big = shape.largest_unit() if plan.stage == 3 else largest
-        held = 2 * big if big > plan.reduce_bucket_size else big  # two in flight, as buffers
-        out["grads"] = (held + (shape.vocab * shape.hidden if shape.tied else 0)) * b
+        held = 2 * big if big > cap else big  # two in flight, as buffers
+        out["grads"] = (held + (tied if tied > cap else 0)) * b
     if plan.stage == 3:
         live = min(shape.numel(), plan.max_live + shape.largest_unit())
         out["gathered_params"] = live * b
