@@ -551,9 +551,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         also the step's predicted peak (``peak.*``, see ``memory_model.predict``) for the
         module's shape (its ``config``: this library's GPT-2 or a Hugging Face one), the micro
         batch (default: the config's) and activation checkpointing (default: the model's)."""
-        held = self._expected_states()
         if seq_length is None:
-            return held
+            return self._expected_states()
         cfg = getattr(self.module, "config", None)
         if cfg is None:
             raise ValueError(
@@ -568,7 +567,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         step = StepShape(micro_batch or self.train_micro_batch_size_per_gpu(), seq_length,
                          checkpointing)  # fmt: skip
         plan = ZeroPlan.from_config(self.config, self.world_size)
-        return predict(ModelShape.from_config(cfg), step, plan, held)
+        total = sum(g.layout.total for g in self.groups)
+        return predict(ModelShape.from_config(cfg), step, plan, numel=total)
 
     def _expected_states(self) -> dict[str, int]:
         total = sum(g.layout.total for g in self.groups)

@@ -95,12 +95,12 @@ class ZeroPlan:
         )
 
 
-def states(shape: ModelShape, plan: ZeroPlan) -> dict[str, int]:
-    """What ``initialize`` keeps per rank (``device.*``, ``host.*``, ``nvme.*``)."""
+def states(numel: int, plan: ZeroPlan) -> dict[str, int]:
+    """What ``initialize`` keeps per rank (``device.*``, ``host.*``, ``nvme.*``) for ``numel``
+    params (an engine's padded total, or the model's count)."""
     import torch
 
     dtype = {2: torch.bfloat16, 4: torch.float32}[plan.dtype_bytes]
-    numel = shape.numel()
     out = expected_bytes(numel, dtype, plan.stage, plan.world, plan.optimizer != "device",
                          plan.gas, plan.delayed, offload_param=plan.params != "device")  # fmt: skip
     shard = numel // plan.world if plan.stage else numel
@@ -166,7 +166,7 @@ def logit_bytes(shape: ModelShape, step: StepShape, b: int) -> int:
 
 
 def predict(
-    shape: ModelShape, step: StepShape, plan: ZeroPlan, held: dict[str, int] | None = None
+    shape: ModelShape, step: StepShape, plan: ZeroPlan, numel: int | None = None
 ) -> dict[str, int]:
     """States (``device.*``, ``host.*``, ``nvme.*``), the working set's terms
     (``peak.device.*``) and the step's peaks (``peak.device.total``, ``peak.host.total``).
@@ -176,8 +176,9 @@ def predict(
     gathered params) and the backward's (activations still saved, full gradients not yet reduced,
     reduce buffers, gathered params), an upper bound on the latter. With ``offload_param`` the
     gathered params are on the device; on a CPU-only run "device" and "host" are the same memory
-    (add them). ``held``: the states when known exactly (an engine's padded sizes)."""
-    out = dict(held) if held is not None else states(shape, plan)
+    (add them). ``numel``: the params the states hold when known exactly (an engine's padded
+    total), else the shape's count."""
+    out = states(shape.numel() if numel is None else numel, plan)
     work = working_set(shape, step, plan)
     for k, v in work.items():
         out[f"peak.device.{k}"] = v
