@@ -48,15 +48,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nvme-size", type=float, default=0.0, help="GB of NVMe per rank")
 
 
+def load(args: argparse.Namespace):
+    """``--config`` validated for ``--gpus`` ranks (``--micro-batch`` supplies its batch size)."""
+    from ..config.load import load_config
+
+    return load_config(args.config, args.gpus, micro_batch_size=args.micro_batch)
+
+
 def plan_for(
     args: argparse.Namespace, stage: int, opt: str, par: str, dtype_bytes: int
 ) -> ZeroPlan:
     """A placement row's plan: DeepSpeed's defaults, or the buffer sizes of ``--config``."""
     base = ZeroPlan(stage=stage, dtype_bytes=dtype_bytes, world=args.gpus)
     if args.config:
-        from ..config.load import load_config
-
-        base = ZeroPlan.from_config(load_config(args.config, args.gpus), args.gpus)
+        base = ZeroPlan.from_config(load(args), args.gpus)
     return dataclasses.replace(base, stage=stage, optimizer=opt, params=par,
                                dtype_bytes=dtype_bytes, world=args.gpus)  # fmt: skip
 
@@ -64,18 +69,14 @@ def plan_for(
 def step_of(args) -> StepShape:
     micro = args.micro_batch
     if micro is None and args.config:
-        from ..config.load import load_config
-
-        micro = load_config(args.config, args.gpus).train_micro_batch_size_per_gpu
+        micro = load(args).train_micro_batch_size_per_gpu
     return StepShape(micro or 1, args.seq_length, args.checkpoint_activations)
 
 
 def rows(args, shape: ModelShape, dtype_bytes: int) -> list[tuple[tuple, dict]]:
     step = step_of(args)
     if args.config and not args.max_model:
-        from ..config.load import load_config
-
-        plan = ZeroPlan.from_config(load_config(args.config, args.gpus), args.gpus)
+        plan = ZeroPlan.from_config(load(args), args.gpus)
         return [((plan.stage, plan.optimizer, plan.params), predict(shape, step, plan))]
     out = []
     for stage, opt, par in PLACEMENTS:
