@@ -95,7 +95,7 @@ class ZeroPlan:
         )
 
 
-def states(numel: int, plan: ZeroPlan) -> dict[str, int]:
+def states(numel: int, plan: ZeroPlan, shape: ModelShape | None = None) -> dict[str, int]:
     """What ``initialize`` keeps per rank (``device.*``, ``host.*``, ``nvme.*``) for ``numel``
     params (an engine's padded total, or the model's count)."""
     import torch
@@ -110,7 +110,18 @@ def states(numel: int, plan: ZeroPlan) -> dict[str, int]:
         out["host.nvme_buffers"] = plan.optimizer_buffers * 3 * _swap_chunk(shard, plan.chunk) * 4
     if plan.params == "nvme":
         out["nvme.param_shard"] = out.pop("host.param_shard")
+        if shape is not None:
+            out["host.param_spares"] = param_spares(shape, plan)
     return out
+
+
+def param_spares(shape: ModelShape, plan: ZeroPlan) -> int:
+    """NVMe params: read buffers kept for reuse, two per distinct slice size (each rounded to
+    whole 4096-byte blocks, plus one for an unaligned start), within ``max_in_cpu``."""
+    b = plan.dtype_bytes
+    sizes = {-(-sum(u) // plan.world) for u in shape.units()}
+    kept = sum(2 * (-(-n * b // 4096) + 1) * 4096 for n in sizes)
+    return min(kept, plan.max_in_cpu * b)
 
 
 def _swap_chunk(numel: int, chunk: int, align: int = 2048) -> int:
@@ -178,7 +189,7 @@ def predict(
     gathered params are on the device; on a CPU-only run "device" and "host" are the same memory
     (add them). ``numel``: the params the states hold when known exactly (an engine's padded
     total), else the shape's count."""
-    out = states(shape.numel() if numel is None else numel, plan)
+    out = states(shape.numel() if numel is None else numel, plan, shape)
     work = working_set(shape, step, plan)
     for k, v in work.items():
         out[f"peak.device.{k}"] = v
