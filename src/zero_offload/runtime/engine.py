@@ -531,6 +531,13 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             out["peak.device.gathered_params"] = self.param_store.peak_live * esize
         return out
 
+    def reset_peak_memory(self) -> None:
+        """Start the ``peak.*`` entries of ``memory_report()`` again from what is held now (the
+        first backward, before the reduction order is learned, can exceed a later step's)."""
+        self.reducer.bufs.reset_peak()
+        if self.param_store is not None:
+            self.param_store.peak_live = self.param_store.live
+
     def _working_set_bounds(self) -> dict[str, int]:
         """The step's transient bytes the config allows, known once the engine is built."""
         out = self.reducer.bounds()

@@ -28,16 +28,20 @@ from dataclasses import dataclass
 from .memory import expected_bytes
 from .model_shape import ModelShape
 
-# Per token per layer, saved for backward, in the training dtype: (x hidden, x ffn).
-# gpt2: residual in, ln out, qkv (3), attention out, its (b,s,h) copy, residual mid, ln2 out;
-#       fc1 out, gelu out. llama: residual in, norm out, q, k, v (rotated q, k: 2 more), attention
-#       out, its copy, residual mid, norm2 out; gate, up, act(gate), act*up.
-ACT_WORDS = {"gpt2": (9, 2), "llama": (11, 4)}
+# Per token per layer, saved for backward, in the training dtype: (x hidden, x ffn). Counted
+# with saved-tensor hooks on both models (torch's CPU SDPA returns its output already in
+# (batch, seq, heads, dim) order, so the projection's input is that output, not a copy):
+# gpt2: residual in, ln out, qkv (3), attention out, residual mid, ln2 out; fc1 out, gelu out.
+# llama: norm out and normalized (2 per norm), rotated q, k and v (3), attention out; gate, up,
+#        act(gate), act*up.
+ACT_WORDS = {"gpt2": (8, 2), "llama": (8, 4)}
 # fp32 words per token per layer besides (norm statistics; per head: log-sum-exp); llama's
-# RMSNorm computes in fp32 and saves its fp32 input and output (4 * hidden, in ACT_FP32_HIDDEN).
-ACT_FP32 = {"gpt2": 4, "llama": 2}
-ACT_FP32_HIDDEN = {"gpt2": 0, "llama": 4}
-LOGIT_COPIES = 3  # fp32 vocabulary-sized tensors alive at the head's backward
+# RMSNorm computes in fp32 and saves its fp32 input (2 * hidden, in ACT_FP32_HIDDEN).
+ACT_FP32 = {"gpt2": 4, "llama": 4}
+ACT_FP32_HIDDEN = {"gpt2": 0, "llama": 2}
+# fp32 vocabulary-sized tensors alive at the head's backward: the softmax output, its gradient
+# and the logits' gradient; a Hugging Face model's output also keeps the logits.
+LOGIT_COPIES = {"gpt2": 3, "llama": 4}
 
 
 @dataclass(frozen=True)
@@ -142,23 +146,37 @@ def working_set(shape: ModelShape, step: StepShape, plan: ZeroPlan) -> dict[str,
     """The step's transient bytes on the device per rank, by category."""
     b = plan.dtype_bytes
     out = {"activations": activation_bytes(shape, step, b), "logits": logit_bytes(shape, step, b)}
-    largest = shape.largest_param()
     if plan.stage >= 2:
         cap = plan.reduce_bucket_size
-        bucket = min(cap, shape.largest_unit() if plan.stage == 3 else shape.numel())
-        count = min(2, -(-shape.numel() // cap))  # one bucket: one buffer
+        # stage 3 reduces a bucket per unit, stage 2 greedy buckets of params (full at the cap)
+        sizes = [sum(u) for u in shape.units()] if plan.stage == 3 else shape.param_sizes()
+        # Stage 3: a unit's bucket, or a piece (at most the cap) of a larger one; stage 2:
+        # greedy buckets of the params within the cap (the rest: pieces of their own gradient).
+        small = [n for n in sizes if n <= cap]
+        if plan.stage == 3:
+            bucket, count = min(cap, max(sizes)), 2
+        else:
+            bucket = min(cap, max(sum(small), max(sizes)))
+            count = min(2, -(-shape.numel() // bucket))  # one bucket: one buffer
         # A tied embedding's bucket stays open from the head's backward to the embedding's:
         # one more buffer within the cap, or its full gradient held above it.
         tied = shape.vocab * shape.hidden if shape.tied else 0
         extra = (tied if plan.stage == 3 else bucket) if 0 < tied <= cap else 0
         out["reduce_buffers"] = (count * bucket + extra) * b
-        big = shape.largest_unit() if plan.stage == 3 else largest
-        held = 2 * big if big > cap else big  # two in flight, as buffers
-        out["grads"] = (held + (tied if tied > cap else 0)) * b
+        out["grads"] = (held_grads(sizes, cap) + (tied if tied > cap else 0)) * b
     if plan.stage == 3:
         live = min(shape.numel(), plan.max_live + shape.largest_unit())
         out["gathered_params"] = live * b
     return out
+
+
+def held_grads(sizes: list[int], cap: int) -> int:
+    """Full gradients alive at once: buckets above the cap keep theirs until their last piece
+    is reduced, two neighbours (in backward order) in flight; below it, one param's gradient
+    before the hook copies it."""
+    big = [a + b for a, b in zip(sizes, sizes[1:]) if a > cap and b > cap]
+    big += [n for n in sizes if n > cap]
+    return max(big) if big else max(sizes, default=0)
 
 
 def activation_bytes(shape: ModelShape, step: StepShape, b: int) -> int:
@@ -172,7 +190,7 @@ def activation_bytes(shape: ModelShape, step: StepShape, b: int) -> int:
 
 
 def logit_bytes(shape: ModelShape, step: StepShape, b: int) -> int:
-    per_token = shape.vocab * (LOGIT_COPIES * 4 + (b if b < 4 else 0))
+    per_token = shape.vocab * (LOGIT_COPIES[shape.kind] * 4 + (b if b < 4 else 0))
     return step.tokens * per_token
 
 
@@ -197,7 +215,13 @@ def predict(
     for k, v in host.items():
         out[f"peak.host.{k}"] = v
     gathered = work.get("gathered_params", 0)
-    head = work["activations"] + work["logits"] + gathered
+    # the head's backward: its logits' gradients beside its own weight's gradient
+    head = (
+        work["activations"]
+        + work["logits"]
+        + gathered
+        + shape.vocab * shape.hidden * plan.dtype_bytes
+    )
     backward = work["activations"] + gathered + work.get("grads", 0)
     backward += work.get("reduce_buffers", 0)
     for where, extra in (("device", max(head, backward)), ("host", sum(host.values()))):

@@ -103,6 +103,10 @@ class ModelShape:
         emb = v * h + self.positions * h + (0 if self.tied else v * h)
         return emb + self.layers * per_layer + (2 * h if self.kind == "gpt2" else h)
 
+    def param_sizes(self) -> list[int]:
+        """Every param's size in module order."""
+        return [n for u in self.units() for n in u]
+
     def largest_param(self) -> int:
         return max(n for u in self.units() for n in u)
 
