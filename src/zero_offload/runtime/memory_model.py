@@ -13,7 +13,8 @@ config says) + the step's working set, every term from the config and the model 
 - ``logits``: the LM head's output and the fp32 loss's softmax and gradients (``LOGIT_COPIES``
   vocabulary-sized fp32 tensors at once), the largest transient of a small model;
 - ``nvme_buffers`` (host state, NVMe optimizer): ``buffer_count`` records of a chunk's three fp32
-  tensors; ``swap_reads`` (host, NVMe params): the read-ahead of ``buffer_count`` units' shards.
+  tensors; ``swap_reads`` (host, NVMe params): a read beside the buffers kept for reuse
+  (``host.param_spares``, two per slice size within ``max_in_cpu``).
 
 The activation constants are counted from the code path of each model kind (``ModelShape``):
 per token and layer, the saved tensors in the training dtype (``ACT_WORDS``, in units of hidden
@@ -134,12 +135,13 @@ def _swap_chunk(numel: int, chunk: int, align: int = 2048) -> int:
 
 
 def host_working_set(shape: ModelShape, plan: ZeroPlan) -> dict[str, int]:
-    """The step's transient host bytes: NVMe param reads ahead of the gathers (``buffer_count``
-    units' shards, within ``max_in_cpu``)."""
+    """The step's transient host bytes: an NVMe param read not served by a kept buffer (the
+    read-ahead reuses the buffers counted in ``host.param_spares``): one unit's shard, within
+    ``max_in_cpu``."""
     if plan.params != "nvme":
         return {}
-    ahead = plan.param_buffers * -(-shape.largest_unit() // plan.world)
-    return {"swap_reads": min(plan.max_in_cpu, ahead, shape.numel()) * plan.dtype_bytes}
+    one = -(-shape.largest_unit() // plan.world)
+    return {"swap_reads": min(plan.max_in_cpu, one) * plan.dtype_bytes}
 
 
 def working_set(shape: ModelShape, step: StepShape, plan: ZeroPlan) -> dict[str, int]:
