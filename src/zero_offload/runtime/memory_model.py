@@ -121,12 +121,19 @@ def states(numel: int, plan: ZeroPlan, shape: ModelShape | None = None) -> dict[
 
 
 def param_spares(shape: ModelShape, plan: ZeroPlan) -> int:
-    """NVMe params: read buffers kept for reuse, two per distinct slice size (each rounded to
-    whole 4096-byte blocks, plus one for an unaligned start), within ``max_in_cpu``."""
-    b = plan.dtype_bytes
-    sizes = {-(-sum(u) // plan.world) for u in shape.units()}
-    kept = sum(2 * (-(-n * b // 4096) + 1) * 4096 for n in sizes)
-    return min(kept, plan.max_in_cpu * b)
+    """NVMe params: buffers kept for reuse, two per buffer size, within ``max_in_cpu``. A read
+    buffer covers its slice's whole 4096-byte blocks, so its size depends on where the slice
+    starts: the unit layout is walked to find the sizes. The update's writes add their own
+    (update chunks of the shard)."""
+    b, pad, start, sizes = plan.dtype_bytes, plan.world * 16, 0, set()
+    for u in reversed(shape.units()):  # flat order: reverse registration
+        n = max(-(-sum(u) // pad) * pad, pad) // plan.world
+        lo, hi = start * b // 4096 * 4096, -(-(start + n) * b // 4096) * 4096
+        sizes.add(hi - lo)
+        start += n
+    chunk = min(plan.chunk, start)
+    sizes |= {-(-chunk * b // 4096) * 4096, -(-(start % chunk or chunk) * b // 4096) * 4096}
+    return min(2 * sum(sizes), plan.max_in_cpu * b)
 
 
 def _swap_chunk(numel: int, chunk: int, align: int = 2048) -> int:
