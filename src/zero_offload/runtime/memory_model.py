@@ -13,8 +13,8 @@ config says) + the step's working set, every term from the config and the model 
 - ``logits``: the LM head's output and the fp32 loss's softmax and gradients (``LOGIT_COPIES``
   vocabulary-sized fp32 tensors at once), the largest transient of a small model;
 - ``nvme_buffers`` (host state, NVMe optimizer): ``buffer_count`` records of a chunk's three fp32
-  tensors; ``swap_reads`` (host, NVMe params): a read beside the buffers kept for reuse
-  (``host.param_spares``, two per slice size within ``max_in_cpu``).
+  tensors; ``swap_reads`` (host, NVMe params): reads ahead beside the buffers kept for
+  reuse (``host.param_spares``, up to two per buffer size, within ``max_in_cpu``).
 
 The activation constants are counted from the code path of each model kind (``ModelShape``):
 per token and layer, the saved tensors in the training dtype (``ACT_WORDS``, in units of hidden
@@ -24,6 +24,7 @@ and ffn) and in fp32 (norm statistics, attention log-sum-exp). The benchmark
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 from .memory import expected_bytes
@@ -121,19 +122,21 @@ def states(numel: int, plan: ZeroPlan, shape: ModelShape | None = None) -> dict[
 
 
 def param_spares(shape: ModelShape, plan: ZeroPlan) -> int:
-    """NVMe params: buffers kept for reuse, two per buffer size, within ``max_in_cpu``. A read
-    buffer covers its slice's whole 4096-byte blocks, so its size depends on where the slice
-    starts: the unit layout is walked to find the sizes. The update's writes add their own
-    (update chunks of the shard)."""
-    b, pad, start, sizes = plan.dtype_bytes, plan.world * 16, 0, set()
+    """NVMe params: buffers kept for reuse, up to two per buffer size (one where only one
+    buffer of that size is ever used), within ``max_in_cpu``. A read buffer covers its slice's
+    whole 4096-byte blocks, so its size depends on where the slice starts: the unit layout is
+    walked to find the sizes. The update's writes add theirs (update chunks of the shard)."""
+    b, pad, start = plan.dtype_bytes, plan.world * 16, 0
+    count: collections.Counter = collections.Counter()
     for u in reversed(shape.units()):  # flat order: reverse registration
         n = max(-(-sum(u) // pad) * pad, pad) // plan.world
-        lo, hi = start * b // 4096 * 4096, -(-(start + n) * b // 4096) * 4096
-        sizes.add(hi - lo)
+        count[-(-(start + n) * b // 4096) * 4096 - start * b // 4096 * 4096] += 1
         start += n
     chunk = min(plan.chunk, start)
-    sizes |= {-(-chunk * b // 4096) * 4096, -(-(start % chunk or chunk) * b // 4096) * 4096}
-    return min(2 * sum(sizes), plan.max_in_cpu * b)
+    count[-(-chunk * b // 4096) * 4096] += start // chunk
+    if start % chunk:
+        count[-(-(start % chunk) * b // 4096) * 4096] += 1
+    return min(sum(size * min(2, k) for size, k in count.items()), plan.max_in_cpu * b)
 
 
 def _swap_chunk(numel: int, chunk: int, align: int = 2048) -> int:
@@ -142,13 +145,13 @@ def _swap_chunk(numel: int, chunk: int, align: int = 2048) -> int:
 
 
 def host_working_set(shape: ModelShape, plan: ZeroPlan) -> dict[str, int]:
-    """The step's transient host bytes: an NVMe param read not served by a kept buffer (the
-    read-ahead reuses the buffers counted in ``host.param_spares``): one unit's shard, within
-    ``max_in_cpu``."""
+    """The step's transient host bytes: NVMe param reads ahead of the gathers beside the buffers
+    kept for reuse (``host.param_spares``): ``offload_param.buffer_count`` slots of a layer's
+    largest unit, within ``max_in_cpu``."""
     if plan.params != "nvme":
         return {}
-    one = -(-shape.largest_unit() // plan.world)
-    return {"swap_reads": min(plan.max_in_cpu, one) * plan.dtype_bytes}
+    unit = -(-max(sum(u) for u in shape.layer_units()) // plan.world)
+    return {"swap_reads": min(plan.max_in_cpu, plan.param_buffers * unit) * plan.dtype_bytes}
 
 
 def working_set(shape: ModelShape, step: StepShape, plan: ZeroPlan) -> dict[str, int]:
