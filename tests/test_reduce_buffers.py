@@ -76,6 +76,7 @@ def train(stage: int, bucket: int, steps: int = 3) -> dict:
         "buckets": [b.numel for g in engine.groups for b in g.layout.buckets],
         "report": engine.memory_report(),
         "learned": engine.reducer.learned,
+        "bounds": engine.reducer.bounds(),
     }
 
 
@@ -86,6 +87,9 @@ def cases() -> dict:
 def _check(results: dict) -> None:
     for (stage, bucket), r in results.items():
         assert r["learned"], (stage, bucket)
+        # a full gradient is freed once its bucket is reduced: two buckets' worth at most
+        held = r["report"]["peak.device.held_grads"]
+        assert held <= r["bounds"]["held_grads"], (stage, bucket, held, r["bounds"])
         assert r["largest"] <= r["cap"], (stage, bucket, r["largest"], r["cap"])
         if bucket == BUCKET:
             assert max(r["buckets"]) > r["cap"]  # the pieces path really ran

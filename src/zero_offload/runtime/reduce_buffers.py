@@ -64,7 +64,7 @@ class ReduceBuffers:
                 self.held[(key[0], i)].add_(grad)
             else:
                 self.held[(key[0], i)] = grad
-                self._count("held_grads", grad.numel() * grad.element_size())
+                self._count_held()
             return
         buf = self.buffers.get(key)
         if buf is None:
@@ -135,7 +135,7 @@ class ReduceBuffers:
             grad = self.held.pop((key[0], i), None)
             if grad is not None:
                 keep_alive(grad)
-                self._count("held_grads", -grad.numel() * grad.element_size())
+        self._count_held()
 
     def clear(self) -> None:
         """An abandoned backward: nothing in flight any more, drop everything."""
@@ -165,6 +165,11 @@ class ReduceBuffers:
         self.largest_buffer = max(self.largest_buffer, numel)
         self._count("reduce_buffers", numel * buf.element_size(), buffer=1)
         return buf
+
+    def _count_held(self) -> None:
+        """Held bytes are what the dict references (the truth, not a running sum)."""
+        now = sum(g.numel() * g.element_size() for g in self.held.values())
+        self._count("held_grads", now - self.live["held_grads"])
 
     def _count(self, name: str, nbytes: int, buffer: int = 0) -> None:
         self.live[name] += nbytes
