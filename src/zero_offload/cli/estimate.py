@@ -76,12 +76,38 @@ def _shape(args: argparse.Namespace):
     return None
 
 
+def _gpt2(args: argparse.Namespace):
+    """``--model gpt2``: its parameter count and shape (ValueError for sizes it cannot show)."""
+    from ..models.gpt2 import GPT2Config, num_parameters
+    from ..runtime.model_shape import ModelShape
+
+    if args.hidden_size % args.num_attention_heads:
+        raise ValueError(
+            f"--hidden-size {args.hidden_size} must be divisible by "
+            f"--num-attention-heads {args.num_attention_heads}"
+        )
+    cfg = GPT2Config(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+    )
+    numel = num_parameters(cfg)
+    if numel > 1e300:  # past what the GB columns (floats) can show
+        raise ValueError(
+            f"the GPT-2 of --num-layers {args.num_layers}, --hidden-size "
+            f"{args.hidden_size}, --vocab-size {args.vocab_size}, --seq-length "
+            f"{args.seq_length} has about 1e{len(str(numel)) - 1} params, too many to "
+            "estimate; give sizes of a real model"
+        )
+    return numel, ModelShape.from_config(cfg)
+
+
 def _run(args: argparse.Namespace) -> int:
     import torch
 
     from ..runtime.memory import per_param_table
-    from ..runtime.model_shape import ModelShape
-    from .errors import report
 
     dtype_bytes = 4 if args.dtype == "fp32" else 2
     if args.max_model:
@@ -91,35 +117,7 @@ def _run(args: argparse.Namespace) -> int:
         numel = shape.numel()
         what = f"{shape.kind} {shape.layers}x{shape.hidden} ({numel / 1e9:.3f}B params)"
     elif args.model == "gpt2":
-        from ..models.gpt2 import GPT2Config, num_parameters
-
-        if args.hidden_size % args.num_attention_heads:
-            return report(
-                "estimate",
-                ValueError(
-                    f"--hidden-size {args.hidden_size} must be divisible by "
-                    f"--num-attention-heads {args.num_attention_heads}"
-                ),
-            )
-        cfg = GPT2Config(
-            num_layers=args.num_layers,
-            hidden_size=args.hidden_size,
-            num_attention_heads=args.num_attention_heads,
-            seq_length=args.seq_length,
-            vocab_size=args.vocab_size,
-        )
-        numel = num_parameters(cfg)
-        shape = ModelShape.from_config(cfg)
-        if numel > 1e300:  # past what the GB columns (floats) can show
-            return report(
-                "estimate",
-                ValueError(
-                    f"the GPT-2 of --num-layers {args.num_layers}, --hidden-size "
-                    f"{args.hidden_size}, --vocab-size {args.vocab_size}, --seq-length "
-                    f"{args.seq_length} has about 1e{len(str(numel)) - 1} params, too many to "
-                    "estimate; give sizes of a real model"
-                ),
-            )
+        numel, shape = _gpt2(args)
         what = f"GPT-2 {args.num_layers}x{args.hidden_size} ({numel / 1e9:.3f}B params)"
     elif args.params is not None:
         numel = args.params
