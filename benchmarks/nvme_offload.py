@@ -62,11 +62,11 @@ def disk(path: Path, gib: float, threads: int) -> dict:
 
 # ---- 2. the update path --------------------------------------------------------------------------
 def update(path: Path, million: float, reps: int, threads: int) -> dict:
+    from zero_offload.core.shard_state import MemoryState
     from zero_offload.kernels.host_adam import host_adam_step
     from zero_offload.nvme.aio import AioEngine, AioPolicy
     from zero_offload.nvme.optimizer_state import NvmeOptimizerState
     from zero_offload.runtime.update.placement import MAX_CHUNK
-    from zero_offload.core.shard_state import MemoryState
 
     n = int(million * 1e6) // 2048 * 2048
     grad = torch.randn(n).bfloat16()

@@ -242,3 +242,31 @@ def test_nvme_offload_benchmark_runs(tmp_path: Path) -> None:
         assert section in done.stdout, done.stdout
     assert "losses equal: True" in done.stdout, done.stdout
     assert not any(tmp_path.rglob("*.swp"))
+
+
+def test_memory_model_benchmark_row(tmp_path: Path) -> None:
+    """One row of the memory benchmark: the worker measures a step and the engine's prediction
+    is printed beside it (allocated bytes from the allocator's events, not RSS)."""
+    out = tmp_path / "rows.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "memory_model.py"),
+            "--sizes",
+            "small",
+            "--placements",
+            "stage3-cpu",
+            "--json",
+            str(out),
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    ours = row["ours"]
+    predicted = ours["predicted"]["peak.device.total"] + ours["predicted"]["peak.host.total"]
+    assert 0.8 < (ours["states"] + ours["working"]) / predicted < 1.2
+    assert "stage3-cpu" in done.stdout

@@ -53,3 +53,66 @@ def test_formula_per_param():
         and sum(v for k, v in off.items() if k.startswith("device.")) == 2 * n
     )
     assert sum(v for k, v in off.items() if k.startswith("host.")) == (12 + 2 + 2) * n // 4
+
+
+# ---- the step's peak and --max-model ----------------------------------------------------------
+GPT2_FLAGS = ["--model", "gpt2", "--num-layers", "4", "--hidden-size", "256",
+              "--num-attention-heads", "4", "--seq-length", "128", "--vocab-size", "1024"]  # fmt: skip
+
+
+def _step_rows(out: str) -> dict:
+    lines = out.split("step peak per rank")[1].splitlines()[2:]
+    return {tuple(line.split()[:3]): [float(x) for x in line.split()[3:6]] for line in lines}
+
+
+def test_step_peak_per_placement_is_the_model(capsys):
+    from zero_offload.runtime.engine.memory_model import StepShape, ZeroPlan, predict
+    from zero_offload.runtime.engine.model_shape import ModelShape
+
+    assert main(["estimate", *GPT2_FLAGS, "--micro-batch", "2", "--dtype", "fp32"]) == 0
+    rows = _step_rows(capsys.readouterr().out)
+    assert len(rows) == 11  # every stage and placement
+    shape = ModelShape.gpt2(4, 256, 4, 1024, 128)
+    plan = ZeroPlan(stage=2, dtype_bytes=4, optimizer="host")
+    want = predict(shape, StepShape(2, 128), plan)
+    assert rows[("2", "cpu", "-")][:2] == [
+        round(want[f"peak.{w}.total"] / 1e9, 2) for w in ("device", "host")
+    ]
+    assert rows[("3", "cpu", "cpu")][0] < rows[("2", "cpu", "-")][0] < rows[("2", "none", "-")][0]
+
+
+def test_step_peak_of_a_config_and_a_hf_folder(tmp_path, capsys):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "vocab_size": 512}))  # fmt: skip
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 3, "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}))  # fmt: skip
+    assert main(["estimate", "--hf", str(tmp_path), "--config", str(ds), "--seq-length", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "llama 2x64" in out and "micro batch 3" in out
+    assert list(_step_rows(out)) == [("3", "cpu", "cpu")]
+
+
+def test_max_model_fits_and_one_more_layer_does_not(capsys):
+    from zero_offload.runtime.engine.memory_model import StepShape, ZeroPlan, predict
+    from zero_offload.runtime.engine.model_shape import ModelShape
+
+    args = ["--max-model", "--device-memory", "2", "--host-memory", "16", "--stage", "2",
+            "--seq-length", "512", "--vocab-size", "50257"]  # fmt: skip
+    assert main(["estimate", *args]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.split()[:2] == ["2", "cpu"]][0]
+    layers, hidden = int(line.split()[4]), int(line.split()[5])
+    plan, step = ZeroPlan(stage=2, optimizer="host"), StepShape(1, 512)
+    heads = {768: 12, 1024: 16, 1536: 16, 2048: 16, 2560: 32}[hidden]
+    fit = predict(ModelShape.gpt2(layers, hidden, heads, 50257, 512), step, plan)
+    over = predict(ModelShape.gpt2(layers + 1, hidden, heads, 50257, 512), step, plan)
+    assert fit["peak.device.total"] <= 2e9 and fit["peak.host.total"] <= 16e9  # it fits
+    assert over["peak.device.total"] > 2e9 or over["peak.host.total"] > 16e9  # the deepest
+
+
+def test_max_model_needs_device_memory(capsys):
+    assert main(["estimate", "--max-model"]) == 2
+    assert "--device-memory" in capsys.readouterr().err

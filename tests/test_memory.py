@@ -44,8 +44,9 @@ def accounting(dtype: str = "bf16") -> list[dict]:
                 "data": data,
                 "world": dist.world_size(),
                 "grads_kept": grads_after_backward,
-                "pool": engine.reducer.pool_size,
-                "bucket": engine.reducer.max_bucket,
+                "buffers": engine.reducer.bufs.peak_buffers,
+                "largest": engine.reducer.bufs.largest_buffer,
+                "cap": engine.reducer.bufs.cap,
             }
         )
     return out
@@ -54,7 +55,7 @@ def accounting(dtype: str = "bf16") -> list[dict]:
 def _check(results: list[dict]) -> None:
     for r in results:
         have = dict(r["have"])
-        buckets = have.pop("device.grad_buckets", 0)
+        peaks = {k: have.pop(k) for k in list(have) if k.startswith("peak.")}
         assert have == r["want"], r["case"]
         stage = r["case"][0]
         assert r["padded"] % r["world"] == 0 and r["padded"] >= r["data"]
@@ -68,7 +69,9 @@ def _check(results: list[dict]) -> None:
                 "stage 2 must release p.grad in backward"
             )
             assert "device.grads" not in have  # no full-size gradient buffer
-            assert 1 <= r["pool"] <= 2 and buckets == r["pool"] * r["bucket"] * b
+            # reduce buffers: each within reduce_bucket_size, and a bounded number at once
+            assert 1 <= r["buffers"] <= 3 and r["largest"] <= r["cap"]
+            assert 0 < peaks["peak.device.reduce_buffers"] <= r["buffers"] * r["cap"] * b
         else:
             assert all(all(k) for k in r["grads_kept"])  # p.grad views of the flat grad buffer
 

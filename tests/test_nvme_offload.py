@@ -132,6 +132,23 @@ def test_param_shard_reads_writes_and_cache(tmp_path):
     nv.close()
 
 
+def test_param_shard_host_buffers_stay_within_max_in_cpu(tmp_path):
+    """The cache and the buffers kept for reuse together: at most max_in_cpu elements (each
+    distinct slice size used to keep two buffers of its own, whatever the limit)."""
+    aio = AioEngine(AioPolicy())
+    nv = NvmeParamShard(tmp_path, "p", 40_000, torch.bfloat16, aio, pin=False, max_in_cpu=6000)
+    nv.write(0, torch.randn(40_000).bfloat16())
+    lo = 0
+    for n in range(2500, 3800, 100):  # distinct sizes, each read into the cache then evicted
+        nv.read(lo, lo + n)
+        lo += n
+    kept = sum(b.numel() for bufs in nv._spare.values() for b in bufs) // 2
+    assert nv.cached + kept <= 6000, (nv.cached, kept)
+    report = nv.nbytes()
+    assert report["host.param_cache"] + report["host.param_spares"] <= 6000 * 2
+    nv.close()
+
+
 @pytest.mark.parametrize("fail_at", [("read", 4), ("write", 3), ("body", 2)])
 def test_failed_update_commits_nothing(tmp_path, fail_at):
     """A failure at any chunk of a six-chunk update leaves every chunk's committed state."""

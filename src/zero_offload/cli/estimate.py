@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from . import estimate_step
+
 
 def _param_count(text: str) -> int:
     """``--params``: a finite count >= 1, written as an integer or a float (1.5e9)."""
@@ -41,7 +43,7 @@ def _positive_int(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", type=_param_count, help="parameter count, e.g. 1.5e9")
-    p.add_argument("--model", choices=["gpt2"], help="count the parameters of a model instead")
+    p.add_argument("--model", choices=["gpt2", "llama"], help="a model's shape instead of --params")
     p.add_argument("--num-layers", type=_positive_int, default=48)
     p.add_argument("--hidden-size", type=_positive_int, default=1600)
     p.add_argument("--num-attention-heads", type=_positive_int, default=16)
@@ -50,18 +52,78 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=_positive_int, default=1, help="data-parallel ranks (default 1)")
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="show only this stage")
     p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default="fp16")
+    estimate_step.add_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from ..runtime.engine.memory import per_param_table
     from .errors import report
 
     try:
-        numel, what = _model_size(args)
-    except _SizeError as e:
-        return report("estimate", ValueError(str(e)))
+        return _run(args)
+    except (ValueError, FileNotFoundError) as err:
+        return report("estimate", err, getattr(args, "config", None))
+
+
+def _shape(args: argparse.Namespace):
+    """The model shape of ``--hf`` or ``--model llama`` (``--model gpt2``: see ``_run``)."""
+    from ..runtime.engine.model_shape import ModelShape
+
+    if args.hf:
+        return ModelShape.from_path(args.hf)
+    if args.model == "llama":
+        return estimate_step.make_shape(args, "llama", args.num_layers, args.hidden_size,
+                                        args.num_attention_heads)  # fmt: skip
+    return None
+
+
+def _gpt2(args: argparse.Namespace):
+    """``--model gpt2``: its parameter count and shape (ValueError for sizes it cannot show)."""
+    from ..models.gpt2 import GPT2Config, num_parameters
+    from ..runtime.engine.model_shape import ModelShape
+
+    if args.hidden_size % args.num_attention_heads:
+        raise ValueError(
+            f"--hidden-size {args.hidden_size} must be divisible by "
+            f"--num-attention-heads {args.num_attention_heads}"
+        )
+    cfg = GPT2Config(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        vocab_size=args.vocab_size,
+    )
+    numel = num_parameters(cfg)
+    if numel > 1e300:  # past what the GB columns (floats) can show
+        raise ValueError(
+            f"the GPT-2 of --num-layers {args.num_layers}, --hidden-size "
+            f"{args.hidden_size}, --vocab-size {args.vocab_size}, --seq-length "
+            f"{args.seq_length} has about 1e{len(str(numel)) - 1} params, too many to "
+            "estimate; give sizes of a real model"
+        )
+    return numel, ModelShape.from_config(cfg)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..runtime.engine.memory import per_param_table
+
+    dtype_bytes = 4 if args.dtype == "fp32" else 2
+    if args.max_model:
+        return estimate_step.print_max_model(args, dtype_bytes)
+    shape = _shape(args)
+    if shape is not None:
+        numel = shape.numel()
+        what = f"{shape.kind} {shape.layers}x{shape.hidden} ({numel / 1e9:.3f}B params)"
+    elif args.model == "gpt2":
+        numel, shape = _gpt2(args)
+        what = f"GPT-2 {args.num_layers}x{args.hidden_size} ({numel / 1e9:.3f}B params)"
+    elif args.params is not None:
+        numel = args.params
+        what = f"{numel / 1e9:.3f}B params"
+    else:
+        raise SystemExit("estimate: give --params N or --model gpt2 (with its size flags)")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     print(
         f"model-state memory for {what}, {args.dtype} training with Adam, {args.gpus} rank(s); "
@@ -85,40 +147,7 @@ def run(args: argparse.Namespace) -> int:
         "stage 3 also holds the gathered params of the modules running now "
         "(at most stage3_max_live_parameters), not included above"
     )
+    if shape is not None:
+        print()
+        estimate_step.print_step_table(args, shape, dtype_bytes)
     return 0
-
-
-class _SizeError(ValueError):
-    """Model size flags that describe no model the table can show."""
-
-
-def _model_size(args: argparse.Namespace) -> tuple[int, str]:
-    """(params, description) from --params or --model gpt2 and its size flags; ``_SizeError``
-    names the flags that are wrong."""
-    if args.model != "gpt2":
-        if args.params is None:
-            raise SystemExit("estimate: give --params N or --model gpt2 (with its size flags)")
-        return args.params, f"{args.params / 1e9:.3f}B params"
-    from ..models.gpt2 import GPT2Config, num_parameters
-
-    if args.hidden_size % args.num_attention_heads:
-        raise _SizeError(
-            f"--hidden-size {args.hidden_size} must be divisible by "
-            f"--num-attention-heads {args.num_attention_heads}"
-        )
-    cfg = GPT2Config(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        seq_length=args.seq_length,
-        vocab_size=args.vocab_size,
-    )
-    numel = num_parameters(cfg)
-    if numel > 1e300:  # past what the GB columns (floats) can show
-        raise _SizeError(
-            f"the GPT-2 of --num-layers {args.num_layers}, --hidden-size "
-            f"{args.hidden_size}, --vocab-size {args.vocab_size}, --seq-length "
-            f"{args.seq_length} has about 1e{len(str(numel)) - 1} params, too many to "
-            "estimate; give sizes of a real model"
-        )
-    return numel, f"GPT-2 {args.num_layers}x{args.hidden_size} ({numel / 1e9:.3f}B params)"

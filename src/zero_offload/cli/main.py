@@ -11,7 +11,10 @@ import sys
 COMMANDS = {
     "train": ("zero_offload.cli.train", "train a GPT-2 on a built-in corpus (the main job)"),
     "launch": ("zero_offload.cli.launch", "launch a script on N ranks (DeepSpeed launcher flags)"),
-    "estimate": ("zero_offload.cli.estimate", "model-state memory per device and host, per stage"),
+    "estimate": (
+        "zero_offload.cli.estimate",
+        "memory per device and host, per stage and placement; the largest model that fits",
+    ),
     "env": ("zero_offload.cli.env", "report torch, devices and the active host update kernel"),
     "bench": ("zero_offload.cli.bench", "benchmark the host update path against the anchors"),
     "export": ("zero_offload.cli.export", "export a checkpoint as one safetensors state dict"),

@@ -432,7 +432,8 @@ def _describe(engine, job: Job, ds_config: dict[str, Any], steps: int) -> None:
         f"{_tokens_per_step(engine, job.seq_length)} tokens/step, {steps} steps"
     )
     report_ = engine.memory_report()
-    print("model states: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in report_.items()))
+    states = {k: v for k, v in report_.items() if not k.startswith("peak.")}
+    print("model states: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in states.items()))
 
 
 def _train(

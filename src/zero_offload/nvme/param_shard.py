@@ -15,8 +15,10 @@ Invariants:
   the file is current for every reader;
 - a buffer is never reused or freed while a request on it is in flight (the cache and
   ``pending`` hold the request with its buffer until it was waited for); on the CPU a dropped
-  buffer is kept for reuse (a few per size: no page faults per fetch), pinned ones go back to
-  torch's pinned allocator, which knows when a non-blocking copy from them has finished;
+  buffer is kept for reuse (two per size: no page faults per fetch) while the cache and the kept
+  buffers together stay within ``max_in_cpu`` elements (DeepSpeed's meaning: the param elements
+  kept in host memory), pinned ones go back to torch's pinned allocator, which knows when a
+  non-blocking copy from them has finished;
 - ``sums[j]`` is the checksum of what this run last wrote to block j of the file
   (``known[j]``: it wrote it), taken before the write is submitted; every read is checked
   against it, and every read first checks that the file is still the one this run created, so
@@ -65,6 +67,7 @@ class NvmeParamShard:
         self.pending: list = []  # (lo, hi, buffer, request) of writes in flight
         self.ahead_hits = 0  # fetches served by a read-ahead (how well the guesses work)
         self._spare: dict[int, list[torch.Tensor]] = {}  # free buffers by size (CPU only)
+        self.spare_bytes = 0  # bytes of the buffers in _spare
         self.close = own_file(self, self.file)  # scratch: removed with this object or at exit
 
     # ---- addressing ----------------------------------------------------------------------------
@@ -102,12 +105,17 @@ class NvmeParamShard:
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         spare = self._spare.get(nbytes)
-        return spare.pop() if spare else aligned_empty(nbytes, self.pin)
+        if not spare:
+            return aligned_empty(nbytes, self.pin)
+        self.spare_bytes -= nbytes
+        return spare.pop()
 
     def _recycle(self, buf: torch.Tensor) -> None:
         spare = self._spare.setdefault(buf.numel(), [])
-        if not self.pin and len(spare) < 2:
+        kept = (self.spare_bytes + buf.numel()) // self.itemsize + self.cached
+        if not self.pin and len(spare) < 2 and kept <= self.max_in_cpu:
             spare.append(buf)
+            self.spare_bytes += buf.numel()
 
     def flush(self, lo: int = 0, hi: int | None = None) -> None:
         """Wait for the pending writes overlapping elements [lo, hi) (all by default)."""
@@ -185,6 +193,14 @@ class NvmeParamShard:
     def _insert(self, key: tuple[int, int], entry) -> None:
         self.cache[key] = entry
         self.cached += key[1] - key[0]
+        self._trim_spares()
+
+    def _trim_spares(self) -> None:
+        """Free kept buffers, largest first, until they fit beside the cache in max_in_cpu."""
+        for size in sorted(self._spare, reverse=True):
+            bufs = self._spare[size]
+            while bufs and self.spare_bytes // self.itemsize + self.cached > self.max_in_cpu:
+                self.spare_bytes -= bufs.pop().numel()
 
     def _drop(self, key: tuple[int, int]) -> None:
         buf, _, req, _ = self.cache.pop(key)
@@ -229,7 +245,10 @@ class NvmeParamShard:
         self._recycle(buf)
 
     def nbytes(self) -> dict[str, int]:
-        return {"host.param_cache": self.cached * self.itemsize}
+        return {
+            "host.param_cache": self.cached * self.itemsize,
+            "host.param_spares": self.spare_bytes,
+        }
 
 
 @dataclass(frozen=True)

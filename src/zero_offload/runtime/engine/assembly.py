@@ -37,6 +37,7 @@ from ..update.state_build import build_nvme_params, build_states, preflight
 from ..update.zero_optimizer import ZeroOptimizer
 from . import guards
 from .loss_scaler import build_loss_scaler
+from .memory_model import ZeroPlan
 from .module_cast import cast_buffers_, cast_params_
 from .overflow import OverflowMonitor
 from .window import Window
@@ -89,6 +90,7 @@ def read_settings(e: ZeroOffloadEngine, module, config, lr_scheduler, training_d
     e.local_rank = dist.local_rank()
     zc = config.zero_optimization
     e.stage = zc.stage
+    e.zero_plan = ZeroPlan.from_config(config, e.world_size)  # expected_memory's input
     e.placement = Placement.from_config(config, e.device, e.global_rank, run_name())
     nvme = e.placement.nvme
     e.aio = AioEngine(nvme.aio) if nvme is not None else None
@@ -205,6 +207,7 @@ def build_reducer(e: ZeroOffloadEngine) -> None:
         e.scope,
         ignore_unused=bool(zc.ignore_unused_parameters),
         average=e.config.gradient_allreduce_op == "mean",
+        bucket_size=int(zc.reduce_bucket_size),
     )
     if e.param_store is not None:
         e.fetch_schedule = FetchSchedule(e.param_store, e.module, e.param_store.policy, e.scope)

@@ -28,6 +28,9 @@ from .assembly import assemble
 from .engine_api import DeepSpeedEngineAPI
 from .engine_compat import DeepSpeedCompatAPI
 from .memory import expected_bytes
+from .memory_bounds import check_working_set, free_bytes
+from .memory_model import StepShape, predict
+from .model_shape import ModelShape
 
 log = logging.getLogger("zero_offload")
 
@@ -50,6 +53,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         assemble(
             self, module, config, param_groups, adamw, lr_scheduler, training_dataloader, client
         )
+        check_working_set(self._working_set_bounds(), free_bytes(self.device), self.device.type)
         if self.global_rank == 0:
             self._log_memory()
 
@@ -301,12 +305,60 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         for part in parts:
             for k, v in part.items():
                 out[k] = out.get(k, 0) + v
-        if self.reducer.bucket_pool_bytes():
-            out["device.grad_buckets"] = self.reducer.bucket_pool_bytes()
+        for k, v in self.reducer.transient_peaks().items():
+            out[f"peak.{k}"] = v
+        if self.param_store is not None:
+            esize = self.dtype.itemsize
+            out["peak.device.gathered_params"] = self.param_store.peak_live * esize
         return out
 
-    def expected_memory(self) -> dict[str, int]:
-        """The formula's figure for this engine's padded sizes (buckets excluded)."""
+    def reset_peak_memory(self) -> None:
+        """Start the ``peak.*`` entries of ``memory_report()`` again from what is held now (the
+        first backward, before the reduction order is learned, can exceed a later step's)."""
+        self.reducer.bufs.reset_peak()
+        if self.param_store is not None:
+            self.param_store.peak_live = self.param_store.live
+
+    def _working_set_bounds(self) -> dict[str, int]:
+        """The step's transient bytes the config allows, known once the engine is built."""
+        out = self.reducer.bounds()
+        store = self.param_store
+        if store is not None and store.slots:
+            total = sum(s.numel for s in store.slots)
+            live = store.policy.max_live_parameters + max(s.numel for s in store.slots)
+            out["gathered_params"] = min(total, live) * self.dtype.itemsize
+        return out
+
+    def expected_memory(
+        self,
+        seq_length: int | None = None,
+        micro_batch: int | None = None,
+        checkpointing: bool | None = None,
+    ) -> dict[str, int]:
+        """The formula's model-state bytes for this engine's padded sizes. With ``seq_length``
+        also the step's predicted peak (``peak.*``, see ``memory_model.predict``) for the
+        module's shape (its ``config``: this library's GPT-2 or a Hugging Face one), the micro
+        batch (default: the config's) and activation checkpointing (default: the model's)."""
+        if seq_length is None:
+            return self._expected_states()
+        cfg = getattr(self.module, "config", None)
+        if cfg is None:
+            raise ValueError(
+                "expected_memory(seq_length=...): the module has no .config to read its shape "
+                "from; use zero_offload.runtime.engine.memory_model.predict with a ModelShape"
+            )
+        if checkpointing is None:
+            checkpointing = bool(
+                getattr(cfg, "checkpoint_activations", False)
+                or getattr(self.module, "is_gradient_checkpointing", False)
+            )
+        step = StepShape(micro_batch or self.train_micro_batch_size_per_gpu(), seq_length,
+                         checkpointing)  # fmt: skip
+        plan = self.zero_plan
+        total = sum(g.layout.total for g in self.groups)
+        return predict(ModelShape.from_config(cfg), step, plan, numel=total)
+
+    def _expected_states(self) -> dict[str, int]:
         total = sum(g.layout.total for g in self.groups)
         return expected_bytes(
             total,

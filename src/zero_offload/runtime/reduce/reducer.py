@@ -27,16 +27,16 @@ reduction completes before the hook returns.
 
 from __future__ import annotations
 
-import collections
-
 import torch
 
 from ...core import dist
 from ...core.flat_group import FlatGroup
 from ...core.labels import REDUCE, label
+from ...core.layout import Segment
 from ...core.streams import Streams
 from ..backward_scope import BackwardScope
 from .grad_shard import GradShard
+from .reduce_buffers import ReduceBuffers
 
 
 class UnusedParamsError(RuntimeError, AssertionError):
@@ -57,15 +57,17 @@ class Reducer:
         scope: BackwardScope,
         ignore_unused: bool = True,
         average: bool = True,
+        bucket_size: int = 500_000_000,
     ) -> None:
         """``average``: gradients averaged over the ranks (``gradient_allreduce_op`` "mean",
-        DeepSpeed's default), else summed ("sum")."""
+        DeepSpeed's default), else summed ("sum"). ``bucket_size``: ``reduce_bucket_size``, the
+        largest stage-2/3 reduction input (see reduce_buffers.py)."""
         self.groups, self.shards, self.stage = groups, shards, stage
         self.overlap, self.use_rs, self.streams = overlap, reduce_scatter, streams
         # CUDA: with overlap_comm, collectives run on the reduce stream; without, on the
         # compute stream (None = current), ordered with backward.
         self.stream = streams.reduce if overlap else None
-        self.world = dist.world_size()
+        self.world, self.rank = dist.world_size(), dist.rank()
         self.average = average
         # Global launch order: a bucket is expected done when its earliest-registered param is.
         keys = []
@@ -75,12 +77,10 @@ class Reducer:
                 keys.append((last, g.index, b.index))
         self.order = [(gi, bi) for _, gi, bi in sorted(keys)]
         self.launch_pos = {key: k for k, key in enumerate(self.order)}
+        self.learned = False  # the order was replaced by the one backward completes buckets in
         self.bucket_of = [g.layout.param_bucket() for g in groups]
         self.ignore_unused = ignore_unused
-        # Free stage-2 bucket buffers, oldest first, each with the event after which it is free.
-        self.pool: collections.deque = collections.deque()
-        self.pool_size = 0
-        self.max_bucket = max((b.numel for g in groups for b in g.layout.buckets), default=0)
+        self.bufs = ReduceBuffers(groups, bucket_size, self.world)
         self.reducing = False  # does this backward reduce (stage 2: always; 0/1: at boundary)
         self.last = True
         self.grad_factor = 1.0  # applied to each gradient before it accumulates
@@ -98,7 +98,8 @@ class Reducer:
         self.pending = {
             (g.index, b.index): len(b.params) for g in self.groups for b in g.layout.buckets
         }
-        self.buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self.bufs.clear()
+        self.completed: list[tuple[int, int]] = []  # buckets in the order they completed
         self.next = 0  # index into self.order of the next bucket to launch
         self.inflight: list = []
         self.arrived: set[tuple[int, int]] = set()  # (group, param) that got a gradient
@@ -148,15 +149,8 @@ class Reducer:
                 )
             self.arrived.add((gi, i))
             if self.stage == 2:
-                g = self.groups[gi]
-                b = g.layout.buckets[key[1]]
-                off = g.layout.offsets[i] - b.start
-                dst = self._buffer(key)[off : off + p.numel()]
-                if again:
-                    dst.add_(p.grad.reshape(-1))
-                else:
-                    dst.copy_(p.grad.reshape(-1))
-                p.grad = None  # the unowned (and owned) full gradient is released here
+                self.bufs.add(key, i, p.grad, again)
+                p.grad = None  # copied into a bucket buffer, or held by it until reduced
             else:
                 view = self.shards[gi].views[i]
                 if p.grad is not view:  # the caller replaced .grad (e.g. module.zero_grad())
@@ -167,31 +161,11 @@ class Reducer:
             if again:
                 return  # counted at its first arrival
             self.pending[key] -= 1
+            if self.pending[key] == 0:
+                self.completed.append(key)
             self._launch_ready()
 
         return hook
-
-    def _buffer(self, key) -> torch.Tensor:
-        entry = self.buffers.get(key)
-        if entry is None:
-            g = self.groups[key[0]]
-            # Reuse the oldest free buffer once two exist (the two alternating buckets of
-            # overlap_comm), or when its collective already finished; otherwise grow the pool.
-            if self.pool and (
-                self.pool_size >= 2 or self.pool[0][1] is None or self.pool[0][1].query()
-            ):
-                full, ev = self.pool.popleft()
-                if (
-                    ev is not None
-                ):  # the compute stream refills it only after the collective read it
-                    torch.cuda.current_stream().wait_event(ev)
-            else:
-                full = torch.empty(self.max_bucket, dtype=g.dtype, device=g.device)
-                self.pool_size += 1
-            view = full[: g.layout.buckets[key[1]].numel]
-            view.zero_()  # padding and params without a gradient reduce as zeros
-            entry = self.buffers[key] = (full, view)
-        return entry[1]
 
     def _launch_ready(self, force: bool = False) -> None:
         while self.next < len(self.order):
@@ -204,13 +178,29 @@ class Reducer:
 
     # ---- reduction -----------------------------------------------------------------------------
     def _launch(self, key) -> None:
-        gi, bi = key
-        g, shard = self.groups[gi], self.shards[gi]
-        b = g.layout.buckets[bi]
-        seg = shard.segs[bi]
+        """Launch a bucket's collectives: stage 0/1 one on the flat grad range; stage 2/3 one
+        per piece (see reduce_buffers.py), each completed like any other in-flight entry."""
+        g, shard = self.groups[key[0]], self.shards[key[0]]
+        b = g.layout.buckets[key[1]]
+        seg = shard.segs[key[1]]
         s = self.streams
-        inp = shard.bucket_input(b) if self.stage <= 1 else self._buffer(key)
         s.wait(self.stream, None)
+        if self.stage <= 1:
+            self._collective(key, seg, shard.bucket_input(b), seg.flat_start - b.start, True)
+            return
+        # One piece at a time, each assembled (on the reduce stream) only after the one before
+        # was launched and the one before that completed: at most two pieces' buffers alive.
+        pieces = self.bufs.pieces(key)
+        for k in range(self.bufs.count(key)):
+            with s.use(self.stream):
+                pc = next(pieces)
+            sub = Segment(seg.bucket, seg.flat_start + pc.lo, seg.shard_start + pc.lo, pc.numel)
+            self._collective(key, sub, pc.inp, self.rank * pc.numel, k == self.bufs.count(key) - 1)
+
+    def _collective(self, key, seg: Segment, inp: torch.Tensor, lo: int, last: bool) -> None:
+        """``lo``: where this rank's part sits in ``inp`` (the all-reduce path keeps only it);
+        ``last``: the bucket's final collective (its held gradients are freed after it)."""
+        s = self.streams
         with s.use(self.stream):
             if self.world > 1 and self.average:
                 inp.mul_(1.0 / self.world)  # average; pre-divided so fp16 sums stay in range
@@ -219,38 +209,35 @@ class Reducer:
                 out = inp
                 work = dist.all_reduce(inp, async_op=async_op)
             else:
-                out = shard.reduce_target(seg)
-                if out is None:
-                    out = torch.empty(seg.numel, dtype=inp.dtype, device=inp.device)
+                out = self.shards[key[0]].reduce_target(seg)
+                if out is None:  # world 1: the input is the result, no temporary
+                    out = inp if self.world == 1 else torch.empty_like(inp[: seg.numel])
                 if self.use_rs:
                     work = dist.reduce_scatter(out, inp, async_op=async_op)
                 else:  # all-reduce, then keep this rank's slice
                     work = dist.all_reduce(inp, async_op=async_op)
-            self.inflight.append((work, key, seg, inp, out))
+            self.inflight.append((work, key, seg, inp, out, lo, last))
         if s.cuda or not self.overlap:  # CUDA: the follow-up ops are only enqueued
             self._complete(len(self.inflight) - 1)
-        elif len(self.inflight) > 1:  # gloo: one bucket in flight while the next one fills
+        elif len(self.inflight) > 1:  # gloo: one collective in flight while the next one fills
             self._complete(len(self.inflight) - 2)
 
     def _complete(self, upto: int) -> None:
-        """Finish in-flight reductions [0, upto] in launch order."""
+        """Finish in-flight collectives [0, upto] in launch order."""
         s = self.streams
         done, self.inflight = self.inflight[: upto + 1], self.inflight[upto + 1 :]
-        for work, key, seg, inp, out in done:
+        for work, key, seg, inp, out, lo, last in done:
             if work is not None:
                 work.wait()
             with s.use(self.stream):
-                if self.stage >= 1 and not self.use_rs:
-                    lo = seg.flat_start - self.groups[key[0]].layout.buckets[key[1]].start
-                    if out.data_ptr() != inp[lo:].data_ptr():
-                        out.copy_(inp[lo : lo + seg.numel])
+                if self.stage >= 1 and not self.use_rs and out.data_ptr() != inp[lo:].data_ptr():
+                    out.copy_(inp[lo : lo + seg.numel])
                 self.shards[key[0]].accept(seg, out, self.last)
             if self.stage == 2:
-                self._release(key)
-
-    def _release(self, key) -> None:
-        full, _ = self.buffers.pop(key)
-        self.pool.append((full, self.streams.record(self.stream)))
+                keep = lambda t: s.keep_alive(t, self.stream)  # noqa: E731
+                self.bufs.release(key, inp, keep)
+                if last:
+                    self.bufs.drop_held(key, keep)
 
     def _finish_backward(self) -> None:
         """End of backward: launch what is left (unused params), complete every reduction."""
@@ -271,7 +258,26 @@ class Reducer:
             if self.inflight:
                 self._complete(len(self.inflight) - 1)
             self.streams.wait(None, self.stream)
+            if not self.learned:
+                self._learn_order()
         self._reset()
+
+    def _learn_order(self) -> None:
+        """After the first reducing backward: launch buckets in the order that backward
+        completed them (unused ones after, in the old order), so a bucket that completes early
+        never waits, holding its buffer, behind one that completes late (a stage-3 layer's
+        norms are registered after, but run before, its linears: up to a layer of buffers
+        waited). The order stays fixed and is taken only where every rank saw the same one."""
+        self.learned = True
+        seen = set(self.completed)
+        order = self.completed + [k for k in self.order if k not in seen]
+        if self.world > 1:
+            orders: list = [None] * self.world
+            dist.all_gather_object(orders, order)
+            if any(o != order for o in orders):
+                return
+        self.order = order
+        self.launch_pos = {key: k for k, key in enumerate(order)}
 
     def finish_window(self) -> None:
         """``managed_gradient_accumulation`` false: ``step()`` ends the window. Stages 0/1
@@ -288,11 +294,17 @@ class Reducer:
         self.streams.wait(None, self.stream)
         self._reset()
 
-    def bucket_pool_bytes(self) -> int:
+    def bounds(self) -> dict[str, int]:
+        """Stage 2/3: the working-set bytes the config allows (see ``ReduceBuffers.bounds``)."""
+        if self.stage != 2 or not self.groups:
+            return {}
+        return self.bufs.bounds(self.groups[0].dtype.itemsize)
+
+    def transient_peaks(self) -> dict[str, int]:
+        """Stage 2/3: the most bytes of reduce buffers and of held full gradients at once."""
         if self.stage != 2:
-            return 0
-        esize = self.groups[0].dtype.itemsize if self.groups else 0
-        return self.pool_size * self.max_bucket * esize
+            return {}
+        return {f"device.{k}": v for k, v in self.bufs.peak.items()}
 
     def remove(self) -> None:
         for h in self.handles:

@@ -1,0 +1,242 @@
+"""The peak of a training step per rank, predicted before the run, by category.
+
+peak = states (what ``initialize`` keeps: ``memory.expected_bytes``, moved to NVMe where the
+config says) + the step's working set, every term from the config and the model shape:
+
+- ``reduce_buffers`` (stages 2/3): at most two, each at most ``min(reduce_bucket_size, bucket)``;
+- ``grads``: full gradients not yet reduced: at stages 2/3 the largest param's (a bucket larger
+  than ``reduce_bucket_size`` keeps its own until its pieces are reduced, two such in flight: a
+  stage-3 unit), plus a tied embedding's, held from the head's backward to the embedding's;
+- ``gathered_params`` (stage 3): at most ``stage3_max_live_parameters`` plus the running unit;
+- ``activations``: what autograd saves for backward (every layer, or with activation
+  checkpointing each layer's input plus one layer recomputed), at the start of backward;
+- ``logits``: the LM head's output and the fp32 loss's softmax and gradients (``LOGIT_COPIES``
+  vocabulary-sized fp32 tensors at once), the largest transient of a small model;
+- ``nvme_buffers`` (host state, NVMe optimizer): ``buffer_count`` records of a chunk's three fp32
+  tensors; ``swap_reads`` (host, NVMe params): reads ahead beside the buffers kept for
+  reuse (``host.param_spares``, up to two per buffer size, within ``max_in_cpu``).
+
+The activation constants are counted from the code path of each model kind (``ModelShape``):
+per token and layer, the saved tensors in the training dtype (``ACT_WORDS``, in units of hidden
+and ffn) and in fp32 (norm statistics, attention log-sum-exp). The benchmark
+(``benchmarks/memory_model.py``) checks the prediction against measured peaks.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+
+from .memory import expected_bytes
+from .model_shape import ModelShape
+
+# Per token per layer, saved for backward, in the training dtype: (x hidden, x ffn). Counted
+# with saved-tensor hooks on both models (torch's CPU SDPA returns its output already in
+# (batch, seq, heads, dim) order, so the projection's input is that output, not a copy):
+# gpt2: residual in, ln out, qkv (3), attention out, residual mid, ln2 out; fc1 out, gelu out.
+# llama: norm out and normalized (2 per norm), rotated q, k and v (3), attention out; gate, up,
+#        act(gate), act*up.
+ACT_WORDS = {"gpt2": (8, 2), "llama": (8, 4)}
+# fp32 words per token per layer besides (norm statistics; per head: log-sum-exp); llama's
+# RMSNorm computes in fp32 and saves its fp32 input (2 * hidden, in ACT_FP32_HIDDEN).
+ACT_FP32 = {"gpt2": 4, "llama": 4}
+ACT_FP32_HIDDEN = {"gpt2": 0, "llama": 2}
+# fp32 vocabulary-sized tensors alive at the head's backward: the softmax output, its gradient
+# and the logits' gradient; a Hugging Face model's output also keeps the logits.
+LOGIT_COPIES = {"gpt2": 3, "llama": 4}
+
+
+@dataclass(frozen=True)
+class StepShape:
+    micro_batch: int
+    seq_length: int
+    checkpointing: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_length
+
+
+@dataclass(frozen=True)
+class ZeroPlan:
+    """The config's memory-relevant choices (elements where DeepSpeed counts elements)."""
+
+    stage: int
+    dtype_bytes: int = 2
+    world: int = 1
+    optimizer: str = "device"  # device | host | nvme
+    params: str = "device"  # device | host | nvme (stage 3)
+    reduce_bucket_size: int = 500_000_000
+    max_live: int = 1_000_000_000
+    persistence: int = 100_000
+    gas: int = 1
+    delayed: bool = False
+    chunk: int = 1 << 22  # host-update chunk (sub_group_size, capped)
+    optimizer_buffers: int = 4
+    param_buffers: int = 5
+    max_in_cpu: int = 1_000_000_000
+
+    @classmethod
+    def from_config(cls, config, world: int) -> ZeroPlan:
+        """From a validated ``ZeroOffloadConfig``."""
+        from .placement import _FROM_CONFIG, update_chunk
+
+        zc = config.zero_optimization
+        oc, pc = zc.offload_optimizer, zc.offload_param
+        return cls(
+            stage=zc.stage,
+            dtype_bytes=config.dtype.itemsize,
+            world=world,
+            optimizer=_FROM_CONFIG[zc.offload_device],
+            params=_FROM_CONFIG[zc.offload_param_device],
+            reduce_bucket_size=int(zc.reduce_bucket_size),
+            max_live=int(zc.stage3_max_live_parameters),
+            persistence=int(zc.stage3_param_persistence_threshold),
+            gas=int(config.gradient_accumulation_steps),
+            delayed=bool(oc is not None and oc.delayed_update),
+            chunk=update_chunk(zc.sub_group_size),
+            optimizer_buffers=max(2, int(oc.buffer_count)) if oc is not None else 4,
+            param_buffers=int(pc.buffer_count) if pc is not None else 5,
+            max_in_cpu=int(pc.max_in_cpu) if pc is not None else 1_000_000_000,
+        )
+
+
+def states(numel: int, plan: ZeroPlan, shape: ModelShape | None = None) -> dict[str, int]:
+    """What ``initialize`` keeps per rank (``device.*``, ``host.*``, ``nvme.*``) for ``numel``
+    params (an engine's padded total, or the model's count)."""
+    import torch
+
+    dtype = {2: torch.bfloat16, 4: torch.float32}[plan.dtype_bytes]
+    out = expected_bytes(numel, dtype, plan.stage, plan.world, plan.optimizer != "device",
+                         plan.gas, plan.delayed, offload_param=plan.params != "device")  # fmt: skip
+    shard = numel // plan.world if plan.stage else numel
+    if plan.optimizer == "nvme":
+        out["nvme.master_shard"] = out.pop("host.master_shard")
+        out["nvme.optimizer_state"] = out.pop("host.optimizer_state")
+        out["host.nvme_buffers"] = plan.optimizer_buffers * 3 * _swap_chunk(shard, plan.chunk) * 4
+    if plan.params == "nvme":
+        out["nvme.param_shard"] = out.pop("host.param_shard")
+        if shape is not None:
+            out["host.param_spares"] = param_spares(shape, plan)
+    return out
+
+
+def param_spares(shape: ModelShape, plan: ZeroPlan) -> int:
+    """NVMe params: buffers kept for reuse, up to two per buffer size (one where only one
+    buffer of that size is ever used), within ``max_in_cpu``. A read buffer covers its slice's
+    whole 4096-byte blocks, so its size depends on where the slice starts: the unit layout is
+    walked to find the sizes. The update's writes add theirs (update chunks of the shard)."""
+    b, pad, start = plan.dtype_bytes, plan.world * 16, 0
+    count: collections.Counter = collections.Counter()
+    for u in reversed(shape.units()):  # flat order: reverse registration
+        n = max(-(-sum(u) // pad) * pad, pad) // plan.world
+        count[-(-(start + n) * b // 4096) * 4096 - start * b // 4096 * 4096] += 1
+        start += n
+    chunk = min(plan.chunk, start)
+    count[-(-chunk * b // 4096) * 4096] += start // chunk
+    if start % chunk:
+        count[-(-(start % chunk) * b // 4096) * 4096] += 1
+    return min(sum(size * min(2, k) for size, k in count.items()), plan.max_in_cpu * b)
+
+
+def _swap_chunk(numel: int, chunk: int, align: int = 2048) -> int:
+    """The optimizer swap record's chunk: a shard smaller than one chunk gets its own (rounded)."""
+    return min(chunk, max(align, -(-numel // align) * align))
+
+
+def host_working_set(shape: ModelShape, plan: ZeroPlan) -> dict[str, int]:
+    """The step's transient host bytes: NVMe param reads ahead of the gathers beside the buffers
+    kept for reuse (``host.param_spares``): ``offload_param.buffer_count`` slots of a layer's
+    largest unit, within ``max_in_cpu``."""
+    if plan.params != "nvme":
+        return {}
+    unit = -(-max(sum(u) for u in shape.layer_units()) // plan.world)
+    return {"swap_reads": min(plan.max_in_cpu, plan.param_buffers * unit) * plan.dtype_bytes}
+
+
+def working_set(shape: ModelShape, step: StepShape, plan: ZeroPlan) -> dict[str, int]:
+    """The step's transient bytes on the device per rank, by category."""
+    b = plan.dtype_bytes
+    out = {"activations": activation_bytes(shape, step, b), "logits": logit_bytes(shape, step, b)}
+    if plan.stage >= 2:
+        cap = plan.reduce_bucket_size
+        # stage 3 reduces a bucket per unit, stage 2 greedy buckets of params (full at the cap)
+        sizes = [sum(u) for u in shape.units()] if plan.stage == 3 else shape.param_sizes()
+        # Stage 3: a unit's bucket, or a piece (at most the cap) of a larger one; stage 2:
+        # greedy buckets of the params within the cap (the rest: pieces of their own gradient).
+        small = [n for n in sizes if n <= cap]
+        if plan.stage == 3:
+            bucket, count = min(cap, max(sizes)), 2
+        else:
+            bucket = min(cap, max(sum(small), max(sizes)))
+            count = min(2, -(-shape.numel() // bucket))  # one bucket: one buffer
+        # A tied embedding's bucket stays open from the head's backward to the embedding's:
+        # one more buffer within the cap, or its full gradient held above it.
+        tied = shape.vocab * shape.hidden if shape.tied else 0
+        extra = (tied if plan.stage == 3 else bucket) if 0 < tied <= cap else 0
+        out["reduce_buffers"] = (count * bucket + extra) * b
+        out["grads"] = (held_grads(sizes, cap) + (tied if tied > cap else 0)) * b
+    if plan.stage == 3:
+        live = min(shape.numel(), plan.max_live + shape.largest_unit())
+        out["gathered_params"] = live * b
+    return out
+
+
+def held_grads(sizes: list[int], cap: int) -> int:
+    """Full gradients alive at once: buckets above the cap keep theirs until their last piece
+    is reduced, two neighbours (in backward order) in flight; below it, one param's gradient
+    before the hook copies it."""
+    big = [a + b for a, b in zip(sizes, sizes[1:]) if a > cap and b > cap]
+    big += [n for n in sizes if n > cap]
+    return max(big) if big else max(sizes, default=0)
+
+
+def activation_bytes(shape: ModelShape, step: StepShape, b: int) -> int:
+    words, ffn_words = ACT_WORDS[shape.kind]
+    h, f = shape.hidden, shape.ffn
+    fp32 = ACT_FP32[shape.kind] + shape.heads + ACT_FP32_HIDDEN[shape.kind] * h
+    layer = step.tokens * ((words * h + ffn_words * f) * b + fp32 * 4)
+    if step.checkpointing:  # every layer's input, and one layer recomputed
+        return shape.layers * step.tokens * h * b + layer
+    return shape.layers * layer + step.tokens * h * b * 2  # + the final norm's in and out
+
+
+def logit_bytes(shape: ModelShape, step: StepShape, b: int) -> int:
+    per_token = shape.vocab * (LOGIT_COPIES[shape.kind] * 4 + (b if b < 4 else 0))
+    return step.tokens * per_token
+
+
+def predict(
+    shape: ModelShape, step: StepShape, plan: ZeroPlan, numel: int | None = None
+) -> dict[str, int]:
+    """States (``device.*``, ``host.*``, ``nvme.*``), the working set's terms
+    (``peak.device.*``) and the step's peaks (``peak.device.total``, ``peak.host.total``).
+
+    The terms do not all peak at once: the device peak is the states plus the larger of the
+    head's moment (every activation saved, the logits' fp32 softmax and its gradients, the
+    gathered params) and the backward's (activations still saved, full gradients not yet reduced,
+    reduce buffers, gathered params), an upper bound on the latter. With ``offload_param`` the
+    gathered params are on the device; on a CPU-only run "device" and "host" are the same memory
+    (add them). ``numel``: the params the states hold when known exactly (an engine's padded
+    total), else the shape's count."""
+    out = states(shape.numel() if numel is None else numel, plan, shape)
+    work = working_set(shape, step, plan)
+    for k, v in work.items():
+        out[f"peak.device.{k}"] = v
+    host = host_working_set(shape, plan)
+    for k, v in host.items():
+        out[f"peak.host.{k}"] = v
+    gathered = work.get("gathered_params", 0)
+    # the head's backward: its logits' gradients beside its own weight's gradient
+    head = (
+        work["activations"]
+        + work["logits"]
+        + gathered
+        + shape.vocab * shape.hidden * plan.dtype_bytes
+    )
+    backward = work["activations"] + gathered + work.get("grads", 0)
+    backward += work.get("reduce_buffers", 0)
+    for where, extra in (("device", max(head, backward)), ("host", sum(host.values()))):
+        held = sum(v for k, v in out.items() if k.startswith(f"{where}."))
+        out[f"peak.{where}.total"] = held + extra
+    return out
