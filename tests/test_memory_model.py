@@ -99,7 +99,7 @@ def test_shapes_count_the_real_models():
 )
 def test_a_working_set_that_cannot_fit_names_the_key(monkeypatch, stage, key):
     import zero_offload
-    from zero_offload.runtime import engine as engine_module
+    import zero_offload.runtime.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "free_bytes", lambda device: 1000)
     cfg = _config(stage, "cpu", "cpu" if stage == 3 else None, None, bucket=10**6)

@@ -79,7 +79,7 @@ class ZeroPlan:
     @classmethod
     def from_config(cls, config, world: int) -> ZeroPlan:
         """From a validated ``ZeroOffloadConfig``."""
-        from .placement import _FROM_CONFIG, update_chunk
+        from ..update.placement import _FROM_CONFIG, update_chunk
 
         zc = config.zero_optimization
         oc, pc = zc.offload_optimizer, zc.offload_param
