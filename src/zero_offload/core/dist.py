@@ -31,6 +31,17 @@ class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message names it, the rank and the engine step."""
 
 
+def current_timeout() -> datetime.timedelta:
+    """The default process group's collective timeout now (it can be changed after start-up,
+    ``torch.distributed.distributed_c10d._set_pg_timeout``); the default when none is readable."""
+    try:
+        group = dist.distributed_c10d._get_default_group()
+        device = torch.device("cuda") if uses_cuda() else torch.device("cpu")
+        return group._get_backend(device).options._timeout
+    except (RuntimeError, AttributeError, ValueError):
+        return DEFAULT_TIMEOUT
+
+
 def as_timeout(value: datetime.timedelta | float | int | str | None) -> datetime.timedelta:
     """A collective timeout from a timedelta or a number of seconds (> 0, finite)."""
     if value is None:

@@ -74,10 +74,8 @@ class GatherAgreement:
         self._remove_note()
 
     def _timeout(self) -> datetime.timedelta:
-        try:
-            return self.store.timeout
-        except (RuntimeError, AttributeError):
-            return dist.DEFAULT_TIMEOUT
+        """The collective timeout in force now (a rank may shorten it after start-up)."""
+        return dist.current_timeout()
 
     def agree(self, point: str, value: str, where: str) -> None:
         """Every rank posts ``value`` (what it gathers) for ``point``; see the module doc."""
