@@ -113,10 +113,11 @@ class _LiveParams:
 
         def register(module, name, param):
             real(module, name, param)
-            if param is not None:
+            if param is not None and param.device.type != "meta":  # a meta probe holds nothing
                 self.refs.append(weakref.ref(param))
             alive = [r() for r in self.refs]
-            held = sum(p.numel() for p in alive if p is not None and p.device.type != "meta")
+            with torch._C.DisableTorchFunction():  # the storage held, not zero.Init's shape
+                held = sum(p.numel() for p in alive if p is not None and p.device.type != "meta")
             self.peak = max(self.peak, held)
 
         monkeypatch.setattr(torch.nn.Module, "register_parameter", register)

@@ -277,3 +277,23 @@ def test_params_used_through_themselves_are_gathered_one_at_a_time() -> None:
     with GatheredParameters(list(model.parameters())):
         assert all(torch.equal(layer.bias, torch.zeros(8)) for layer in model.layers)
         assert all(layer.weight.std() < 0.2 for layer in model.layers)  # kaiming's would be ~0.2
+
+
+class CountsItsParams(nn.Module):
+    """nanoGPT's habit: the constructor counts its params (after the children are partitioned)
+    and reads a child's shape; neither needs a gather."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.n = sum(p.numel() for p in self.fc.parameters())
+        self.shape = (tuple(self.fc.weight.shape), self.fc.weight.size(1), self.fc.weight.dim())
+        self.gathered = [p.__dict__.get("ds_status") for p in self.fc.parameters()]
+
+
+def test_shape_queries_in_a_constructor_answer_without_a_gather() -> None:
+    with zero_offload.zero.Init():
+        model = CountsItsParams()
+    assert model.n == 8 * 16 + 16
+    assert model.shape == ((16, 8), 8, 2)
+    assert model.gathered == [ZeroParamStatus.NOT_AVAILABLE] * 2

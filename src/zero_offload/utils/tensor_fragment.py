@@ -271,7 +271,7 @@ def _refresh_norm(engine, gi: int) -> None:
         (torch.linalg.vector_norm(v, dtype=torch.float32).square() for v in views),
         torch.zeros((), dtype=torch.float32, device=views[0].device),
     )
-    gs.sumsq.copy_(sumsq)
+    gs.set_sumsq(sumsq)
 
 
 # ---- full views ------------------------------------------------------------------------------

@@ -68,6 +68,11 @@ SHAPE_FREE = frozenset(
     }
 )
 
+# Shape queries answered from the partition's record (``ds_shape``) without a gather: a
+# constructor that counts its params (``sum(p.numel() ...)``) or reads a child's size sees the
+# single-device answer.
+SHAPE_QUERIES = frozenset({"numel", "nelement", "dim", "ndimension", "ndim", "shape", "size"})
+
 _SPEC_ATTRS = ("_z3_init", "ds_tensor", "ds_numel", "ds_shape", "ds_id", "ds_status")
 
 
@@ -98,6 +103,18 @@ def _params_in(obj: object, out: list, depth: int = 0) -> None:
             _params_in(x, out, depth + 1)
 
 
+def _logical_shape(name: str, p: torch.nn.Parameter, rest: tuple, kwargs: dict):
+    shape = torch.Size(p.ds_shape)
+    if name in ("numel", "nelement"):
+        return int(p.ds_numel)
+    if name in ("dim", "ndimension", "ndim"):
+        return len(shape)
+    if name == "shape":
+        return shape
+    dim = rest[0] if rest else kwargs.get("dim")  # size(), size(d)
+    return shape if dim is None else shape[dim]
+
+
 def _touched_in(args: tuple, touched: OrderedDict) -> list:
     """Already touched params among the op's direct arguments (its result may alias them)."""
     return [a for a in args if isinstance(a, torch.nn.Parameter) and id(a) in touched]
@@ -126,6 +143,8 @@ class TouchMode(TorchFunctionMode):
         name = _op_name(func)
         if self.suspended or name in SHAPE_FREE:
             return func(*args, **kwargs)
+        if name in SHAPE_QUERIES and args and _is_partitioned(args[0]):
+            return _logical_shape(name, args[0], args[1:], kwargs)
         found: list = []
         _params_in(args, found)
         _params_in(kwargs, found)

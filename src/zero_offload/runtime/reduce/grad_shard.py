@@ -57,10 +57,26 @@ class GradShard:
             [alloc_host(numel, dt, pin).zero_() for _ in range(host_buffers)] if offload else []
         )
         self.host_index = 0
-        self.sumsq = torch.zeros((), dtype=torch.float32, device=dev)
+        # Squared norm of each final segment, by shard offset. Summed in offset order at the
+        # step (``sumsq``), never in arrival order: the reducer's launch order is learned during
+        # the first backward, so a run resumed from a checkpoint would otherwise add the same
+        # numbers in another order and clip by a norm a few ulps apart.
+        self._sq: dict[int, torch.Tensor] = {}
         self.zeroed = False  # zero() since the last backward began
         self.writes = True  # the current backward writes the device shard (see begin_backward)
         self.d2h_done = None  # event after the last host copy of this step (CUDA only)
+
+    @property
+    def sumsq(self) -> torch.Tensor:
+        """This rank's squared gradient norm of the window (fp32, on the device)."""
+        if not self._sq:
+            return torch.zeros((), dtype=torch.float32, device=self.group.device)
+        return torch.stack([self._sq[k] for k in sorted(self._sq)]).sum()
+
+    def set_sumsq(self, value: torch.Tensor) -> None:
+        """Replace the norm by one computed elsewhere (a gradient written through the
+        tensor-fragment API)."""
+        self._sq = {0: value.to(torch.float32).reshape(())}
 
     def ensure_device_accumulator(self) -> None:
         """Stage 2/3 with offload and no accumulation was built without a device grad shard
@@ -101,7 +117,9 @@ class GradShard:
                 final.add_(reduced)
         if not last:
             return
-        self.sumsq.add_(torch.linalg.vector_norm(final, dtype=torch.float32).square())
+        sq = torch.linalg.vector_norm(final, dtype=torch.float32).square()
+        prev = self._sq.get(seg.shard_start)
+        self._sq[seg.shard_start] = sq if prev is None else prev + sq
         if self.offload:
             host = self.host[self.host_index][seg.shard_start : seg.shard_start + seg.numel]
             s = self.streams
@@ -139,7 +157,7 @@ class GradShard:
         if self.device_shard is not None and self.accum_dtype != self.group.dtype:
             self.device_shard.zero_()  # another accumulator dtype is always added into
         self.zeroed = True
-        self.sumsq.zero_()
+        self._sq.clear()
 
     def begin_backward(self, first: bool) -> None:
         """Before each backward: does it write the device shard's segments (the window's first
