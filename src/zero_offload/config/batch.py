@@ -24,18 +24,9 @@ class BatchSizes(NamedTuple):
     gradient_accumulation_steps: int
 
 
-def resolve_batch_sizes(
-    train_batch_size: int | None,
-    train_micro_batch_size_per_gpu: int | None,
-    gradient_accumulation_steps: int | None,
-    world_size: int,
-    *,
-    micro_batch_size: int | None = None,
-) -> BatchSizes:
-    """Resolve the triple for ``world_size`` ranks; a ConfigError shows the arithmetic."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
-    tbs, micro, gas = train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps
+def _outside_micro(micro: int | None, micro_batch_size: int | None) -> int | None:
+    """The micro batch per rank once ``micro_batch_size`` (given from outside the config, as a
+    launcher's ``--batch-size``) is checked against the config's ``micro``."""
     if micro_batch_size is not None:
         if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
             raise ConfigError(
@@ -52,7 +43,14 @@ def resolve_batch_sizes(
                 f"the config's {MICRO} to {micro_batch_size} (or remove it)"
             )
         micro = micro_batch_size
+    return micro
 
+
+def _complete(
+    tbs: int | None, micro: int | None, gas: int | None, world_size: int
+) -> tuple[BatchSizes, str]:
+    """The triple with its missing members filled in, unchecked, and how a floor division
+    derived one ("" when none did); a ConfigError when no batch size is given."""
     derived = ""
     if tbs is not None and micro is not None and gas is None:
         gas = tbs // (micro * world_size)
@@ -74,6 +72,12 @@ def resolve_batch_sizes(
         raise ConfigError(f"no batch size given: set {TBS} or {MICRO}{given}")
 
     assert tbs is not None and micro is not None and gas is not None
+    return BatchSizes(tbs, micro, gas), derived
+
+
+def _check(sizes: BatchSizes, world_size: int, derived: str) -> None:
+    """A ConfigError unless the triple multiplies out, is positive and accumulates sanely."""
+    tbs, micro, gas = sizes
     if tbs != micro * gas * world_size or micro < 1 or gas < 1:
         note = f" ({derived})" if derived else ""
         raise ConfigError(
@@ -85,4 +89,20 @@ def resolve_batch_sizes(
             f"{GAS} {gas} is beyond any sane accumulation (at most {MAX_GAS:,} micro-steps per "
             "update): a typo? One update would take that many forward/backward passes"
         )
-    return BatchSizes(tbs, micro, gas)
+
+
+def resolve_batch_sizes(
+    train_batch_size: int | None,
+    train_micro_batch_size_per_gpu: int | None,
+    gradient_accumulation_steps: int | None,
+    world_size: int,
+    *,
+    micro_batch_size: int | None = None,
+) -> BatchSizes:
+    """Resolve the triple for ``world_size`` ranks; a ConfigError shows the arithmetic."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
+    micro = _outside_micro(train_micro_batch_size_per_gpu, micro_batch_size)
+    sizes, derived = _complete(train_batch_size, micro, gradient_accumulation_steps, world_size)
+    _check(sizes, world_size, derived)
+    return sizes

@@ -14,7 +14,7 @@ from .dotted import expand_dotted_keys
 from .errors import ConfigError, NotImplementedSettingWarning, SettingSpellingWarning
 from .finite import non_finite_numbers
 from .json_text import read_json_file
-from .keys import describe_errors, prepare
+from .keys import Prepared, describe_errors, prepare
 from .models import ZeroOffloadConfig
 
 ConfigSource = str | os.PathLike[str] | dict[str, Any] | ZeroOffloadConfig
@@ -53,32 +53,9 @@ def _unused_nvme_paths(config: ZeroOffloadConfig) -> list[str]:
     return out
 
 
-def load_config(
-    source: ConfigSource,
-    world_size: int = 1,
-    *,
-    micro_batch_size: int | None = None,
-) -> ZeroOffloadConfig:
-    """Validate a DeepSpeed-style config for a run on ``world_size`` data-parallel ranks.
-
-    ``source`` is a path to a JSON file, a dict (not modified), or a ZeroOffloadConfig (returned
-    as is when already resolved for this world size, else re-resolved from its source).
-    A top-level key written with dots (``"zero_optimization.reduce_bucket_size"``, as TRL's
-    ``prepare_deepspeed`` writes them) is the nested key it spells (:mod:`.dotted`).
-    ``micro_batch_size`` supplies ``train_micro_batch_size_per_gpu`` from outside the config,
-    as a launcher's ``--batch-size`` does for DeepSpeed's Megatron examples; it must agree with
-    the config's value when both are given.
-
-    Raises ConfigError listing every problem, one per line, each naming its key path. Warns
-    once (NotImplementedSettingWarning) listing the DeepSpeed settings accepted but ignored,
-    once (AutoValueWarning) listing each ``"auto"`` key nothing could fill, with the
-    default chosen, and once (SettingSpellingWarning, with an NVMe offload only) when
-    ``aio.thread_count`` and ``aio.intra_op_parallelism`` disagree. ``config.auto_keys`` lists
-    every ``"auto"`` key path given.
-    """
+def _read_source(source: ConfigSource) -> tuple[str, dict[str, Any]]:
+    """The origin named in messages and a private copy of the raw config dict of ``source``."""
     if isinstance(source, ZeroOffloadConfig):
-        if source.world_size == world_size and micro_batch_size is None:
-            return source
         origin = "<ZeroOffloadConfig>"
         raw = copy.deepcopy(source._source) if source._source is not None else source.to_dict()
     elif isinstance(source, dict):
@@ -92,9 +69,16 @@ def load_config(
             f"config source must be a JSON file path, a dict or a ZeroOffloadConfig, "
             f"got {type(source).__name__}"
         )
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
+    return origin, raw
 
+
+def _validate(
+    raw: dict[str, Any],
+    world_size: int,
+    micro_batch_size: int | None,
+    origin: str,
+) -> tuple[ZeroOffloadConfig, Prepared]:
+    """The validated config and its prepared keys; a ConfigError lists every problem in ``raw``."""
     problems: list[str] = non_finite_numbers(raw)
     expanded = expand_dotted_keys(raw, ZeroOffloadConfig, problems)
     normalized = _legacy_forms(expanded, problems)
@@ -121,14 +105,20 @@ def load_config(
         )
     if problems or config is None:
         raise ConfigError(problems, origin=origin)
+    return config, prepared
 
+
+def _warn_loaded(config: ZeroOffloadConfig, prepared: Prepared, origin: str) -> None:
+    """The load-time warnings: unfilled ``"auto"`` keys, an aio spelling conflict, and settings
+    accepted but ignored. Called from :func:`load_config` only: ``stacklevel=3`` names its
+    caller, as ``stacklevel=2`` did when these lines were in ``load_config``."""
     defaulted = auto_report(prepared.auto, prepared.ignored, config.to_dict())
     if defaulted:
         warnings.warn(
             f'{origin}: "auto" has nothing to fill it here, so the default is used: '
             f"{', '.join(defaulted)} (give values to silence this)",
             AutoValueWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
     unimplemented = [
         *prepared.ignored,
@@ -137,11 +127,44 @@ def load_config(
     ]
     conflict = config.aio.spelling_conflict() if config.zero_optimization.uses_nvme else None
     if conflict:  # the aio section is read only with an NVMe offload
-        warnings.warn(f"{origin}: {conflict}", SettingSpellingWarning, stacklevel=2)
+        warnings.warn(f"{origin}: {conflict}", SettingSpellingWarning, stacklevel=3)
     if unimplemented:
         warnings.warn(
             f"{origin}: accepted but not implemented (no effect): {', '.join(unimplemented)}",
             NotImplementedSettingWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
+
+
+def load_config(
+    source: ConfigSource,
+    world_size: int = 1,
+    *,
+    micro_batch_size: int | None = None,
+) -> ZeroOffloadConfig:
+    """Validate a DeepSpeed-style config for a run on ``world_size`` data-parallel ranks.
+
+    ``source`` is a path to a JSON file, a dict (not modified), or a ZeroOffloadConfig (returned
+    as is when already resolved for this world size, else re-resolved from its source).
+    A top-level key written with dots (``"zero_optimization.reduce_bucket_size"``, as TRL's
+    ``prepare_deepspeed`` writes them) is the nested key it spells (:mod:`.dotted`).
+    ``micro_batch_size`` supplies ``train_micro_batch_size_per_gpu`` from outside the config,
+    as a launcher's ``--batch-size`` does for DeepSpeed's Megatron examples; it must agree with
+    the config's value when both are given.
+
+    Raises ConfigError listing every problem, one per line, each naming its key path. Warns
+    once (NotImplementedSettingWarning) listing the DeepSpeed settings accepted but ignored,
+    once (AutoValueWarning) listing each ``"auto"`` key nothing could fill, with the
+    default chosen, and once (SettingSpellingWarning, with an NVMe offload only) when
+    ``aio.thread_count`` and ``aio.intra_op_parallelism`` disagree. ``config.auto_keys`` lists
+    every ``"auto"`` key path given.
+    """
+    if isinstance(source, ZeroOffloadConfig):
+        if source.world_size == world_size and micro_batch_size is None:
+            return source
+    origin, raw = _read_source(source)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
+    config, prepared = _validate(raw, world_size, micro_batch_size, origin)
+    _warn_loaded(config, prepared, origin)
     return config
