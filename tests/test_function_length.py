@@ -14,9 +14,6 @@ KNOWN = frozenset(
     {
         "zero_offload.checkpoint.deepspeed.convert:convert_deepspeed_checkpoint",
         "zero_offload.checkpoint.deepspeed.read:read_deepspeed",
-        "zero_offload.checkpoint.save:save_16bit_model",
-        "zero_offload.checkpoint.save:save_checkpoint",
-        "zero_offload.nvme.optimizer_state:NvmeOptimizerState.update",
     }
 )
 

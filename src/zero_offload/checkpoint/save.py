@@ -194,6 +194,26 @@ def _write_model_file(engine, stage: Path, exclude_frozen: bool) -> tuple[dict, 
     return digest, model
 
 
+def _save_pickled(engine, path: Path, sd: dict) -> None:
+    """``torch.save`` of the consolidated state dict by rank 0, written aside and renamed into
+    place; every rank raises if it failed."""
+    err: BaseException | None = None
+    if engine.global_rank == 0:
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            with writing(path):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(sd, tmp)
+                atomic.fsync_file(tmp)
+                os.replace(tmp, path)
+                atomic.fsync_dir(path.parent)
+        except Exception as e:
+            tmp.unlink(missing_ok=True)
+            err = e
+    del sd
+    _agree(engine, err, "16-bit model save")
+
+
 def _digest_file(stage: Path, rank: int) -> Path:
     return stage / f".digests.{rank:05d}.json"
 
@@ -223,11 +243,15 @@ def save_checkpoint(
     """Save a complete, resumable checkpoint as ``<save_dir>/<tag>`` (default
     ``global_step<N>``) and, with ``save_latest``, point ``<save_dir>/latest`` at it.
     ``exclude_frozen_parameters``: the model file leaves out params that do not require grad
-    (a load keeps the model's own values for them)."""
+    (a load keeps the model's own values for them).
+
+    Three phases, each ended by every rank agreeing that it succeeded everywhere (else every rank
+    raises and the staging folder is discarded): prepare (all that could refuse the save),
+    write (shards, model file, digests), publish (rank 0: meta.json, the folder, ``latest``)."""
     engine.flush_delayed_update()  # the saved master must be the one the live params came from
     tag = check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
     tag = agree_on_tag(engine.device, tag, engine.config.checkpoint.tag_validation)
-    root, rank, world = Path(save_dir), engine.global_rank, engine.world_size
+    root, rank = Path(save_dir), engine.global_rank
     stage = atomic.staging_dir(root, tag)
 
     def discard() -> None:
@@ -235,63 +259,74 @@ def save_checkpoint(
             shutil.rmtree(stage, ignore_errors=True)
 
     err: BaseException | None = None
-    common = None
+    common = model = None
     try:
-        common = _common_meta(engine, tag, client_state)
-        if rank == 0:
-            with writing(stage):
-                atomic.prepare_staging(root, tag)
+        common = _prepare(engine, root, stage, tag, client_state)
     except Exception as e:
         err = e
     _agree(engine, err, "preparation", discard)
-
     try:
-        # stage 3: full params in host memory, gathered one module at a time (a collective,
-        # entered first so that every rank reaches it)
-        with engine.params_on_host():
-            digests = {rank_file(rank): _write_rank_file(engine, stage, common["groups"])}
-            model = None
-            if rank == 0:
-                digests[MODEL_FILE], model = _write_model_file(
-                    engine, stage, exclude_frozen_parameters
-                )
-        with writing(_digest_file(stage, rank)):
-            atomic.write_bytes_atomic(
-                _digest_file(stage, rank), json.dumps(digests).encode("utf-8")
-            )
-        atomic.pause("after_shards")
+        model = _write_shards(engine, stage, common, exclude_frozen_parameters)
     except Exception as e:
         err = e
     _agree(engine, err, "writing", discard)
-
     if rank == 0:
         try:
-            files: dict = {}
-            for r in range(world):
-                files.update(read_json(_digest_file(stage, r)))
-            meta = dict(
-                common,
-                model=model,
-                ranks={"files": [rank_file(r) for r in range(world)]},
-                files=files,
-            )
-            with writing(stage / META_FILE):
-                atomic.write_bytes_atomic(stage / META_FILE, sealed_meta_bytes(meta))
-            for r in range(world):
-                os.remove(_digest_file(stage, r))
-            with writing(root / RECOVERY_SCRIPT):
-                _write_recovery_script(root)
-            atomic.pause("before_publish")
-            with writing(root / tag):
-                atomic.publish(root, tag)
-            atomic.pause("before_latest")
-            if save_latest:
-                with writing(root / "latest"):
-                    atomic.write_latest(root, tag)
+            _publish(engine, root, stage, tag, dict(common, model=model), save_latest)
         except Exception as e:
             err = e
     _agree(engine, err, "publishing", discard)
     return True
+
+
+def _prepare(engine, root: Path, stage: Path, tag: str, client_state) -> dict:
+    """The rank-independent metadata (refuses non-JSON state before a byte is written); rank 0
+    makes the staging folder."""
+    common = _common_meta(engine, tag, client_state)
+    if engine.global_rank == 0:
+        with writing(stage):
+            atomic.prepare_staging(root, tag)
+    return common
+
+
+def _write_shards(engine, stage: Path, common: dict, exclude_frozen: bool) -> dict | None:
+    """This rank's file (rank 0: also the model file) and their digests; the model entry of
+    meta.json on rank 0, else None."""
+    rank = engine.global_rank
+    # stage 3: full params in host memory, gathered one module at a time (a collective,
+    # entered first so that every rank reaches it)
+    with engine.params_on_host():
+        digests = {rank_file(rank): _write_rank_file(engine, stage, common["groups"])}
+        model = None
+        if rank == 0:
+            digests[MODEL_FILE], model = _write_model_file(engine, stage, exclude_frozen)
+    with writing(_digest_file(stage, rank)):
+        atomic.write_bytes_atomic(_digest_file(stage, rank), json.dumps(digests).encode("utf-8"))
+    atomic.pause("after_shards")
+    return model
+
+
+def _publish(engine, root: Path, stage: Path, tag: str, common: dict, save_latest: bool) -> None:
+    """Rank 0: meta.json sealed over every rank's digests, the recovery script, the folder
+    published under ``tag`` and, with ``save_latest``, ``latest`` pointed at it."""
+    world = engine.world_size
+    files: dict = {}
+    for r in range(world):
+        files.update(read_json(_digest_file(stage, r)))
+    meta = dict(common, ranks={"files": [rank_file(r) for r in range(world)]}, files=files)
+    with writing(stage / META_FILE):
+        atomic.write_bytes_atomic(stage / META_FILE, sealed_meta_bytes(meta))
+    for r in range(world):
+        os.remove(_digest_file(stage, r))
+    with writing(root / RECOVERY_SCRIPT):
+        _write_recovery_script(root)
+    atomic.pause("before_publish")
+    with writing(root / tag):
+        atomic.publish(root, tag)
+    atomic.pause("before_latest")
+    if save_latest:
+        with writing(root / "latest"):
+            atomic.write_latest(root, tag)
 
 
 def save_16bit_model(
@@ -334,22 +369,7 @@ def save_16bit_model(
         )
         return False
     if path.suffix in (".bin", ".pt", ".pth"):
-        sd = consolidated_state_dict(engine, exclude_frozen_parameters)
-        err: BaseException | None = None
-        if engine.global_rank == 0:
-            tmp = path.with_name(f".{path.name}.tmp")
-            try:
-                with writing(path):
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    torch.save(sd, tmp)
-                    atomic.fsync_file(tmp)
-                    os.replace(tmp, path)
-                    atomic.fsync_dir(path.parent)
-            except Exception as e:
-                tmp.unlink(missing_ok=True)
-                err = e
-        del sd
-        _agree(engine, err, "16-bit model save")
+        _save_pickled(engine, path, consolidated_state_dict(engine, exclude_frozen_parameters))
         return str(path)
     items = state_dict_items(engine.module, exclude_frozen_parameters, tied="all")
     sharded = (

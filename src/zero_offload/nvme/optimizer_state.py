@@ -136,6 +136,17 @@ class NvmeOptimizerState:
         assert not self._written, "an update is waiting for commit() or discard()"
         self.flush()
         self.check()
+        self._stream(chunks, body, write)  # every request waited for when it returns or raises
+        if before_commit is not None:
+            before_commit()
+        if write:
+            self._written = True
+            if commit:
+                self.commit()
+
+    def _stream(self, chunks: list[Chunk], body: Body, write: bool) -> None:
+        """The pipeline over the record pool: chunk k computes while later chunks are read ahead
+        and earlier ones written behind (into the other version of each record)."""
         n = len(chunks)
         free = collections.deque(self.pool)
         reads: dict[int, tuple[torch.Tensor, object]] = {}
@@ -170,17 +181,11 @@ class NvmeOptimizerState:
             while writes:
                 k, buf, req = writes.popleft()
                 self._wait(req, "write", k)
-            if before_commit is not None:
-                before_commit()
         finally:  # on failure: let every request finish before its buffer can be reused
             for _, req in reads.values():
                 _quiet_wait(req)
             for _, _, req in writes:
                 _quiet_wait(req)
-        if write:
-            self._written = True
-            if commit:
-                self.commit()
 
     def commit(self) -> None:
         """The versions the last update wrote become the state, every chunk at once."""
