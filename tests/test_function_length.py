@@ -12,8 +12,6 @@ LIMIT = 60
 # "module:qualified name" of each function over the limit today (to be split, not to grow)
 KNOWN = frozenset(
     {
-        "zero_offload.checkpoint.deepspeed.convert:convert_deepspeed_checkpoint",
-        "zero_offload.checkpoint.deepspeed.read:read_deepspeed",
         "zero_offload.checkpoint.save:save_16bit_model",
         "zero_offload.checkpoint.save:save_checkpoint",
         "zero_offload.config.batch:resolve_batch_sizes",
