@@ -100,6 +100,94 @@ def _dtype(ds: DSCheckpoint) -> str:
     return "float32"
 
 
+def _check_trainable(ds: DSCheckpoint, trainable: set[str]) -> None:
+    """Every trainable param of param_shapes must be in the module state."""
+    missing = sorted(trainable - set(ds.module))
+    if missing:
+        raise CheckpointError(
+            f"{ds.model_file}: module: expected the model's state dict with every trainable "
+            f"param of param_shapes; missing: {missing}"
+        )
+
+
+def _meta(
+    ds: DSCheckpoint,
+    out_tag: str,
+    groups: list[dict],
+    sd: dict[str, torch.Tensor],
+    aliases: dict,
+    trainable: set[str],
+    files: dict,
+) -> dict:
+    """The converted checkpoint's meta: a world-size-1, stage-0 checkpoint of ``ds``'s state,
+    naming where it came from."""
+    from ... import __version__
+
+    gas = ds.grad_accum
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "versions": {"zero_offload": __version__, "torch": torch.__version__},
+        "converted_from": {
+            "deepspeed": str(ds.path),
+            "stage": ds.stage,
+            "world_size": ds.world_size,
+        },
+        "tag": out_tag,
+        "world_size": 1,
+        "stage": 0,
+        "offload": False,
+        "dtype": _dtype(ds),
+        "counters": {
+            **ds.counters,
+            "micro_steps": ds.counters["global_steps"] * gas,
+        },
+        "loss_scaler": {
+            "kind": "DeepSpeed",
+            "state": _json_or_none(ds.loss_scale, "loss_scale"),
+        },
+        "lr_scheduler": _json_or_none(ds.lr_scheduler, "lr_scheduler"),
+        "client_state": _json_or_none(ds.client_state, "client_state") or {},
+        "config": _json_or_none(ds.config, "config") or {},
+        "groups": groups,
+        "model": {
+            "file": MODEL_FILE,
+            "keys": list(sd),
+            "aliases": aliases,
+            "params": [k for k in sd if k in trainable or k in set(ds.frozen) or k in aliases],
+            "frozen": sorted(set(ds.frozen) & set(sd)),
+        },
+        "ranks": {"files": [rank_file(0)]},
+        "files": files,
+    }
+
+
+def _write_staged(
+    ds: DSCheckpoint,
+    stage_dir: Path,
+    out_tag: str,
+    groups: list[dict],
+    shard_entries: list,
+    trainable: set[str],
+) -> None:
+    """Write the rank file, the model file and the sealed meta into ``stage_dir``."""
+    rank_info = {"rank": 0, "world_size": 1, "rng": {}, LAYOUT_KEY: layout_digests(groups)}
+    files = {
+        rank_file(0): write_file(
+            stage_dir / rank_file(0), shard_entries, {RANK_META_KEY: json.dumps(rank_info)}
+        )
+    }
+    sd = {k: v.detach().contiguous() for k, v in ds.module.items()}
+    aliases = alias_map(sd, prefer=trainable)
+    files[MODEL_FILE] = write_file(
+        stage_dir / MODEL_FILE,
+        [Entry.of(k, t) for k, t in sd.items() if k not in aliases],
+        {"format": "pt"},
+    )
+    meta = _meta(ds, out_tag, groups, sd, aliases, trainable, files)
+    atomic.write_bytes_atomic(stage_dir / META_FILE, sealed_meta_bytes(meta))
+
+
 def convert_deepspeed_checkpoint(
     src: str | os.PathLike[str], dst: str | os.PathLike[str], tag: str | None = None
 ) -> Path:
@@ -113,67 +201,10 @@ def convert_deepspeed_checkpoint(
     order = {k: i for i, k in enumerate(ds.module)}
     groups, shard_entries = _group_tensors(ds, order)
     trainable = {n for g in ds.groups for n in g.names}
-    missing = sorted(trainable - set(ds.module))
-    if missing:
-        raise CheckpointError(
-            f"{ds.model_file}: module: expected the model's state dict with every trainable "
-            f"param of param_shapes; missing: {missing}"
-        )
+    _check_trainable(ds, trainable)
     stage_dir = atomic.prepare_staging(root, out_tag)
     try:
-        rank_info = {"rank": 0, "world_size": 1, "rng": {}, LAYOUT_KEY: layout_digests(groups)}
-        files = {
-            rank_file(0): write_file(
-                stage_dir / rank_file(0), shard_entries, {RANK_META_KEY: json.dumps(rank_info)}
-            )
-        }
-        sd = {k: v.detach().contiguous() for k, v in ds.module.items()}
-        aliases = alias_map(sd, prefer=trainable)
-        files[MODEL_FILE] = write_file(
-            stage_dir / MODEL_FILE,
-            [Entry.of(k, t) for k, t in sd.items() if k not in aliases],
-            {"format": "pt"},
-        )
-        from ... import __version__
-
-        gas = ds.grad_accum
-        meta = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "versions": {"zero_offload": __version__, "torch": torch.__version__},
-            "converted_from": {
-                "deepspeed": str(ds.path),
-                "stage": ds.stage,
-                "world_size": ds.world_size,
-            },
-            "tag": out_tag,
-            "world_size": 1,
-            "stage": 0,
-            "offload": False,
-            "dtype": _dtype(ds),
-            "counters": {
-                **ds.counters,
-                "micro_steps": ds.counters["global_steps"] * gas,
-            },
-            "loss_scaler": {
-                "kind": "DeepSpeed",
-                "state": _json_or_none(ds.loss_scale, "loss_scale"),
-            },
-            "lr_scheduler": _json_or_none(ds.lr_scheduler, "lr_scheduler"),
-            "client_state": _json_or_none(ds.client_state, "client_state") or {},
-            "config": _json_or_none(ds.config, "config") or {},
-            "groups": groups,
-            "model": {
-                "file": MODEL_FILE,
-                "keys": list(sd),
-                "aliases": aliases,
-                "params": [k for k in sd if k in trainable or k in set(ds.frozen) or k in aliases],
-                "frozen": sorted(set(ds.frozen) & set(sd)),
-            },
-            "ranks": {"files": [rank_file(0)]},
-            "files": files,
-        }
-        atomic.write_bytes_atomic(stage_dir / META_FILE, sealed_meta_bytes(meta))
+        _write_staged(ds, stage_dir, out_tag, groups, shard_entries, trainable)
         atomic.publish(root, out_tag)
         atomic.write_latest(root, out_tag)
     except BaseException:

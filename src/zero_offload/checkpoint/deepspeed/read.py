@@ -35,6 +35,32 @@ from .pickle_safe import load_deepspeed_file
 
 MODEL_STATES = "mp_rank_00_model_states.pt"
 _RANK = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_(optim|model)_states\.pt$")
+_STATE_DICT = "the model's state dict (a dict of name -> tensor)"
+
+# The model states keys DeepSpeed writes itself; any other key is the client's state.
+_KNOWN_KEYS = frozenset(
+    {
+        "module",
+        "buffer_names",
+        "optimizer",
+        "param_shapes",
+        "frozen_param_shapes",
+        "shared_params",
+        "frozen_param_fragments",
+        "lr_scheduler",
+        "data_sampler",
+        "random_ltd",
+        "sparse_tensor_module_names",
+        "skipped_steps",
+        "global_steps",
+        "global_samples",
+        "dp_world_size",
+        "mp_world_size",
+        "ds_config",
+        "ds_version",
+        "checkpoint_parallel_dimensions",
+    }
+)
 
 
 @dataclass
@@ -261,65 +287,67 @@ def _shapes(model_states: dict, where: Path) -> list[list[tuple[str, tuple[int, 
     return out
 
 
-def read_deepspeed(src: Path, tag: str | None = None) -> DSCheckpoint:
-    path = tag_dir(src, tag)
-    optim_files = _rank_files(path, "optim")
-    model_files = _rank_files(path, "model")
-    stage3 = bool(model_files)
-    ms_path = model_files[0] if stage3 else path / MODEL_STATES
-    if not ms_path.is_file():
-        raise CheckpointError(f"{path}: {MODEL_STATES} is missing")
-    ms = load_deepspeed_file(ms_path)
-    state_dict = "the model's state dict (a dict of name -> tensor)"
-    module = {
-        k: v
-        for k, v in _dict(ms.get("module"), ms_path, "module", state_dict).items()
-        if isinstance(v, torch.Tensor)
-    }
-    shapes = _shapes(ms, ms_path)
-    frozen_shapes = {
+def _frozen_shapes(ms: dict, ms_path: Path) -> dict[str, tuple[int, ...]]:
+    """The frozen params' shapes (``frozen_param_shapes``), name -> shape, checked."""
+    return {
         n: _shape(s, ms_path, f"frozen_param_shapes[{n!r}]")
         for n, s in _dict(
             ms.get("frozen_param_shapes"), ms_path, "frozen_param_shapes", "a dict of name -> shape"
         ).items()
     }
-    frozen = list(frozen_shapes)
+
+
+def _stage3_frozen(
+    module: dict[str, torch.Tensor],
+    ms: dict,
+    ms_path: Path,
+    model_files: list[Path],
+    frozen_shapes: dict[str, tuple[int, ...]],
+) -> None:
+    """Stage 3: each frozen param into ``module``, joined from every rank's padded fragment
+    (``frozen_param_fragments`` of each rank's model states)."""
     fragments = ms.get("frozen_param_fragments")
-    if stage3 and not frozen_shapes and isinstance(fragments, dict) and fragments:
+    if not frozen_shapes and isinstance(fragments, dict) and fragments:
         raise CheckpointError(  # the frozen weights would be dropped without a word
             f"{ms_path}: frozen_param_shapes: expected a dict of name -> shape for the params "
             f"in 'frozen_param_fragments', got {_brief(ms.get('frozen_param_shapes'))}"
         )
-    if stage3:  # every rank's model states hold its fragment of each frozen param
-        per_rank = [(ms_path, ms)] + [(f, load_deepspeed_file(f)) for f in model_files[1:]]
-        for name, shape in frozen_shapes.items():
-            part = math.ceil(math.prod(shape) / len(per_rank))  # each rank's padded fragment
-            pieces = []
-            for f, r in per_rank:
-                what = f"frozen_param_fragments[{name!r}]: a tensor of {part} elements"
-                frags = _dict(
-                    r.get("frozen_param_fragments"),
-                    f,
-                    "frozen_param_fragments",
-                    "a dict of name -> tensor",
-                )
-                with _expect(f, what):
-                    piece = frags[name].reshape(-1)
-                    if piece.numel() != part:
-                        raise ValueError(f"it has {piece.numel()} elements")
-                pieces.append(piece)
-            module[name] = torch.cat(pieces)[: math.prod(shape)].reshape(shape)
-    else:
-        fragments = _dict(
-            ms.get("frozen_param_fragments"), ms_path, "frozen_param_fragments", state_dict
-        )
-        for name, t in fragments.items():
-            if not isinstance(t, torch.Tensor):
-                raise CheckpointError(
-                    f"{ms_path}: 'frozen_param_fragments'[{name!r}]: expected a tensor, got "
-                    f"{_brief(t)}"
-                )
-            module.setdefault(name, t)
+    per_rank = [(ms_path, ms)] + [(f, load_deepspeed_file(f)) for f in model_files[1:]]
+    for name, shape in frozen_shapes.items():
+        part = math.ceil(math.prod(shape) / len(per_rank))  # each rank's padded fragment
+        pieces = []
+        for f, r in per_rank:
+            what = f"frozen_param_fragments[{name!r}]: a tensor of {part} elements"
+            frags = _dict(
+                r.get("frozen_param_fragments"),
+                f,
+                "frozen_param_fragments",
+                "a dict of name -> tensor",
+            )
+            with _expect(f, what):
+                piece = frags[name].reshape(-1)
+                if piece.numel() != part:
+                    raise ValueError(f"it has {piece.numel()} elements")
+            pieces.append(piece)
+        module[name] = torch.cat(pieces)[: math.prod(shape)].reshape(shape)
+
+
+def _whole_frozen(module: dict[str, torch.Tensor], ms: dict, ms_path: Path) -> None:
+    """Stages 0 to 2: the frozen params kept whole in ``frozen_param_fragments`` added to
+    ``module`` where it lacks them."""
+    fragments = _dict(
+        ms.get("frozen_param_fragments"), ms_path, "frozen_param_fragments", _STATE_DICT
+    )
+    for name, t in fragments.items():
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(
+                f"{ms_path}: 'frozen_param_fragments'[{name!r}]: expected a tensor, got {_brief(t)}"
+            )
+        module.setdefault(name, t)
+
+
+def _counters(ms: dict, ms_path: Path) -> dict[str, int]:
+    """The step and sample counters, non-negative integers (0 where absent)."""
     with _expect(
         ms_path, "non-negative integer counters 'global_steps', 'global_samples', 'skipped_steps'"
     ):
@@ -331,28 +359,12 @@ def read_deepspeed(src: Path, tag: str | None = None) -> DSCheckpoint:
         for key, value in counters.items():  # a count below 0 would resume a run before it began
             if value < 0:
                 raise ValueError(f"{key} is {value}")
-    known = {
-        "module",
-        "buffer_names",
-        "optimizer",
-        "param_shapes",
-        "frozen_param_shapes",
-        "shared_params",
-        "frozen_param_fragments",
-        "lr_scheduler",
-        "data_sampler",
-        "random_ltd",
-        "sparse_tensor_module_names",
-        "skipped_steps",
-        "global_steps",
-        "global_samples",
-        "dp_world_size",
-        "mp_world_size",
-        "ds_config",
-        "ds_version",
-        "checkpoint_parallel_dimensions",
-    }
-    client = {k: v for k, v in ms.items() if k not in known}
+    return counters
+
+
+def _config(ms: dict, ms_path: Path) -> tuple[Any, int, int]:
+    """``ds_config`` as saved, with the ZeRO stage and gradient accumulation steps it names
+    (0 and 1 without one); ``ds_config`` and ``lr_scheduler`` must be dicts or None."""
     config = ms.get("ds_config")
     for key in ("ds_config", "lr_scheduler"):  # carried into the converted checkpoint as is
         if not isinstance(ms.get(key), (dict, type(None))):
@@ -370,40 +382,97 @@ def read_deepspeed(src: Path, tag: str | None = None) -> DSCheckpoint:
             grad_accum = int(config.get("gradient_accumulation_steps", 1) or 1)
             if grad_accum < 1:
                 raise ValueError(f"gradient_accumulation_steps is {grad_accum}, not >= 1")
+    return config, stage, grad_accum
+
+
+def _optimizer_states(optim_files: list[Path]) -> list[dict]:
+    """Each rank's ``optimizer_state_dict`` (DeepSpeed's ZeRO optimizer state), in rank order."""
+    osds = []
+    for f in optim_files:
+        osd = load_deepspeed_file(f).get("optimizer_state_dict")
+        if not isinstance(osd, dict):
+            raise CheckpointError(
+                f"{f}: optimizer_state_dict: expected a dict (DeepSpeed's ZeRO optimizer "
+                f"state), got {_brief(osd)}"
+            )
+        osds.append(osd)
+    return osds
+
+
+def _zero_groups(
+    path: Path,
+    optim_files: list[Path],
+    ms_path: Path,
+    shapes: list[list[tuple[str, tuple[int, ...]]]],
+    stage: int,
+    stage3: bool,
+) -> tuple[list[DSGroup], dict | None, int]:
+    """The param groups read from the ZeRO ``optim_states`` files, the loss scale and the
+    stage (3 where the files are stage 3's, else ``stage``)."""
+    osds = _optimizer_states(optim_files)
+    with _expect(optim_files[0], "an integer 'zero_stage' in 'optimizer_state_dict'"):
+        zstage = _int(osds[0].get("zero_stage", stage))
+    if stage3 or zstage == 3:
+        groups = _stage3_groups(osds, shapes, path, optim_files, ms_path)
+        stage = 3
+    else:
+        groups = _partitioned_groups(osds, shapes, path, optim_files)
+    with _expect(optim_files[0], "a boolean 'dynamic_loss_scale' in 'optimizer_state_dict'"):
+        loss_scale = _loss_scale(osds[0])
+    return groups, loss_scale, stage
+
+
+def _module_from_masters(
+    module: dict[str, torch.Tensor], groups: list[DSGroup], config: Any
+) -> None:
+    """Stage 3's module state holds placeholders: each trainable param becomes its master,
+    cast to the training dtype."""
+    dtype = _train_dtype(config)
+    for g in groups:
+        for name in g.names:
+            module[name] = g.master[name].to(dtype)
+
+
+def read_deepspeed(src: Path, tag: str | None = None) -> DSCheckpoint:
+    """Read DeepSpeed's checkpoint in ``src`` (a save_dir, with ``tag`` or ``latest``, or a tag
+    folder) into one plain description; anything not as DeepSpeed writes it is an error naming
+    the file."""
+    path = tag_dir(src, tag)
+    optim_files = _rank_files(path, "optim")
+    model_files = _rank_files(path, "model")
+    stage3 = bool(model_files)
+    ms_path = model_files[0] if stage3 else path / MODEL_STATES
+    if not ms_path.is_file():
+        raise CheckpointError(f"{path}: {MODEL_STATES} is missing")
+    ms = load_deepspeed_file(ms_path)
+    module = {
+        k: v
+        for k, v in _dict(ms.get("module"), ms_path, "module", _STATE_DICT).items()
+        if isinstance(v, torch.Tensor)
+    }
+    shapes = _shapes(ms, ms_path)
+    frozen_shapes = _frozen_shapes(ms, ms_path)
+    if stage3:  # every rank's model states hold its fragment of each frozen param
+        _stage3_frozen(module, ms, ms_path, model_files, frozen_shapes)
+    else:
+        _whole_frozen(module, ms, ms_path)
+    counters = _counters(ms, ms_path)
+    client = {k: v for k, v in ms.items() if k not in _KNOWN_KEYS}
+    config, stage, grad_accum = _config(ms, ms_path)
     if optim_files:
-        osds = []
-        for f in optim_files:
-            osd = load_deepspeed_file(f).get("optimizer_state_dict")
-            if not isinstance(osd, dict):
-                raise CheckpointError(
-                    f"{f}: optimizer_state_dict: expected a dict (DeepSpeed's ZeRO optimizer "
-                    f"state), got {_brief(osd)}"
-                )
-            osds.append(osd)
-        with _expect(optim_files[0], "an integer 'zero_stage' in 'optimizer_state_dict'"):
-            zstage = _int(osds[0].get("zero_stage", stage))
-        if stage3 or zstage == 3:
-            groups = _stage3_groups(osds, shapes, path, optim_files, ms_path)
-            stage = 3
-        else:
-            groups = _partitioned_groups(osds, shapes, path, optim_files)
-        with _expect(optim_files[0], "a boolean 'dynamic_loss_scale' in 'optimizer_state_dict'"):
-            loss_scale = _loss_scale(osds[0])
+        groups, loss_scale, stage = _zero_groups(path, optim_files, ms_path, shapes, stage, stage3)
     else:
         groups = _stage0_groups(ms, shapes, module, ms_path)
         loss_scale = None
     if stage3:  # the module state holds placeholders: the weights are the masters, cast
-        dtype = _train_dtype(config)
-        for g in groups:
-            for name in g.names:
-                module[name] = g.master[name].to(dtype)
+        _module_from_masters(module, groups, config)
     return DSCheckpoint(
         path=path,
         model_file=ms_path,
         stage=stage,
         world_size=len(optim_files) or 1,
         module=module,
-        frozen=frozen,
+        frozen=list(frozen_shapes),
         groups=groups,
         counters=counters,
         lr_scheduler=ms.get("lr_scheduler"),
