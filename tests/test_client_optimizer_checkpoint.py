@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_ranks
-from parity import batches, global_step, make_model
+from parity import assert_partitioned_if_asked, batches, global_step, make_model
 from test_client_optimizer import OPTIMIZERS, PLACEMENTS, _config
 
 import zero_offload
@@ -26,7 +26,9 @@ def _engine(kind: str, stage: int, offload: bool, gas: int = 2):
     client = KINDS[kind]([p for p in model.parameters() if p.requires_grad])
     cfg = _config(stage, offload)
     cfg["gradient_accumulation_steps"] = gas
-    return zero_offload.initialize(model=model, optimizer=client, config=cfg)[0]
+    engine = zero_offload.initialize(model=model, optimizer=client, config=cfg)[0]
+    assert_partitioned_if_asked(model, cfg)  # stage 3: every param partitioned
+    return engine
 
 
 def _params(engine) -> dict:

@@ -39,6 +39,7 @@ def _edit_without_modifier(checks: bool) -> list:
         0
     ]
     w = engine.module.a.weight
+    assert all(p.numel() == 0 for p in engine.module.parameters())  # really partitioned
     with zero_offload.zero.GatheredParameters(w):
         before = w.detach().clone()
     got = "kept quiet"

@@ -297,3 +297,25 @@ def test_shape_queries_in_a_constructor_answer_without_a_gather() -> None:
     assert model.n == 8 * 16 + 16
     assert model.shape == ((16, 8), 8, 2)
     assert model.gathered == [ZeroParamStatus.NOT_AVAILABLE] * 2
+
+
+def test_hugging_face_from_config_under_zero_init_equals_plain() -> None:
+    """A Hugging Face model built by ``from_config`` initializes its children from the parent
+    (``post_init`` -> ``_init_weights``): under zero.Init the same values as without this
+    library (before, the embedding kept nn.Embedding's N(0, 1))."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    plain = transformers.AutoModelForCausalLM.from_config(cfg)
+    torch.manual_seed(0)
+    with zero_offload.zero.Init(dtype=torch.float32):
+        parted = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert all(p.numel() == 0 for p in parted.parameters())
+    params = list(parted.named_parameters())
+    with GatheredParameters([p for _, p in params]):
+        got = {n: p.detach().clone() for n, p in params}
+    _assert_same(got, dict(plain.named_parameters()))
+    assert float(got["model.embed_tokens.weight"].std()) < 0.05  # initializer_range 0.02
