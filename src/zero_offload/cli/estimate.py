@@ -41,6 +41,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _ratio(text: str) -> float:
+    """``--ratio``: a number in [0, 1], as ``offload_optimizer.ratio``."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", type=_param_count, help="parameter count, e.g. 1.5e9")
     p.add_argument("--model", choices=["gpt2", "llama"], help="a model's shape instead of --params")
@@ -52,6 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", type=_positive_int, default=1, help="data-parallel ranks (default 1)")
     p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="show only this stage")
     p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default="fp16")
+    p.add_argument(
+        "--ratio",
+        type=_ratio,
+        default=1.0,
+        help="offload_optimizer.ratio of the stage-3 offload rows: the host's share of the "
+        "optimizer state, the rest on the device (partial offload; default 1.0)",
+    )
     estimate_step.add_arguments(p)
 
 
@@ -62,6 +80,13 @@ def run(args: argparse.Namespace) -> int:
         return _run(args)
     except (ValueError, FileNotFoundError) as err:
         return report("estimate", err, getattr(args, "config", None))
+
+
+def _offload(row: dict) -> str:
+    """The offload column: none, cpu, or cpu with a partial offload's ratio (``cpu@0.5``)."""
+    if not row["offload"]:
+        return "none"
+    return "cpu" if row["ratio"] >= 1.0 else f"cpu@{row['ratio']:g}"
 
 
 def _shape(args: argparse.Namespace):
@@ -133,13 +158,13 @@ def _run(args: argparse.Namespace) -> int:
         f"{'stage':>5} {'offload':>7} {'per device GB':>14} {'host per rank GB':>17} "
         f"{'optimizer state per rank GB':>28} {'offload_param':>13}"
     )
-    for row in per_param_table(numel, args.gpus, dtype):
+    for row in per_param_table(numel, args.gpus, dtype, args.ratio):
         if args.stage is not None and row["stage"] != args.stage:
             continue
         # offload is offload_optimizer; offload_param exists at stage 3 only ("-" below it).
         params = ("cpu" if row["offload_param"] else "none") if row["stage"] == 3 else "-"
         print(
-            f"{row['stage']:>5} {('cpu' if row['offload'] else 'none'):>7} "
+            f"{row['stage']:>5} {_offload(row):>7} "
             f"{row['device'] / 1e9:>14.2f} {row['host'] / 1e9:>17.2f} "
             f"{row['optimizer_state'] / 1e9:>28.2f} {params:>13}"
         )

@@ -62,8 +62,10 @@ def plan_for(
     base = ZeroPlan(stage=stage, dtype_bytes=dtype_bytes, world=args.gpus)
     if args.config:
         base = ZeroPlan.from_config(load(args), args.gpus)
+    ratio = getattr(args, "ratio", 1.0)  # --ratio, else the config's
     return dataclasses.replace(base, stage=stage, optimizer=opt, params=par,
-                               dtype_bytes=dtype_bytes, world=args.gpus)  # fmt: skip
+                               dtype_bytes=dtype_bytes, world=args.gpus,
+                               ratio=ratio if ratio < 1.0 else base.ratio)  # fmt: skip
 
 
 def step_of(args) -> StepShape:
@@ -73,17 +75,24 @@ def step_of(args) -> StepShape:
     return StepShape(micro or 1, args.seq_length, args.checkpoint_activations)
 
 
-def rows(args, shape: ModelShape, dtype_bytes: int) -> list[tuple[tuple, dict]]:
+def rows(args, shape: ModelShape, dtype_bytes: int) -> list[tuple[ZeroPlan, dict]]:
     step = step_of(args)
     if args.config and not args.max_model:
         plan = ZeroPlan.from_config(load(args), args.gpus)
-        return [((plan.stage, plan.optimizer, plan.params), predict(shape, step, plan))]
+        return [(plan, predict(shape, step, plan))]
     out = []
     for stage, opt, par in PLACEMENTS:
         if args.stage is None or stage == args.stage:
             plan = plan_for(args, stage, opt, par, dtype_bytes)
-            out.append(((stage, opt, par), predict(shape, step, plan)))
+            out.append((plan, predict(shape, step, plan)))
     return out
+
+
+def optimizer_name(plan: ZeroPlan) -> str:
+    """The offload_optimizer column: none, cpu, nvme, or a partial offload (``cpu@0.5``)."""
+    if plan.stage == 3 and plan.optimizer == "host" and plan.ratio < 1.0:
+        return f"cpu@{plan.ratio:g}"
+    return NAMES[plan.optimizer]
 
 
 def nvme_bytes(pred: dict) -> int:
@@ -97,13 +106,14 @@ def print_step_table(args, shape: ModelShape, dtype_bytes: int) -> None:
     )
     print(f"{'stage':>5} {'offload_optimizer':>17} {'offload_param':>13} {'device GB':>10} "
           f"{'host GB':>8} {'nvme GB':>8}  device working set GB by category")  # fmt: skip
-    for (stage, opt, par), pred in rows(args, shape, dtype_bytes):
+    for plan, pred in rows(args, shape, dtype_bytes):
+        stage, par = plan.stage, plan.params
         work = ", ".join(
             f"{k.split('.')[-1]} {v / GB:.2f}"
             for k, v in pred.items()
             if k.startswith("peak.device.") and not k.endswith("total") and v
         )
-        print(f"{stage:>5} {NAMES[opt]:>17} {NAMES[par] if stage == 3 else '-':>13} "
+        print(f"{stage:>5} {optimizer_name(plan):>17} {NAMES[par] if stage == 3 else '-':>13} "
               f"{pred['peak.device.total'] / GB:>10.2f} {pred['peak.host.total'] / GB:>8.2f} "
               f"{nvme_bytes(pred) / GB:>8.2f}  {work}")  # fmt: skip
 

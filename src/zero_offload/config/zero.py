@@ -140,8 +140,10 @@ class OffloadOptimizerConfig(Section):
         1.0,
         ge=0.0,
         le=1.0,
-        description="The fraction of the parameters updated on the host (DeepSpeed's partial "
-        "offload). Only 1.0 is built.",
+        description="The share of each param group's optimizer state kept in host memory and "
+        "updated by the host Adam (DeepSpeed's partial offload, ZeRO-Offload++); the rest stays "
+        "on the device and is updated there in the same step. Below 1.0: stage 3 only, with "
+        'device "cpu" and the built-in Adam(W), not with delayed_update.',
     )
     delayed_update: Bool = Field(
         False,
@@ -462,10 +464,7 @@ class ZeroConfig(Section):
                 "0): the offloaded optimizer updates this rank's partition",
             )
         if offload is not None and offload.ratio < 1.0:
-            raise rule_error(
-                "offload_optimizer.ratio",
-                "partial offload (ratio < 1.0) is not built; use 1.0",
-            )
+            _partial_offload_rule(offload, self.stage)
         if offload is not None and offload.delayed_update and offload.device != "cpu":
             why = '; "nvme" is not supported with it' if offload.device == "nvme" else ""
             raise rule_error(
@@ -482,8 +481,12 @@ class ZeroConfig(Section):
 
     def non_default_unimplemented(self, prefix: str = "") -> list[str]:
         """Also every stage-3 key set away from its default below stage 3, where it has no
-        effect."""
+        effect, and a partial-offload ratio with nothing offloaded (DeepSpeed ignores it)."""
         out = super().non_default_unimplemented(prefix)
+        oc = self.offload_optimizer
+        if oc is not None and oc.ratio < 1.0 and oc.device == "none":
+            key = join_path(prefix, "offload_optimizer.ratio")
+            out.append(f'{key}={json_repr(oc.ratio)} (no optimizer offload: device "none")')
         if self.stage < 3:
             for name in STAGE3_SPELLINGS:
                 value = getattr(self, name)
@@ -532,6 +535,29 @@ class ZeroConfig(Section):
     def uses_nvme(self) -> bool:
         """Whether anything (optimizer state or params) is offloaded to NVMe."""
         return "nvme" in (self.offload_device, self.offload_param_device)
+
+
+def _partial_offload_rule(offload: OffloadOptimizerConfig, stage: int) -> None:
+    """``offload_optimizer.ratio`` < 1 where the twin update is built: DeepSpeed's rule (stage
+    3 only, asserted for any device) and this project's (the host kernel's "cpu" state, not the
+    delayed update). Device "none" is DeepSpeed's no-op (a load warning)."""
+    ratio = json_repr(offload.ratio)
+    if stage != 3:
+        raise rule_error(
+            "offload_optimizer.ratio",
+            f"{ratio}: partial offload (ratio < 1.0) is only supported at ZeRO stage 3 (stage is "
+            f"{stage}), as in DeepSpeed; use 1.0 or stage 3",
+        )
+    if offload.device == "nvme":
+        raise rule_error(
+            "offload_optimizer.ratio",
+            f'{ratio}: partial offload needs offload_optimizer.device "cpu" (not "nvme")',
+        )
+    if offload.delayed_update:
+        raise rule_error(
+            "offload_optimizer.ratio",
+            f"{ratio}: partial offload does not combine with offload_optimizer.delayed_update",
+        )
 
 
 def _checked(model: type[Section], name: str, key: str, value: Any) -> Any:

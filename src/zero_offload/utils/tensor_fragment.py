@@ -185,12 +185,39 @@ def _seg_views(engine, gi: int, what: str, key: str = "", fn: str = "") -> list[
         gs = engine.opt_groups[gi].grads
         if not engine.placement.host_update:
             return gs.device_grads()
-        t = gs.host_grad()
+        t = gs.host_grad() if gs.host_from == 0 else StateRange(_TwinGrads(gs), "grad", 0, gs.numel)
     elif what == "fp32":
         t = _state_source(engine.opt_groups[gi].optimizer.state, "master")
     else:
         t = _state_tensor(engine, gi, key, fn)
     return [t[s.shard_start : s.shard_start + s.numel] for s in segs]
+
+
+class _TwinGrads:
+    """A partial offload's reduced gradient in shard coordinates, as ``StateRange`` reads and
+    writes it: the device part ``[0, host_from)`` in the device grad shard, the rest in the host
+    grad shard (whose index 0 is ``host_from``)."""
+
+    def __init__(self, gs) -> None:
+        self.gs = gs
+
+    def _parts(self, lo: int, hi: int) -> list[torch.Tensor]:
+        cut, out = self.gs.host_from, []
+        if lo < cut:
+            out.append(self.gs.device_shard[lo : min(hi, cut)])
+        if hi > cut:
+            out.append(self.gs.host_grad()[max(lo, cut) - cut : hi - cut])
+        return out
+
+    def read(self, kind: str, lo: int, hi: int) -> torch.Tensor:
+        parts = self._parts(lo, hi)
+        return parts[0] if len(parts) == 1 else torch.cat([p.cpu() for p in parts])
+
+    def write(self, kind: str, lo: int, src: torch.Tensor) -> None:
+        at = 0
+        for part in self._parts(lo, lo + src.numel()):
+            part.copy_(src[at : at + part.numel()])
+            at += part.numel()
 
 
 def _gather_bucket(w: _Where, views: list[torch.Tensor]) -> torch.Tensor:
@@ -266,10 +293,13 @@ def _check_grad_window(engine, fn: str) -> None:
 def _refresh_norm(engine, gi: int) -> None:
     """The group's squared gradient norm (this rank's part) from its gradient as it is now."""
     gs = engine.opt_groups[gi].grads
-    views = _seg_views(engine, gi, "grad")
+    views = [v.read() if isinstance(v, StateRange) else v for v in _seg_views(engine, gi, "grad")]
     sumsq = sum(
-        (torch.linalg.vector_norm(v, dtype=torch.float32).square() for v in views),
-        torch.zeros((), dtype=torch.float32, device=views[0].device),
+        (
+            torch.linalg.vector_norm(v, dtype=torch.float32).square().to(engine.device)
+            for v in views
+        ),
+        torch.zeros((), dtype=torch.float32, device=engine.device),
     )
     gs.set_sumsq(sumsq)
 

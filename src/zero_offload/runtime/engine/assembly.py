@@ -258,6 +258,7 @@ def build_updates(
             place.pin,
             host_buffers=2 if place.delayed else 1,
             accum_dtype=e.grad_accum_dtype,
+            host_from=place.host_from(g.shard_numel(sharded)),
         )
         home = (
             ShardHome(e.param_store, gi)

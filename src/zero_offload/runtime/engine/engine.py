@@ -369,6 +369,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             self.window.gas,
             self.placement.delayed,
             offload_param=self.placement.params != "device",
+            ratio=self.placement.ratio,
         )
 
     def _log_memory(self) -> None:

@@ -13,6 +13,10 @@ exp_avg, exp_avg_sq: 12 bytes), N ranks; "offload" is ``offload_optimizer``:
 | 3 + offload_param | grad shard b/N + 12/N                   | param shard b/N                   |
 | 3 + both offloads | 0                                       | param shard b/N + 12/N + grad b/N |
 
+Partial offload (stage 3, ``offload_optimizer.ratio`` r < 1): the optimizer columns split, the
+device part ``(1 - r)`` of the shard (rounded as ``placement.twin_split`` cuts it) keeps its
+12 bytes, its grad shard (b) and no staging on the device; the host part keeps the rest.
+
 Stages 2 and 3 also hold grad bucket buffers (``reduce_bucket_size`` each, at most two alternating with
 overlap_comm), which are not part of the formula; with offload and gradient accumulation the grad
 shard is accumulated on the device (b/N) and only the final sum crosses the bus; the delayed update
@@ -27,6 +31,8 @@ the host update writes the 16-bit param shard in place, so there is no staging b
 from __future__ import annotations
 
 import torch
+
+from ..update.placement import twin_split
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -43,9 +49,11 @@ def expected_bytes(
     delayed: bool = False,
     *,
     offload_param: bool = False,
+    ratio: float = 1.0,
 ) -> dict[str, int]:
     """Model-state bytes per rank by category (``device.*`` / ``host.*``). ``offload`` is
-    optimizer offload; ``offload_param`` (stage 3 only) puts the 16-bit param shard on the host."""
+    optimizer offload; ``offload_param`` (stage 3 only) puts the 16-bit param shard on the host;
+    ``ratio`` (stage 3 with offload) is the host's share of the optimizer state."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
     if offload_param and stage != 3:
@@ -59,17 +67,22 @@ def expected_bytes(
         out[f"{'host' if offload_param else 'device'}.param_shard"] = shard * b
     else:
         out["device.params"] = numel * b
+    # the device part of the optimizer state: all of it, none (offload) or a twin's cut
+    cut = shard if not offload else twin_split(shard, ratio) if stage == 3 else 0
     if stage <= 1:
         out["device.grads"] = numel * b
     elif not offload or gas > 1:
         out["device.grad_shard"] = shard * b
-    where = "host" if offload else "device"
-    out[f"{where}.master_shard"] = shard * 4
-    out[f"{where}.optimizer_state"] = shard * 8
+    elif cut:
+        out["device.grad_shard"] = cut * b
+    for where, n in (("device", cut), ("host", shard - cut)):
+        if n or where == ("host" if offload else "device"):
+            out[f"{where}.master_shard"] = n * 4
+            out[f"{where}.optimizer_state"] = n * 8
     if offload:
-        out["host.grad_shard"] = shard * b * (2 if delayed else 1)
+        out["host.grad_shard"] = (shard - cut) * b * (2 if delayed else 1)
         if b < 4 and not offload_param:
-            out["host.param_staging"] = shard * b
+            out["host.param_staging"] = (shard - cut) * b
     return out
 
 
@@ -87,18 +100,23 @@ TABLE_CASES = (
 )
 
 
-def per_param_table(numel: int, world_size: int, dtype: torch.dtype = torch.float16) -> list[dict]:
+def per_param_table(
+    numel: int, world_size: int, dtype: torch.dtype = torch.float16, ratio: float = 1.0
+) -> list[dict]:
     """Every stage with and without offload (and, at stage 3, parameter offload), for
-    ``zero-offload estimate``."""
+    ``zero-offload estimate``; ``ratio``: the stage-3 offload rows' partial offload."""
     rows = []
     for stage, offload, offload_param in TABLE_CASES:
-        e = expected_bytes(numel, dtype, stage, world_size, offload, offload_param=offload_param)
+        r = ratio if stage == 3 else 1.0
+        e = expected_bytes(numel, dtype, stage, world_size, offload, offload_param=offload_param,
+                           ratio=r)  # fmt: skip
         dev = sum(v for k, v in e.items() if k.startswith("device."))
         host = sum(v for k, v in e.items() if k.startswith("host."))
         rows.append(
             {
                 "stage": stage,
                 "offload": offload,
+                "ratio": r if offload else 1.0,
                 "offload_param": offload_param,
                 "device": dev,
                 "host": host,

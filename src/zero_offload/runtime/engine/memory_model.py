@@ -75,6 +75,7 @@ class ZeroPlan:
     optimizer_buffers: int = 4
     param_buffers: int = 5
     max_in_cpu: int = 1_000_000_000
+    ratio: float = 1.0  # offload_optimizer.ratio: the host's share (optimizer "host", stage 3)
 
     @classmethod
     def from_config(cls, config, world: int) -> ZeroPlan:
@@ -98,6 +99,7 @@ class ZeroPlan:
             optimizer_buffers=max(2, int(oc.buffer_count)) if oc is not None else 4,
             param_buffers=int(pc.buffer_count) if pc is not None else 5,
             max_in_cpu=int(pc.max_in_cpu) if pc is not None else 1_000_000_000,
+            ratio=float(oc.ratio) if oc is not None and zc.offload_device == "cpu" else 1.0,
         )
 
 
@@ -108,7 +110,8 @@ def states(numel: int, plan: ZeroPlan, shape: ModelShape | None = None) -> dict[
 
     dtype = {2: torch.bfloat16, 4: torch.float32}[plan.dtype_bytes]
     out = expected_bytes(numel, dtype, plan.stage, plan.world, plan.optimizer != "device",
-                         plan.gas, plan.delayed, offload_param=plan.params != "device")  # fmt: skip
+                         plan.gas, plan.delayed, offload_param=plan.params != "device",
+                         ratio=plan.ratio if plan.optimizer == "host" else 1.0)  # fmt: skip
     shard = numel // plan.world if plan.stage else numel
     if plan.optimizer == "nvme":
         out["nvme.master_shard"] = out.pop("host.master_shard")

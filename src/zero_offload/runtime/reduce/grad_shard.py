@@ -5,7 +5,10 @@
 - stage 2: a device grad shard accumulated over micro-steps (absent with offload and one
   micro-step per step: the reduced slice then goes straight to the host);
 - offload: a 16-bit host grad shard (two of them with the delayed update, alternating, so the
-  next step's copies never overwrite what the host update is reading).
+  next step's copies never overwrite what the host update is reading);
+- partial offload (a twin update, ``host_from`` > 0): only the host part ``[host_from, numel)``
+  is copied to the host (its buffer is in the part's coordinates); the device part stays in a
+  device grad shard of ``host_from`` elements (or in the full device accumulator).
 
 The squared norm of every final segment is summed on the device as it is produced, so the global
 norm, the overflow check and the clip factor are known before the host reads any gradient.
@@ -32,19 +35,23 @@ class GradShard:
         pin: bool,
         host_buffers: int = 1,
         accum_dtype: torch.dtype | None = None,
+        host_from: int = 0,
     ) -> None:
         """``accum_dtype``: the dtype of the stage-2/3 device accumulator (fp32 with 16-bit
-        params: ``data_types.grad_accum_dtype``); stages 0/1 accumulate in ``p.grad``."""
+        params: ``data_types.grad_accum_dtype``); stages 0/1 accumulate in ``p.grad``.
+        ``host_from`` (with ``offload``): the shard offset where the host part begins
+        (``Placement.host_from``); the elements before it are updated on the device."""
         self.group = group
         self.accum_dtype = accum_dtype or group.dtype
         self.stage = stage
         self.offload = offload
         self.streams = streams
         self.segs = group.segments(stage >= 1)
-        numel = group.shard_numel(stage >= 1)
+        numel = self.numel = group.shard_numel(stage >= 1)
         dev, dt = group.device, group.dtype
         self.flat_grad = None
         self.device_shard = None
+        self.host_from = host_from if offload else numel
         if stage <= 1:
             # Invariant: p.grad is a view of flat_grad, so backward accumulates in place.
             self.flat_grad = torch.zeros(group.layout.total, dtype=dt, device=dev)
@@ -53,8 +60,13 @@ class GradShard:
                 p.grad = v
         elif not offload or gas > 1:
             self.device_shard = torch.zeros(numel, dtype=self.accum_dtype, device=dev)
+        elif self.host_from > 0:  # a twin's device part, reduced into place
+            self.device_shard = torch.zeros(self.host_from, dtype=self.accum_dtype, device=dev)
+        host_numel = numel - self.host_from
         self.host = (
-            [alloc_host(numel, dt, pin).zero_() for _ in range(host_buffers)] if offload else []
+            [alloc_host(host_numel, dt, pin).zero_() for _ in range(host_buffers)]
+            if offload
+            else []
         )
         self.host_index = 0
         # Squared norm of each final segment, by shard offset. Summed in offset order at the
@@ -82,8 +94,8 @@ class GradShard:
         """Stage 2/3 with offload and no accumulation was built without a device grad shard
         (2/N bytes/param saved); a window of several backwards needs one to add into. Called
         before the window's first backward, so nothing is lost by starting from zeros."""
-        if self.stage >= 2 and self.device_shard is None:
-            numel = self.group.shard_numel(True)
+        numel = self.group.shard_numel(True)
+        if self.stage >= 2 and (self.device_shard is None or self.device_shard.numel() < numel):
             self.device_shard = torch.zeros(numel, dtype=self.accum_dtype, device=self.group.device)
 
     def finalize(self) -> None:
@@ -103,42 +115,61 @@ class GradShard:
         """Where a collective may write this rank's reduced segment directly, or None for a temp."""
         if self.stage <= 1:
             return self.flat_grad[seg.flat_start : seg.flat_start + seg.numel]
-        if self.device_shard is not None and self.writes and self.accum_dtype == self.group.dtype:
-            return self.device_shard[seg.shard_start : seg.shard_start + seg.numel]
+        d, end = self.device_shard, seg.shard_start + seg.numel
+        if d is not None and self.writes and self.accum_dtype == self.group.dtype:
+            # a segment across a twin's cut (or past its device part) goes through a temp
+            return d[seg.shard_start : end] if end <= d.numel() else None
         return None  # later micro-steps add; another accumulator dtype always adds (zeroed)
 
     def accept(self, seg: Segment, reduced: torch.Tensor, last: bool) -> None:
         """Fold a reduced segment in (on the stream that reduced it, the current one).
         ``last``: the final micro-step of the accumulation window."""
-        final = reduced
-        if self.device_shard is not None:
-            final = self.device_shard[seg.shard_start : seg.shard_start + seg.numel]
-            if final.data_ptr() != reduced.data_ptr():
-                final.add_(reduced)
+        final = self._fold(seg, reduced)
         if not last:
             return
         sq = torch.linalg.vector_norm(final, dtype=torch.float32).square()
         prev = self._sq.get(seg.shard_start)
         self._sq[seg.shard_start] = sq if prev is None else prev + sq
-        if self.offload:
-            host = self.host[self.host_index][seg.shard_start : seg.shard_start + seg.numel]
+        lo = max(seg.shard_start, self.host_from)  # the segment's host part, if any
+        if self.offload and lo < seg.shard_start + seg.numel:
+            h = self.host_from
+            host = self.host[self.host_index][lo - h : seg.shard_start + seg.numel - h]
             s = self.streams
             with label(GRAD_D2H):
                 s.wait(s.d2h, None)
                 with s.use(s.d2h):
-                    host.copy_(final, non_blocking=s.cuda)
+                    host.copy_(final[lo - seg.shard_start :], non_blocking=s.cuda)
                     s.keep_alive(final, s.d2h)
                 self.d2h_done = s.record(s.d2h)
 
+    def _fold(self, seg: Segment, reduced: torch.Tensor) -> torch.Tensor:
+        """Add (or, on a backward that writes, copy) ``reduced`` into the device shard where
+        it covers the segment; the segment's window sum so far, one device tensor."""
+        d = self.device_shard
+        if d is None or seg.shard_start >= d.numel():
+            return reduced
+        end = min(seg.shard_start + seg.numel, d.numel())
+        dst = d[seg.shard_start : end]
+        if dst.data_ptr() != reduced.data_ptr():
+            src = reduced[: end - seg.shard_start]
+            if self.writes and self.accum_dtype == self.group.dtype:
+                dst.copy_(src)  # only a twin's segment across its cut comes here
+            else:
+                dst.add_(src)
+        return dst if end - seg.shard_start == seg.numel else reduced
+
     # ---- consumers ----------------------------------------------------------------------------
-    def device_grads(self) -> list[torch.Tensor]:
-        """Per-segment device views of the reduced gradient (device placement)."""
+    def device_grads(self, segs: tuple[Segment, ...] | None = None) -> list[torch.Tensor]:
+        """Per-segment device views of the reduced gradient (device placement, or a twin's
+        device part: ``segs`` inside it)."""
         src = self.flat_grad if self.stage <= 1 else self.device_shard
         key = "flat_start" if self.stage <= 1 else "shard_start"
-        return [src[getattr(s, key) : getattr(s, key) + s.numel] for s in self.segs]
+        segs = self.segs if segs is None else segs
+        return [src[getattr(s, key) : getattr(s, key) + s.numel] for s in segs]
 
     def host_grad(self) -> torch.Tensor:
-        """This step's host gradient, after its copies have landed."""
+        """This step's host gradient (of the host part: index 0 is shard offset ``host_from``),
+        after its copies have landed."""
         if self.d2h_done is not None:
             with label(GRAD_WAIT):
                 self.d2h_done.synchronize()

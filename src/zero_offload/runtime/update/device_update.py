@@ -1,6 +1,7 @@
 """Placement "device": master, exp_avg and exp_avg_sq on the accelerator; the update is torch's
 fused Adam(W) over this rank's segments (or a client optimizer over the master), and the whole
-shard is written to the param home in one call."""
+shard is written to the param home in one call. A twin's device part (twin_update.py) runs the
+two halves apart: ``compute`` (kernels queued, asynchronous on CUDA), then ``write_home``."""
 
 from __future__ import annotations
 
@@ -11,16 +12,29 @@ from .shard_optimizer import ShardOptimizer
 
 class DeviceUpdate(ShardOptimizer):
     def _apply(self, factor: float) -> None:
+        self.compute(factor)
+        self.write_home()
+
+    def compute(self, factor: float) -> None:
+        """The update of the master and moments (queued on the current stream with CUDA)."""
         if self.client is not None:
-            pieces = [(s.shard_start, g) for s, g in zip(self.segs, self.grads.device_grads())]
+            pieces = [(s.shard_start, g) for s, g in zip(self.segs, self._grads())]
             self.client.step(pieces, factor)
-        else:
+        elif self.segs:  # a twin's device part may be empty
             self._adam(factor)
-        self.home.write(0, self.master)  # the master covers the whole shard
+
+    def write_home(self) -> None:
+        self.home.write(0, self.master)  # the master covers the whole shard (span)
+
+    def _grads(self) -> list[torch.Tensor]:
+        """The reduced gradient of each segment. A span is a twin's device part, which starts
+        at shard offset 0: its coordinates are the grad shard's."""
+        assert self.span.lo == 0, "a device part starts at the shard's beginning"
+        return self.grads.device_grads(self.segs)
 
     def _adam(self, factor: float) -> None:
         h = self._hyper()
-        grads = [g if g.dtype == torch.float32 else g.float() for g in self.grads.device_grads()]
+        grads = [g if g.dtype == torch.float32 else g.float() for g in self._grads()]
         torch._foreach_mul_(grads, factor)  # fp32 grads are this rank's own, consumed here
         views = lambda t: [t[s.shard_start : s.shard_start + s.numel] for s in self.segs]  # noqa: E731
         p, m, v = views(self.master), views(self.state.exp_avg), views(self.state.exp_avg_sq)

@@ -22,6 +22,7 @@ from .nvme_update import NvmeUpdate
 from .param_home import ParamHome
 from .placement import Placement
 from .shard_optimizer import ShardOptimizer, UpdatePolicy
+from .twin_update import TwinUpdate
 
 
 @dataclass(frozen=True)
@@ -58,5 +59,7 @@ def build_shard_optimizer(
     where = policy.placement.optimizer
     if where == "device":
         return DeviceUpdate(*args, client=client)
+    if policy.placement.twin:
+        return TwinUpdate(*args)
     cls = NvmeUpdate if where == "nvme" else HostUpdate
     return cls(*args, client=client, executor=executor)

@@ -34,7 +34,7 @@ class HostUpdate(ShardOptimizer):
     def __init__(self, *args, executor: concurrent.futures.Executor | None = None, **kw) -> None:
         super().__init__(*args, **kw)
         group, home, place = self.group, self.home, self.placement
-        numel = group.shard_numel(self.sharded)
+        numel = self.span.numel  # the shard, or a twin's host part (its home is the part's)
         # 16-bit staging for the trip up; fp32 training uploads straight from the master. A host
         # home is written in place by the kernel, except with the delayed update: the next
         # forward gathers from the home while the worker computes, so the worker writes a

@@ -10,6 +10,11 @@ Two independent choices, read once from ``zero_optimization`` when the engine is
   (``offload_param`` "cpu") or ``nvme`` (``offload_param`` "nvme": read from a swap file into
   host buffers ahead of the fetch).
 
+Partial offload (``offload_optimizer.ratio`` < 1, DeepSpeed's ZeRO-Offload++ "Twin-Flow", stage 3
+with optimizer "host"): each group's shard is cut at ``host_from(numel)``; the device part
+``[0, host_from)`` keeps its master and moments on the accelerator and is updated there, the host
+part ``[host_from, numel)`` in host memory by the host kernel, both in the same step.
+
 Invariant: the components receive this object (or one of its parts), never the config; a
 placement other than ``device`` always has the host kernel on the update path, so ``host_update``
 is the one question the gradient path asks.
@@ -36,6 +41,18 @@ _FROM_CONFIG: dict[str, Where] = {"none": "device", "cpu": "host", "nvme": "nvme
 # (direct I/O of the param swap file writes chunk by chunk).
 MAX_CHUNK = 1 << 22
 CHUNK_ALIGN = 2048
+
+
+def twin_split(numel: int, ratio: float) -> int:
+    """Where a shard of ``numel`` elements is cut for ``ratio`` of it on the host: the device
+    part's size, ``(1 - ratio) * numel`` rounded to a whole number of ``CHUNK_ALIGN`` elements
+    (so every host chunk starts on a 4096-byte boundary of a swap file), within [0, numel]."""
+    if ratio >= 1.0:
+        return 0
+    if ratio <= 0.0:  # DeepSpeed accepts 0: every element on the device
+        return numel
+    units = round((1.0 - ratio) * numel / CHUNK_ALIGN)
+    return min(numel, units * CHUNK_ALIGN)
 
 
 def update_chunk(sub_group_size: int) -> int:
@@ -70,11 +87,27 @@ class Placement:
     # The delayed update (optimizer "host" only): from this step on, the host update of step t
     # runs while step t+1 computes; None: every update runs inside its step.
     delayed_after: int | None = None
+    # The share of each group's shard whose state lives on the host (optimizer "host" only;
+    # 1.0: all of it). Below 1.0 the rest stays on the device: the twin update.
+    ratio: float = 1.0
 
     @property
     def host_update(self) -> bool:
-        """The update runs on the host (master and moments in host memory or on NVMe)."""
+        """The update runs on the host (master and moments in host memory or on NVMe), for the
+        whole shard or (``twin``) for its host part."""
         return self.optimizer != "device"
+
+    @property
+    def twin(self) -> bool:
+        """Partial offload: a device part and a host part per group, updated side by side."""
+        return self.optimizer == "host" and self.ratio < 1.0
+
+    def host_from(self, numel: int) -> int:
+        """The shard offset where a group's host-resident part begins: 0 when the whole state
+        is offloaded, ``numel`` when none of it is (optimizer "device"), else the twin's cut."""
+        if not self.host_update:
+            return numel
+        return twin_split(numel, self.ratio) if self.twin else 0
 
     @property
     def delayed(self) -> bool:
@@ -126,6 +159,7 @@ class Placement:
                 if optimizer != "device" and oc is not None and oc.delayed_update
                 else None
             ),
+            ratio=float(oc.ratio) if optimizer == "host" and oc is not None else 1.0,
         )
 
 

@@ -30,6 +30,7 @@ from ...core.streams import Streams
 from ..reduce.grad_shard import GradShard
 from .client_update import ClientUpdate
 from .param_home import ParamHome
+from .part import PartHome, Span
 from .placement import Placement
 
 
@@ -54,15 +55,21 @@ class ShardOptimizer:
         policy: UpdatePolicy,
         streams: Streams,
         client: torch.optim.Optimizer | None = None,
+        span: Span | None = None,
     ) -> None:
         """``state``: the master shard and moments, built for ``policy.placement.optimizer`` and
-        still empty; they are filled here from the param home's 16-bit values."""
-        self.group, self.grads, self.home, self.state = group, grad_shard, home, state
+        still empty; they are filled here from the param home's 16-bit values. ``span``: the
+        part of the shard this update owns (a twin's part, see part.py); None: all of it."""
         place = policy.placement
         self.placement, self.sharded = place, policy.sharded
+        whole = Span(0, group.shard_numel(self.sharded))
+        self.span = span or whole
+        if self.span != whole:  # every coordinate below is the span's own
+            home = PartHome(home, self.span)
+        self.group, self.grads, self.home, self.state = group, grad_shard, home, state
         self.adamw, self.streams, self.threads = policy.adamw, streams, place.threads
-        self.segs = group.segments(self.sharded)
-        numel = group.shard_numel(self.sharded)
+        self.segs = self.span.clip(group.segments(self.sharded))
+        numel = self.span.numel
         # Chunks: contiguous ranges of the shard index space, the host update's unit of work
         # (an NVMe state's record); the param home maps one onto the segments it covers.
         self.chunks = [(lo, min(lo + place.chunk, numel)) for lo in range(0, numel, place.chunk)]

@@ -12,6 +12,7 @@ from ...config.errors import ConfigError
 from ...core import dist
 from ...core.flat_group import FlatGroup
 from ...core.shard_state import MemoryState, ShardState
+from ...core.twin_state import TwinState
 from ...nvme.aio import AioEngine
 from ...nvme.optimizer_state import NvmeOptimizerState
 from ...nvme.param_shard import NvmeParams
@@ -19,6 +20,7 @@ from ...nvme.preflight import check_nvme_path
 from .placement import CHUNK_ALIGN, Placement
 
 OPTIMIZER_PATH_KEY = "zero_optimization.offload_optimizer.nvme_path"
+RATIO_KEY = "zero_optimization.offload_optimizer.ratio"
 PARAM_PATH_KEY = "zero_optimization.offload_param.nvme_path"
 BUFFER_SIZE_KEY = "zero_optimization.offload_param.buffer_size"
 
@@ -45,6 +47,15 @@ def build_states(
     numels = [g.shard_numel(sharded) for g in groups]
     if not groups:  # no optimizer: forward only
         return []
+    if placement.twin:  # the device part, then the host part (twin_update.py)
+        cpu, dev = torch.device("cpu"), groups[0].device
+        cuts = [placement.host_from(n) for n in numels]
+        return [
+            TwinState(
+                MemoryState(c, dev, "device", moments), MemoryState(n - c, cpu, "host", moments)
+            )
+            for c, n in zip(cuts, numels)
+        ]
     if placement.optimizer != "nvme":
         where = "host" if placement.host_update else "device"
         device = torch.device("cpu") if placement.host_update else groups[0].device
@@ -84,6 +95,12 @@ def preflight(
     """Every NVMe setting checked before anything is partitioned or written (a stage-3 model
     whose params went to swap files could not be handed back), on every rank at once: if any
     rank fails, every rank raises (none waits in a collective alone)."""
+    if client is not None and placement.twin:  # every rank alike: before any collective
+        raise ValueError(
+            f"{RATIO_KEY} {placement.ratio}: partial offload updates with the built-in Adam(W) "
+            f"on both the device and the host; a client optimizer ({type(client).__name__}) "
+            'cannot be split (as DeepSpeed): use an "optimizer" config block, or ratio 1.0'
+        )
     error: Exception | None = None
     try:
         _check(placement, groups, store_groups, sharded, client)
