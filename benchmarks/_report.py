@@ -101,12 +101,14 @@ def summarize(shape: Shape, run: Run, result: dict[str, Any]) -> dict[str, Any]:
 
 
 def _same_mode(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Same stage, world, dtype, optimizer offload and param offload (delayed update ignored)."""
+    """Same stage, world, dtype, optimizer offload (and partial-offload ratio) and param offload
+    (delayed update ignored)."""
     ra, rb = a["run"], b["run"]
     return (
         (a["world"], a["dtype"], a["stage"]) == (b["world"], b["dtype"], b["stage"])
         and ra.offload == rb.offload
         and ra.offload_param == rb.offload_param
+        and ra.ratio == rb.ratio
     )
 
 

@@ -54,6 +54,9 @@ class Run:
     world: int
     dtype: str  # one of DTYPES
     offload_param: bool = False  # stage 3: offload_param {device: cpu} (FSDP2: CPUOffloadPolicy)
+    # stage 3 with offload: offload_optimizer.ratio, the host's share of the optimizer state
+    # (partial offload; 1.0: all of it)
+    ratio: float = 1.0
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
@@ -68,6 +71,10 @@ class Run:
             raise ValueError("Run.delayed needs offload")
         if self.offload_param and self.stage != 3:
             raise ValueError("Run.offload_param needs stage 3")
+        if self.ratio < 1.0 and not (self.stage == 3 and self.offload and not self.delayed):
+            raise ValueError("Run.ratio < 1 needs stage 3 with offload, no delayed update")
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"Run.ratio must be in [0, 1], got {self.ratio!r}")
         if self.impl == "torch" and (self.stage or self.offload):
             raise ValueError("the plain PyTorch run is stage 0 without offload")
         if self.impl == "fsdp2":
@@ -80,10 +87,16 @@ class Run:
                 )
 
     @property
+    def base_mode(self) -> str:
+        """``mode`` without a partial offload's ratio (what ``--modes`` names)."""
+        return self.mode.replace(f"@{self.ratio:g}", "")
+
+    @property
     def mode(self) -> str:
         """Offload column: '-', 'cpu' (optimizer), 'cpu+delayed' or 'cpu+param' (optimizer and
-        params)."""
-        opt = ("cpu+delayed" if self.delayed else "cpu") if self.offload else ""
+        params); a partial offload's ratio follows cpu ('cpu@0.5')."""
+        cpu = "cpu" if self.ratio >= 1.0 else f"cpu@{self.ratio:g}"
+        opt = ("cpu+delayed" if self.delayed else cpu) if self.offload else ""
         if self.offload_param:
             return f"{opt}+param" if opt else "param"
         return opt or "-"
@@ -126,6 +139,8 @@ def ds_config(shape: Shape, run: Run) -> dict[str, Any]:
     }
     if run.offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if run.ratio < 1.0:
+            zero["offload_optimizer"]["ratio"] = run.ratio
         if run.delayed:
             zero["offload_optimizer"]["delayed_update"] = True
     if run.stage == 3:

@@ -11,7 +11,10 @@ For each world size and dtype, every run in its own processes (one per rank, fre
 - ``fsdp2``: PyTorch FSDP2 (``fully_shard`` per transformer block and the root), as the stage-3
   anchor: without offload, and with ``CPUOffloadPolicy`` (params and optimizer state on the host).
 
-``--stages`` picks the ZeRO stages; stage 3's ``stage3_prefetch_bucket_size``,
+``--ratio`` adds the stage-3 optimizer-offload modes of the engine and DeepSpeed at each partial
+offload ratio given (``offload_optimizer.ratio``: the host's share of the optimizer state, the
+rest updated on the device in the same step): the fastest ratio for a model and a machine is the
+row to pick. ``--stages`` picks the ZeRO stages; stage 3's ``stage3_prefetch_bucket_size``,
 ``stage3_param_persistence_threshold`` and ``stage3_max_live_parameters`` are the same numbers for
 the engine and DeepSpeed (``--prefetch-bucket``, ``--persistence-threshold``, ``--max-live``).
 
@@ -68,10 +71,15 @@ STAGES = (0, 1, 2, 3)
 
 
 def matrix(
-    worlds: list[int], dtypes: list[str], impls: list[str], stages: tuple[int, ...] = STAGES
+    worlds: list[int],
+    dtypes: list[str],
+    impls: list[str],
+    stages: tuple[int, ...] = STAGES,
+    ratios: tuple[float, ...] = (),
 ) -> list[Run]:
     """Every run of the given ZeRO stages, grouped by world size then dtype, the plain PyTorch
-    anchor first (always, as every row's ``x torch`` needs it)."""
+    anchor first (always, as every row's ``x torch`` needs it); each stage-3 optimizer-offload
+    mode of the engine and DeepSpeed also at every partial-offload ratio of ``ratios``."""
     modes = {
         "engine": ZERO_MODES + ENGINE_ONLY_MODES,
         "deepspeed": ZERO_MODES,
@@ -85,11 +93,19 @@ def matrix(
             for impl in ("engine", "deepspeed", "fsdp2"):
                 if impl in impls:
                     runs += [
-                        Run(impl, s, o, d, world, dtype, offload_param=op)
+                        Run(impl, s, o, d, world, dtype, offload_param=op, ratio=r)
                         for s, o, d, op in sorted(modes[impl], key=lambda m: m[0] == 3)
                         if s in stages
+                        for r in _ratios(impl, s, o, d, ratios)
                     ]
     return runs
+
+
+def _ratios(impl: str, stage: int, offload: bool, delayed: bool, ratios) -> list[float]:
+    """The ratios a mode runs at: 1.0, and each of ``ratios`` for a stage-3 optimizer offload
+    of the engine or DeepSpeed (FSDP2 has no partial offload)."""
+    twin = impl in ("engine", "deepspeed") and stage == 3 and offload and not delayed
+    return [1.0, *(r for r in ratios if r < 1.0)] if twin else [1.0]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -115,6 +131,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=STAGES,
         default=list(STAGES),
         help="ZeRO stages to run (default 0 1 2 3; the plain PyTorch anchor always runs)",
+    )
+    p.add_argument(
+        "--ratio",
+        type=float,
+        nargs="+",
+        default=[],
+        help="stage 3: also run every optimizer-offload mode at these offload_optimizer.ratio "
+        "values (partial offload: the host's share of the optimizer state, e.g. 0.25 0.5 0.75)",
     )
     p.add_argument(
         "--prefetch-bucket",
@@ -222,6 +246,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("prefetch_bucket", "persistence_threshold", "max_live"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    bad_ratios = [r for r in args.ratio if not 0.0 <= r <= 1.0]
+    if bad_ratios:
+        p.error(f"--ratio values must be in [0, 1], got {bad_ratios}")
     if args.vocab < 1 or args.gas < 1:
         p.error(f"--vocab and --gas must be >= 1, got {args.vocab} and {args.gas}")
     # The STAGE:OFFLOAD names that --modes and --deepspeed-modes accept.
@@ -307,14 +334,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     meta = _meta(args, shape)
     meta.update(rounds=args.rounds, threads=args.threads or "cores/world")
-    runs = matrix(args.world, args.dtype, args.impls, tuple(args.stages))
+    runs = matrix(args.world, args.dtype, args.impls, tuple(args.stages), tuple(args.ratio))
     if args.modes is not None:
-        runs = [r for r in runs if r.impl == "torch" or f"{r.stage}:{r.mode}" in args.modes]
+        runs = [r for r in runs if r.impl == "torch" or f"{r.stage}:{r.base_mode}" in args.modes]
     if args.deepspeed_modes is not None:
         runs = [
             r
             for r in runs
-            if r.impl != "deepspeed" or f"{r.stage}:{r.mode}" in args.deepspeed_modes
+            if r.impl != "deepspeed" or f"{r.stage}:{r.base_mode}" in args.deepspeed_modes
         ]
     ds_runs = [r for r in runs if r.impl == "deepspeed"]
     ds_error = None

@@ -330,3 +330,29 @@ def test_estimate_counts_the_device_part(capsys):
     with pytest.raises(SystemExit):
         main(["estimate", "--params", "1e9", "--ratio", "1.5"])
     assert "--ratio" in capsys.readouterr().err
+
+
+def test_step_benchmark_runs_each_ratio():
+    """``benchmarks/engine_step.py --ratio``: every stage-3 optimizer-offload mode of the engine
+    and DeepSpeed also at each ratio (its config carries the key), nothing else."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from _spec import Shape, ds_config
+    from engine_step import matrix, parse_args
+
+    runs = matrix([1], ["fp32"], ["torch", "engine", "deepspeed", "fsdp2"], (2, 3), (0.25, 0.5))
+    twins = sorted((r.impl, r.mode, r.ratio) for r in runs if r.ratio < 1.0)
+    assert twins == sorted(
+        (impl, f"cpu@{r:g}{p}", r)
+        for impl in ("engine", "deepspeed")
+        for r in (0.25, 0.5)
+        for p in ("", "+param")
+    )
+    assert parse_args(["--quick", "--ratio", "0.5"]).ratio == [0.5]
+    shape = Shape(layers=1, hidden=8, heads=1, seq=4, micro=1, steps=1, warmup=0, bucket=100)
+    cfg = ds_config(shape, next(r for r in runs if r.ratio == 0.5))
+    assert cfg["zero_optimization"]["offload_optimizer"]["ratio"] == 0.5
+    with pytest.raises(SystemExit):
+        parse_args(["--quick", "--ratio", "1.5"])

@@ -545,18 +545,20 @@ def _partial_offload_rule(offload: OffloadOptimizerConfig, stage: int) -> None:
     if stage != 3:
         raise rule_error(
             "offload_optimizer.ratio",
-            f"{ratio}: partial offload (ratio < 1.0) is only supported at ZeRO stage 3 (stage is "
+            f"partial offload (ratio {ratio} < 1.0) is only supported at ZeRO stage 3 (stage is "
             f"{stage}), as in DeepSpeed; use 1.0 or stage 3",
         )
     if offload.device == "nvme":
         raise rule_error(
             "offload_optimizer.ratio",
-            f'{ratio}: partial offload needs offload_optimizer.device "cpu" (not "nvme")',
+            f'partial offload (ratio {ratio} < 1.0) needs offload_optimizer.device "cpu" (not '
+            '"nvme")',
         )
     if offload.delayed_update:
         raise rule_error(
             "offload_optimizer.ratio",
-            f"{ratio}: partial offload does not combine with offload_optimizer.delayed_update",
+            f"partial offload (ratio {ratio} < 1.0) does not combine with "
+            "offload_optimizer.delayed_update",
         )
 
 
