@@ -217,6 +217,7 @@ def test_ratio_zero_keeps_every_element_on_the_device():
     """DeepSpeed accepts 0: the whole state on the device, still trained like plain PyTorch."""
     init, ref, _ = _reference(1)
     _, engine, _, params = _train(_config(0.0))
+    assert engine.zero_partial_offload() == 0.0  # DeepSpeed's accessor
     mem = engine.memory_report()
     assert "host.master_shard" not in mem or mem["host.master_shard"] == 0
     assert displacement_err(params, ref, init) < 1e-3

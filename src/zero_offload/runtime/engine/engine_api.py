@@ -149,6 +149,11 @@ class DeepSpeedEngineAPI:
     def zero_cpu_offload(self) -> bool:
         return self.config.zero_optimization.offload_device == "cpu"
 
+    def zero_partial_offload(self) -> float:
+        """DeepSpeed's accessor: ``offload_optimizer.ratio`` (1.0 without the section)."""
+        oc = self.config.zero_optimization.offload_optimizer
+        return float(oc.ratio) if oc is not None else 1.0
+
     def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
         """(model dtype, gradient accumulation dtype): ``data_types.grad_accum_dtype`` when set
         (stages 2/3), else the model dtype."""
