@@ -369,6 +369,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             self.window.gas,
             self.placement.delayed,
             offload_param=self.placement.params != "device",
+            accum_dtype=self.grad_accum_dtype,
         )
 
     def _log_memory(self) -> None:

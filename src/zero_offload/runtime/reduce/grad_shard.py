@@ -4,8 +4,12 @@
 - stage 1: this rank's slices of the flat grad buffer (reduce-scattered in place);
 - stage 2: a device grad shard accumulated over micro-steps (absent with offload and one
   micro-step per step: the reduced slice then goes straight to the host);
-- offload: a 16-bit host grad shard (two of them with the delayed update, alternating, so the
-  next step's copies never overwrite what the host update is reading).
+- offload: a host grad shard in the accumulation dtype (two of them with the delayed update,
+  alternating, so the next step's copies never overwrite what the host update is reading).
+
+Invariant: the host grad shard has the accumulator's dtype, so an fp32 accumulator
+(``data_types.grad_accum_dtype`` "fp32" with 16-bit params) reaches the host update unrounded;
+a 16-bit host copy would round the window's sum once more, which the device update never does.
 
 The squared norm of every final segment is summed on the device as it is produced, so the global
 norm, the overflow check and the clip factor are known before the host reads any gradient.
@@ -33,8 +37,9 @@ class GradShard:
         host_buffers: int = 1,
         accum_dtype: torch.dtype | None = None,
     ) -> None:
-        """``accum_dtype``: the dtype of the stage-2/3 device accumulator (fp32 with 16-bit
-        params: ``data_types.grad_accum_dtype``); stages 0/1 accumulate in ``p.grad``."""
+        """``accum_dtype``: the dtype of the stage-2/3 device accumulator and of the host grad
+        shard (fp32 with 16-bit params: ``data_types.grad_accum_dtype``); stages 0/1 accumulate
+        in ``p.grad``, in the params' dtype (the config refuses another one there)."""
         self.group = group
         self.accum_dtype = accum_dtype or group.dtype
         self.stage = stage
@@ -53,8 +58,11 @@ class GradShard:
                 p.grad = v
         elif not offload or gas > 1:
             self.device_shard = torch.zeros(numel, dtype=self.accum_dtype, device=dev)
+        host_dt = self.accum_dtype  # the window's sum as accumulated: never rounded on the way
         self.host = (
-            [alloc_host(numel, dt, pin).zero_() for _ in range(host_buffers)] if offload else []
+            [alloc_host(numel, host_dt, pin).zero_() for _ in range(host_buffers)]
+            if offload
+            else []
         )
         self.host_index = 0
         # Squared norm of each final segment, by shard offset. Summed in offset order at the
