@@ -41,6 +41,7 @@ import torch
 
 from ..core import dist
 from ..core.status import ZeroParamStatus
+from ..kernels.sumsq import sum_of_squares
 from ..nvme.state_range import StateRange
 
 
@@ -268,7 +269,7 @@ def _refresh_norm(engine, gi: int) -> None:
     gs = engine.opt_groups[gi].grads
     views = _seg_views(engine, gi, "grad")
     sumsq = sum(
-        (torch.linalg.vector_norm(v, dtype=torch.float32).square() for v in views),
+        (sum_of_squares(v) for v in views),
         torch.zeros((), dtype=torch.float32, device=views[0].device),
     )
     gs.set_sumsq(sumsq)

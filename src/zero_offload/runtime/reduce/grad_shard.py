@@ -12,7 +12,8 @@ Invariant: the host grad shard has the accumulator's dtype, so an fp32 accumulat
 a 16-bit host copy would round the window's sum once more, which the device update never does.
 
 The squared norm of every final segment is summed on the device as it is produced, so the global
-norm, the overflow check and the clip factor are known before the host reads any gradient.
+norm, the overflow check and the clip factor are known before the host reads any gradient (a
+segment in host memory, CPU training, is summed by the SIMD kernel of ``kernels/sumsq.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ...core.flat_group import FlatGroup
 from ...core.labels import GRAD_D2H, GRAD_WAIT, label
 from ...core.layout import Bucket, Segment
 from ...core.streams import Streams, alloc_host
+from ...kernels.sumsq import sum_of_squares
 
 
 class GradShard:
@@ -125,7 +127,7 @@ class GradShard:
                 final.add_(reduced)
         if not last:
             return
-        sq = torch.linalg.vector_norm(final, dtype=torch.float32).square()
+        sq = sum_of_squares(final)  # host: the SIMD kernel; a device tensor: torch
         prev = self._sq.get(seg.shard_start)
         self._sq[seg.shard_start] = sq if prev is None else prev + sq
         if self.offload:
