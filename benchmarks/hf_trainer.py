@@ -84,8 +84,9 @@ def ds_config(stage: int, offload_param: bool) -> dict:
 
 
 # ---- the worker: one Trainer run ---------------------------------------------------------------
-def worker(spec_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
+def _prepare(spec: dict) -> None:
+    """Before the first import of deepspeed: which one this process gets, its ops built, and
+    TrainingArguments' bf16 check satisfied on a CPU."""
     if spec["impl"] == "zero_offload":
         assert os.environ.get(ENV) == "1"
     else:
@@ -97,10 +98,7 @@ def worker(spec_path: str) -> None:
             from _ds_compat import prebuild
 
             prebuild(["cpu_adam"])
-    import deepspeed
     import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
     torch.set_num_threads(spec["threads"])
     if spec.get("dtype") == "bf16" and not torch.cuda.is_available():
@@ -111,18 +109,11 @@ def worker(spec_path: str) -> None:
 
         ta.is_torch_bf16_gpu_available = lambda: True
 
-    class StepTimer(TrainerCallback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self._t = 0.0
 
-        def on_step_begin(self, args, state, control, **kw):
-            self._t = time.perf_counter()
+def _training_args(spec: dict):
+    from transformers import TrainingArguments
 
-        def on_step_end(self, args, state, control, **kw):
-            self.times.append(time.perf_counter() - self._t)
-
-    args = TrainingArguments(
+    return TrainingArguments(
         output_dir=spec["out"],
         deepspeed=ds_config(**MODES[spec["mode"]]),
         per_device_train_batch_size=spec["micro"],
@@ -139,12 +130,40 @@ def worker(spec_path: str) -> None:
         data_seed=0,
         dataloader_num_workers=0,
     )
+
+
+def _step_timer():
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self._t = 0.0
+
+        def on_step_begin(self, args, state, control, **kw):
+            self._t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self._t)
+
+    return StepTimer()
+
+
+def worker(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    _prepare(spec)
+    import deepspeed
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, Trainer
+
+    args = _training_args(spec)
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
     g = torch.Generator().manual_seed(1)
     n = spec["steps"] * spec["micro"] * spec["gas"]
     rows = torch.randint(0, spec["vocab"], (n, spec["seq"]), generator=g)
     data = [{"input_ids": r, "labels": r.clone()} for r in rows]
-    timer = StepTimer()
+    timer = _step_timer()
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[timer])
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
