@@ -101,6 +101,7 @@ host_adam = Extension(
         os.path.join(CSRC, "kernels_x86.cpp"),
         os.path.join(CSRC, "thread_pool.cpp"),
         os.path.join(CSRC, "bandwidth_probe.cpp"),
+        os.path.join(CSRC, "sumsq.cpp"),
     ],
     depends=[
         os.path.join(CSRC, "host_adam.h"),
@@ -108,6 +109,8 @@ host_adam = Extension(
         os.path.join(CSRC, "adam_body.inc"),
         os.path.join(CSRC, "thread_pool.h"),
         os.path.join(CSRC, "bandwidth_probe.h"),
+        os.path.join(CSRC, "sumsq.h"),
+        os.path.join(CSRC, "sumsq_body.inc"),
     ],
     include_dirs=[CSRC],
     language="c++",

@@ -270,3 +270,26 @@ def test_memory_model_benchmark_row(tmp_path: Path) -> None:
     predicted = ours["predicted"]["peak.device.total"] + ours["predicted"]["peak.host.total"]
     assert 0.8 < (ours["states"] + ours["working"]) / predicted < 1.2
     assert "stage3-cpu" in done.stdout
+
+
+def test_grad_norm_benchmark_quick() -> None:
+    """The norm benchmark's quick run: both paths of the kernel table, and the engine table
+    before and after with the same losses (the norm only feeds the clip factor)."""
+    from zero_offload.kernels.sumsq import kernel_available
+
+    if not kernel_available():
+        pytest.skip("the compiled sum-of-squares kernel is not built")
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "grad_norm.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "| 1M | bf16 |" in out and "| 1M | fp32 |" in out, out
+    assert "| torch (before) |" in out and "| kernel (after) |" in out, out
+    before = next(ln for ln in out.splitlines() if ln.startswith("losses before:"))
+    after = next(ln for ln in out.splitlines() if ln.startswith("losses after:"))
+    assert before.split(":")[1].split() == after.split(":")[1].split(), out

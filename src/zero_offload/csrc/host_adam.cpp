@@ -15,6 +15,7 @@
 
 #include "bandwidth_probe.h"
 #include "host_adam.h"
+#include "sumsq.h"
 #include "thread_pool.h"
 
 namespace zo {
@@ -148,6 +149,25 @@ PyObject* py_round_f32(PyObject*, PyObject* args)
     Py_RETURN_NONE;
 }
 
+PyObject* py_sumsq(PyObject*, PyObject* args)
+{
+    unsigned long long x;
+    int grad_type, threads;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "Kini:sumsq", &x, &grad_type, &n, &threads)) return nullptr;
+    if (n < 0) return PyErr_Format(PyExc_ValueError, "n must be >= 0, got %zd", n);
+    if (threads < 1) return PyErr_Format(PyExc_ValueError, "threads must be >= 1, got %d", threads);
+    if (grad_type < kGradF32 || grad_type > kGradF16)
+        return PyErr_Format(PyExc_ValueError, "unknown grad type code %d", grad_type);
+    if (n > 0 && !x) return PyErr_Format(PyExc_ValueError, "null data pointer");
+    float out;
+    const KernelSet* ks = g_active;
+    Py_BEGIN_ALLOW_THREADS
+    out = sum_of_squares(ks, as_ptr<const void>(x), grad_type, static_cast<size_t>(n), threads);
+    Py_END_ALLOW_THREADS
+    return PyFloat_FromDouble(static_cast<double>(out));
+}
+
 PyObject* py_get_isa(PyObject*, PyObject*) { return PyUnicode_FromString(g_active->name); }
 
 PyObject* py_simd_width(PyObject*, PyObject*) { return PyLong_FromLong(g_active->simd_width); }
@@ -230,6 +250,10 @@ PyMethodDef kMethods[] = {
      "zero_offload.kernels.host_adam_step."},
     {"round_f32", py_round_f32, METH_VARARGS,
      "round_f32(src, dst, n, out_type): fp32 -> bf16 (1) / fp16 (2), RNE, as the kernel does."},
+    {"sumsq", py_sumsq, METH_VARARGS,
+     "sumsq(x, grad_type, n, threads) -> float: sum of squares of n contiguous elements "
+     "(grad_type 0=f32 1=bf16 2=f16), fp32 lanes, the same result on every ISA and thread "
+     "count. No validation of the buffer: use zero_offload.kernels.sumsq.sum_of_squares."},
     {"get_isa", py_get_isa, METH_NOARGS, "Name of the active instruction set variant."},
     {"simd_width", py_simd_width, METH_NOARGS, "fp32 lanes per vector of the active variant."},
     {"supported_isas", py_supported_isas, METH_NOARGS,

@@ -45,6 +45,14 @@ using RangeFn = void (*)(const AdamArgs& args, size_t begin, size_t end);
 // Rounds n fp32 values to bf16/fp16 (RNE) exactly as the update kernels do (used by tests).
 using RoundFn = void (*)(const float* src, uint16_t* dst, size_t n, int out_type);
 
+// Sum of squares of elements [begin, end) of a gradient (GradType), for the gradient norm.
+// fp32 accumulation in kSumSqLanes virtual lanes: element begin+k goes to lane k % kSumSqLanes,
+// each lane adds its squares (x*x rounded, then added) in index order, and the lanes are combined
+// by a fixed pairwise tree (sumsq_fold). Every variant performs this same sequence of IEEE
+// operations, so the result is bitwise independent of the ISA; NaN and Inf propagate.
+constexpr size_t kSumSqLanes = 64;
+using SumSqFn = float (*)(const void* x, size_t begin, size_t end);
+
 enum Isa : int { kIsaScalar = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
 
 struct KernelSet {
@@ -56,6 +64,7 @@ struct KernelSet {
     RangeFn (*select)(int grad_type, int out_type, int wd_mode, bool stream_out);
     RoundFn round;
     int stream_align;  // bytes; 0 = no streaming stores
+    SumSqFn (*select_sumsq)(int grad_type);
 };
 
 // Defined in kernels_scalar.cpp / kernels_x86.cpp. The x86 sets are null on other targets.

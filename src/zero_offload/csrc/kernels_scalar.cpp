@@ -51,7 +51,24 @@ void round_f32(const float* src, uint16_t* dst, size_t n, int out_type)
     }
 }
 
-const KernelSet kScalar = {kIsaScalar, "scalar", 1, &select_kernel, &round_f32, 0};
+template <int G>
+float sumsq_scalar(const void* x, size_t begin, size_t end)
+{
+    float acc[kSumSqLanes] = {};
+    sumsq_scalar_lanes<G>(x, begin, begin, end, acc);
+    return sumsq_fold(acc);
+}
+
+SumSqFn select_sumsq(int grad_type)
+{
+    switch (grad_type) {
+        case kGradBF16: return &sumsq_scalar<kGradBF16>;
+        case kGradF16: return &sumsq_scalar<kGradF16>;
+        default: return &sumsq_scalar<kGradF32>;
+    }
+}
+
+const KernelSet kScalar = {kIsaScalar, "scalar", 1, &select_kernel, &round_f32, 0, &select_sumsq};
 
 }  // namespace
 

@@ -32,6 +32,7 @@ struct Ops {
     ZO_TARGET ZO_ALWAYS_INLINE static V load(const float* p) { return _mm256_loadu_ps(p); }
     ZO_TARGET ZO_ALWAYS_INLINE static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
     ZO_TARGET ZO_ALWAYS_INLINE static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+    ZO_TARGET ZO_ALWAYS_INLINE static V add(V a, V b) { return _mm256_add_ps(a, b); }
     ZO_TARGET ZO_ALWAYS_INLINE static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
     ZO_TARGET ZO_ALWAYS_INLINE static V sqrt(V a) { return _mm256_sqrt_ps(a); }
     ZO_TARGET ZO_ALWAYS_INLINE static V div(V a, V b) { return _mm256_div_ps(a, b); }
@@ -87,6 +88,7 @@ struct Ops {
 };
 
 #include "adam_body.inc"
+#include "sumsq_body.inc"
 
 #undef ZO_TARGET
 }  // namespace avx2
@@ -105,6 +107,7 @@ struct Ops {
     ZO_TARGET ZO_ALWAYS_INLINE static V load(const float* p) { return _mm512_loadu_ps(p); }
     ZO_TARGET ZO_ALWAYS_INLINE static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
     ZO_TARGET ZO_ALWAYS_INLINE static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+    ZO_TARGET ZO_ALWAYS_INLINE static V add(V a, V b) { return _mm512_add_ps(a, b); }
     ZO_TARGET ZO_ALWAYS_INLINE static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
     ZO_TARGET ZO_ALWAYS_INLINE static V sqrt(V a) { return _mm512_sqrt_ps(a); }
     ZO_TARGET ZO_ALWAYS_INLINE static V div(V a, V b) { return _mm512_div_ps(a, b); }
@@ -159,13 +162,15 @@ struct Ops {
 };
 
 #include "adam_body.inc"
+#include "sumsq_body.inc"
 
 #undef ZO_TARGET
 }  // namespace avx512
 
-const KernelSet kAvx2 = {kIsaAvx2, "avx2", 8, &avx2::select_kernel, &avx2::round_f32, 16};
+const KernelSet kAvx2 = {kIsaAvx2, "avx2", 8, &avx2::select_kernel, &avx2::round_f32, 16,
+                         &avx2::select_sumsq};
 const KernelSet kAvx512 = {kIsaAvx512, "avx512", 16, &avx512::select_kernel, &avx512::round_f32,
-                           32};
+                           32, &avx512::select_sumsq};
 
 }  // namespace
 

@@ -187,5 +187,27 @@ ZO_ALWAYS_INLINE void adam_scalar_range(const AdamArgs& a, size_t begin, size_t 
     }
 }
 
+// Sum of squares (see SumSqFn): the pairwise fold of the kSumSqLanes lane sums.
+ZO_ALWAYS_INLINE float sumsq_fold(float* acc)
+{
+    for (size_t w = kSumSqLanes / 2; w >= 1; w /= 2) {
+        for (size_t j = 0; j < w; ++j) acc[j] = acc[j] + acc[j + w];
+    }
+    return acc[0];
+}
+
+// Elements [from, end) of a sum-of-squares range that starts at ``begin``, one at a time into
+// their lanes (the scalar variant's whole range, the SIMD variants' tail).
+template <int G>
+ZO_ALWAYS_INLINE void sumsq_scalar_lanes(const void* x, size_t begin, size_t from, size_t end,
+                                         float* acc)
+{
+    for (size_t i = from; i < end; ++i) {
+        const float v = load_grad_scalar<G>(x, i);
+        const float sq = v * v;
+        acc[(i - begin) % kSumSqLanes] += sq;
+    }
+}
+
 }  // namespace
 }  // namespace zo

@@ -98,17 +98,9 @@ Pool& pool()
     return *g_pool;
 }
 
-}  // namespace
-
-void pool_run(int nthreads, void (*task)(void* ctx), void* ctx)
+// The caller holds p.call_mu; nthreads is at least 2.
+void run_locked(Pool& p, int nthreads, void (*task)(void* ctx), void* ctx)
 {
-    if (nthreads > kMaxThreads) nthreads = kMaxThreads;
-    if (nthreads <= 1) {
-        task(ctx);
-        return;
-    }
-    Pool& p = pool();
-    std::lock_guard<std::mutex> call(p.call_mu);
     const int helpers = p.grow(nthreads - 1);
     if (helpers > 0) {
         {
@@ -128,6 +120,37 @@ void pool_run(int nthreads, void (*task)(void* ctx), void* ctx)
         p.open = false;  // late workers no longer join; wait for those still working
         p.cv_done.wait(lk, [&] { return p.running == 0; });
     }
+}
+
+}  // namespace
+
+void pool_run(int nthreads, void (*task)(void* ctx), void* ctx)
+{
+    if (nthreads > kMaxThreads) nthreads = kMaxThreads;
+    if (nthreads <= 1) {
+        task(ctx);
+        return;
+    }
+    Pool& p = pool();
+    std::lock_guard<std::mutex> call(p.call_mu);
+    run_locked(p, nthreads, task, ctx);
+}
+
+bool pool_run_or_alone(int nthreads, void (*task)(void* ctx), void* ctx)
+{
+    if (nthreads > kMaxThreads) nthreads = kMaxThreads;
+    if (nthreads <= 1) {
+        task(ctx);
+        return false;
+    }
+    Pool& p = pool();
+    std::unique_lock<std::mutex> call(p.call_mu, std::try_to_lock);
+    if (!call.owns_lock()) {
+        task(ctx);  // hands out work dynamically: the caller alone takes every piece
+        return false;
+    }
+    run_locked(p, nthreads, task, ctx);
+    return true;
 }
 
 int pool_size()

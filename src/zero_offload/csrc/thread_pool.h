@@ -12,6 +12,11 @@ namespace zo {
 // which thread processed an element. If threads cannot be created, fewer are used.
 void pool_run(int nthreads, void (*task)(void* ctx), void* ctx);
 
+// As pool_run, but when another call holds the pool (the host Adam update running on a worker
+// thread, for instance) the task runs on the calling thread alone at once instead of waiting for
+// that call to end. Returns whether the pool was used.
+bool pool_run_or_alone(int nthreads, void (*task)(void* ctx), void* ctx);
+
 // Number of pool threads currently alive (for diagnostics).
 int pool_size();
 

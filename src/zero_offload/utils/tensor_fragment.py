@@ -41,6 +41,7 @@ import torch
 
 from ..core import dist
 from ..core.status import ZeroParamStatus
+from ..kernels.sumsq import sum_of_squares
 from ..nvme.state_range import StateRange
 
 
@@ -295,10 +296,7 @@ def _refresh_norm(engine, gi: int) -> None:
     gs = engine.opt_groups[gi].grads
     views = [v.read() if isinstance(v, StateRange) else v for v in _seg_views(engine, gi, "grad")]
     sumsq = sum(
-        (
-            torch.linalg.vector_norm(v, dtype=torch.float32).square().to(engine.device)
-            for v in views
-        ),
+        (sum_of_squares(v).to(engine.device) for v in views),
         torch.zeros((), dtype=torch.float32, device=engine.device),
     )
     gs.set_sumsq(sumsq)

@@ -370,6 +370,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             self.placement.delayed,
             offload_param=self.placement.params != "device",
             ratio=self.placement.ratio,
+            accum_dtype=self.grad_accum_dtype,
         )
 
     def _log_memory(self) -> None:

@@ -21,6 +21,9 @@ Stages 2 and 3 also hold grad bucket buffers (``reduce_bucket_size`` each, at mo
 overlap_comm), which are not part of the formula; with offload and gradient accumulation the grad
 shard is accumulated on the device (b/N) and only the final sum crosses the bus; the delayed update
 keeps two host grad shards. fp32 training needs no staging buffer (the master uploads itself).
+The grad shards (device accumulator and host copy, not the stage 0/1 grads) take ``a`` bytes
+per element instead of ``b`` when ``data_types.grad_accum_dtype`` differs from the training dtype
+(fp32 with 16-bit params: ``a`` = 4).
 
 Stage 3 keeps no full-size params or grads: each rank holds its param shard (b/N), on the host
 with ``offload_param``, and the gathered (live) params of the modules running now, bounded by
@@ -50,10 +53,12 @@ def expected_bytes(
     *,
     offload_param: bool = False,
     ratio: float = 1.0,
+    accum_dtype: torch.dtype | None = None,
 ) -> dict[str, int]:
     """Model-state bytes per rank by category (``device.*`` / ``host.*``). ``offload`` is
     optimizer offload; ``offload_param`` (stage 3 only) puts the 16-bit param shard on the host;
-    ``ratio`` (stage 3 with offload) is the host's share of the optimizer state."""
+    ``ratio`` (stage 3 with offload) is the host's share of the optimizer state;
+    ``accum_dtype`` is the grad shards' dtype (None: ``dtype``)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
     if offload_param and stage != 3:
@@ -61,6 +66,7 @@ def expected_bytes(
     if offload and stage == 0:
         raise ValueError("offload needs stage 1, 2 or 3, got stage 0")
     b = dtype_bytes(dtype)
+    a = b if accum_dtype is None else dtype_bytes(accum_dtype)  # grad shards, device and host
     shard = numel if stage == 0 else numel // world_size
     out: dict[str, int] = {}
     if stage == 3:
@@ -72,15 +78,15 @@ def expected_bytes(
     if stage <= 1:
         out["device.grads"] = numel * b
     elif not offload or gas > 1:
-        out["device.grad_shard"] = shard * b
+        out["device.grad_shard"] = shard * a
     elif cut:
-        out["device.grad_shard"] = cut * b
+        out["device.grad_shard"] = cut * a
     for where, n in (("device", cut), ("host", shard - cut)):
         if n or where == ("host" if offload else "device"):
             out[f"{where}.master_shard"] = n * 4
             out[f"{where}.optimizer_state"] = n * 8
     if offload:
-        out["host.grad_shard"] = (shard - cut) * b * (2 if delayed else 1)
+        out["host.grad_shard"] = (shard - cut) * a * (2 if delayed else 1)
         if b < 4 and not offload_param:
             out["host.param_staging"] = (shard - cut) * b
     return out

@@ -63,6 +63,7 @@ class ZeroPlan:
 
     stage: int
     dtype_bytes: int = 2
+    accum_bytes: int = 0  # grad shards (data_types.grad_accum_dtype); 0: dtype_bytes
     world: int = 1
     optimizer: str = "device"  # device | host | nvme
     params: str = "device"  # device | host | nvme (stage 3)
@@ -80,13 +81,16 @@ class ZeroPlan:
     @classmethod
     def from_config(cls, config, world: int) -> ZeroPlan:
         """From a validated ``ZeroOffloadConfig``."""
+        from ...config.runtime_keys import DTYPES
         from ..update.placement import _FROM_CONFIG, update_chunk
 
         zc = config.zero_optimization
         oc, pc = zc.offload_optimizer, zc.offload_param
+        accum = config.data_types.grad_accum_dtype
         return cls(
             stage=zc.stage,
             dtype_bytes=config.dtype.itemsize,
+            accum_bytes=DTYPES[accum].itemsize if accum is not None else 0,
             world=world,
             optimizer=_FROM_CONFIG[zc.offload_device],
             params=_FROM_CONFIG[zc.offload_param_device],
@@ -108,10 +112,12 @@ def states(numel: int, plan: ZeroPlan, shape: ModelShape | None = None) -> dict[
     params (an engine's padded total, or the model's count)."""
     import torch
 
-    dtype = {2: torch.bfloat16, 4: torch.float32}[plan.dtype_bytes]
+    by_size = {2: torch.bfloat16, 4: torch.float32}
+    dtype, accum = by_size[plan.dtype_bytes], by_size[plan.accum_bytes or plan.dtype_bytes]
     out = expected_bytes(numel, dtype, plan.stage, plan.world, plan.optimizer != "device",
                          plan.gas, plan.delayed, offload_param=plan.params != "device",
-                         ratio=plan.ratio if plan.optimizer == "host" else 1.0)  # fmt: skip
+                         ratio=plan.ratio if plan.optimizer == "host" else 1.0,
+                         accum_dtype=accum)  # fmt: skip
     shard = numel // plan.world if plan.stage else numel
     if plan.optimizer == "nvme":
         out["nvme.master_shard"] = out.pop("host.master_shard")

@@ -4,14 +4,19 @@
 - stage 1: this rank's slices of the flat grad buffer (reduce-scattered in place);
 - stage 2: a device grad shard accumulated over micro-steps (absent with offload and one
   micro-step per step: the reduced slice then goes straight to the host);
-- offload: a 16-bit host grad shard (two of them with the delayed update, alternating, so the
-  next step's copies never overwrite what the host update is reading);
+- offload: a host grad shard in the accumulation dtype (two of them with the delayed update,
+  alternating, so the next step's copies never overwrite what the host update is reading);
 - partial offload (a twin update, ``host_from`` > 0): only the host part ``[host_from, numel)``
   is copied to the host (its buffer is in the part's coordinates); the device part stays in a
   device grad shard of ``host_from`` elements (or in the full device accumulator).
 
+Invariant: the host grad shard has the accumulator's dtype, so an fp32 accumulator
+(``data_types.grad_accum_dtype`` "fp32" with 16-bit params) reaches the host update unrounded;
+a 16-bit host copy would round the window's sum once more, which the device update never does.
+
 The squared norm of every final segment is summed on the device as it is produced, so the global
-norm, the overflow check and the clip factor are known before the host reads any gradient.
+norm, the overflow check and the clip factor are known before the host reads any gradient (a
+segment in host memory, CPU training, is summed by the SIMD kernel of ``kernels/sumsq.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from ...core.flat_group import FlatGroup
 from ...core.labels import GRAD_D2H, GRAD_WAIT, label
 from ...core.layout import Bucket, Segment
 from ...core.streams import Streams, alloc_host
+from ...kernels.sumsq import sum_of_squares
 
 
 class GradShard:
@@ -37,8 +43,9 @@ class GradShard:
         accum_dtype: torch.dtype | None = None,
         host_from: int = 0,
     ) -> None:
-        """``accum_dtype``: the dtype of the stage-2/3 device accumulator (fp32 with 16-bit
-        params: ``data_types.grad_accum_dtype``); stages 0/1 accumulate in ``p.grad``.
+        """``accum_dtype``: the dtype of the stage-2/3 device accumulator and of the host grad
+        shard (fp32 with 16-bit params: ``data_types.grad_accum_dtype``); stages 0/1 accumulate
+        in ``p.grad``, in the params' dtype (the config refuses another one there).
         ``host_from`` (with ``offload``): the shard offset where the host part begins
         (``Placement.host_from``); the elements before it are updated on the device."""
         self.group = group
@@ -63,8 +70,9 @@ class GradShard:
         elif self.host_from > 0:  # a twin's device part, reduced into place
             self.device_shard = torch.zeros(self.host_from, dtype=self.accum_dtype, device=dev)
         host_numel = numel - self.host_from
+        host_dt = self.accum_dtype  # the window's sum as accumulated: never rounded on the way
         self.host = (
-            [alloc_host(host_numel, dt, pin).zero_() for _ in range(host_buffers)]
+            [alloc_host(host_numel, host_dt, pin).zero_() for _ in range(host_buffers)]
             if offload
             else []
         )
@@ -127,7 +135,7 @@ class GradShard:
         final = self._fold(seg, reduced)
         if not last:
             return
-        sq = torch.linalg.vector_norm(final, dtype=torch.float32).square()
+        sq = sum_of_squares(final)  # host: the SIMD kernel; a device tensor: torch
         prev = self._sq.get(seg.shard_start)
         self._sq[seg.shard_start] = sq if prev is None else prev + sq
         lo = max(seg.shard_start, self.host_from)  # the segment's host part, if any
