@@ -318,6 +318,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         self.reducer.bufs.reset_peak()
         if self.param_store is not None:
             self.param_store.peak_live = self.param_store.live
+            if self.param_store.nvme is not None:
+                self.param_store.nvme.cache.reset_peak()
 
     def _working_set_bounds(self) -> dict[str, int]:
         """The step's transient bytes the config allows, known once the engine is built."""

@@ -472,6 +472,8 @@ class ParamStore:
         if self.live:
             esize = self.groups[0].dtype.itemsize if self.groups else 0
             out["device.gathered_params"] = self.live * esize
+        if self.swapped and self.nvme is not None:  # the whole model's NVMe read/write buffers
+            out["peak.host.param_buffers"] = self.nvme.cache.peak_bytes
         return out
 
     def trainable(self, gi: int) -> bool:
