@@ -155,6 +155,9 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             for gs in self.grad_shards:
                 gs.ensure_device_accumulator()
         self.reducer.prepare(first, last, factor)
+        if last:  # the update follows this backward: start what it can do already
+            for so in self.shard_opts:
+                so.prepare_update()
 
     def _backward_epilogue(self) -> None:
         self.window.end_backward()
