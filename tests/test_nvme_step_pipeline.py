@@ -113,3 +113,43 @@ def test_engine_reads_the_state_ahead_during_the_backward(tmp_path):
     engine.step()
     assert not state._early
     engine.destroy()
+
+
+def test_bf16_update_writes_its_output_into_the_param_write_buffers(tmp_path, monkeypatch):
+    """Both states on NVMe, bf16: the kernel's 16-bit output goes straight into the param
+    file's write buffers (one per chunk), never through a staging copy and ``write``."""
+    import zero_offload
+    from zero_offload.nvme.param_shard import NvmeParamShard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    block = {"device": "nvme", "nvme_path": str(tmp_path)}
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "sub_group_size": 2048,
+            "offload_optimizer": dict(block),
+            "offload_param": dict(block),
+        },
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = zero_offload.initialize(model=model, config=cfg)
+    assert all(p.numel() == 0 < p.ds_numel for p in engine.module.parameters())
+    calls = {"write": 0, "write_target": 0}
+    for name in calls:
+        real = getattr(NvmeParamShard, name)
+
+        def counted(self, *a, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(self, *a)
+
+        monkeypatch.setattr(NvmeParamShard, name, counted)
+    x = torch.randn(2, 64).bfloat16()
+    engine.backward(engine(x).float().square().mean())
+    engine.step()
+    assert calls == {"write": 0, "write_target": len(engine.shard_opts[0].chunks)}, calls
+    engine.destroy()

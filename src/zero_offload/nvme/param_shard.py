@@ -71,6 +71,7 @@ class NvmeParamShard:
         self.ahead_hits = 0  # fetches served by a read-ahead (how well the guesses work)
         self._spare: dict[int, list[torch.Tensor]] = {}  # free buffers by size (CPU only)
         self.spare_bytes = 0  # bytes of the buffers in _spare
+        self._target: tuple[int, int, torch.Tensor] | None = None  # write_target's, unsubmitted
         self.close = own_file(self, self.file)  # scratch: removed with this object or at exit
 
     # ---- addressing ----------------------------------------------------------------------------
@@ -232,12 +233,10 @@ class NvmeParamShard:
         hi = lo + src.numel()
         if hi <= lo:
             return
-        for key in [k for k in self.shared.entries if k[0] is self and k[1] < hi and k[2] > lo]:
-            self._drop(key)
-        self.flush(lo, hi)  # two writes of one block in flight could land in either order
+        self._before_write(lo, hi)
         a, b = self._blocks(lo, hi)
         start, end = lo * self.itemsize - a, hi * self.itemsize - a
-        partial = start or end != b - a and hi < self.numel
+        partial = self._partial(lo, hi)
         if partial:  # keep the neighbours' bytes of the first and last block
             self.flush()
         buf = self._buffer(b - a)
@@ -246,8 +245,42 @@ class NvmeParamShard:
         else:
             buf[end:].zero_()  # the file's padding after the shard's last element
         buf[start:end].view(self.dtype).copy_(src.detach().reshape(-1))
-        self.sums[a // BLOCK : b // BLOCK] = block_sums(buf)
-        self.known[a // BLOCK : b // BLOCK] = True
+        self._submit_write(lo, hi, buf)
+
+    def write_target(self, lo: int, hi: int) -> torch.Tensor | None:
+        """A host tensor for elements [lo, hi) that the caller fills, then submits with
+        ``finish_write`` (the host update's kernel writes its 16-bit output there: no staging
+        copy); None where [lo, hi) has a partial 4096-byte block (``write`` it instead)."""
+        if hi <= lo or self._partial(lo, hi):
+            return None
+        self._before_write(lo, hi)
+        a, b = self._blocks(lo, hi)
+        buf = self._buffer(b - a)
+        buf[(hi - lo) * self.itemsize :].zero_()  # the file's padding after the last element
+        self._target = (lo, hi, buf)
+        return buf[: (hi - lo) * self.itemsize].view(self.dtype)
+
+    def finish_write(self) -> None:
+        """Submit the tensor of the last ``write_target``, now filled."""
+        assert self._target is not None, "finish_write without write_target"
+        (lo, hi, buf), self._target = self._target, None
+        self._submit_write(lo, hi, buf)
+
+    def _partial(self, lo: int, hi: int) -> bool:
+        """[lo, hi) covers its first or last 4096-byte block only in part (the shard's padding
+        after its last element excepted)."""
+        a, b = self._blocks(lo, hi)
+        return bool(lo * self.itemsize - a or (hi * self.itemsize - a != b - a and hi < self.numel))
+
+    def _before_write(self, lo: int, hi: int) -> None:
+        for key in [k for k in self.shared.entries if k[0] is self and k[1] < hi and k[2] > lo]:
+            self._drop(key)
+        self.flush(lo, hi)  # two writes of one block in flight could land in either order
+
+    def _submit_write(self, lo: int, hi: int, buf: torch.Tensor) -> None:
+        a = self._blocks(lo, hi)[0]
+        self.sums[a // BLOCK : (a + buf.numel()) // BLOCK] = block_sums(buf)
+        self.known[a // BLOCK : (a + buf.numel()) // BLOCK] = True
         while len(self.pending) >= MAX_PENDING_WRITES:  # bounded host memory for writes
             self._finish(self.pending.pop(0))
         self.pending.append((lo, hi, buf, self.aio.write(self.file, a, buf)))

@@ -497,6 +497,13 @@ class ShardHome:
     def host_shard(self) -> torch.Tensor | None:
         return self.store.shards[self.gi] if self.where == "host" else None
 
+    def write_target(self, lo: int, hi: int) -> torch.Tensor | None:
+        nv = self.store.swapped.get(self.gi)
+        return None if nv is None else nv.write_target(lo, hi)
+
+    def finish_write(self) -> None:
+        self.store.swapped[self.gi].finish_write()
+
     def prepare_write(self) -> None:
         self.store.quiesce()
 
