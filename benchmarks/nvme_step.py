@@ -12,7 +12,8 @@ Printed:
 - the floor: the swapped optimizer state (fp32 master and two moments, 12 bytes/param) read and
   written once at that bandwidth (a disk serving one direction at a time); also the floor with
   the param traffic (read in the forward and the backward, written after the update);
-- per engine: median step time (steps after the first), peak RSS, losses;
+- per engine: median step time (steps after the first) and of ``step()`` alone (the update;
+  the rest is the forward and backward with their param reads), peak RSS, losses;
 - the ratios: ours / DeepSpeed's step (goal at most 0.8), ours / floor (goal at most 1.25),
   DeepSpeed's / floor, ours / DeepSpeed's peak RSS.
 
@@ -62,15 +63,16 @@ def floors(params: int, dtype: str, read_gbps: float, write_gbps: float) -> dict
     return {"state": state / r + state / w, "state+params": (state + 2 * p) / r + (state + p) / w}
 
 
-def median_step(run: dict) -> float:
-    return statistics.median(run["times"][1:] or run["times"])
+def median_step(run: dict, key: str = "times") -> float:
+    return statistics.median(run[key][1:] or run[key])
 
 
 def show(name: str, run: dict) -> None:
     if "error" in run:
         print(f"  {name:16} error: {run['error']}")
         return
-    print(f"  {name:16} median step {median_step(run):7.3f} s  peak RSS "
+    update = median_step(run, "update_times")
+    print(f"  {name:16} median step {median_step(run):7.3f} s (step() {update:.3f} s)  peak RSS "
           f"{run['peak_rss'] / GIB:6.2f} GiB  losses {[round(x, 4) for x in run['losses']]}")  # fmt: skip
 
 
