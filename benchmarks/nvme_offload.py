@@ -50,12 +50,11 @@ def filesystem(path: Path) -> str:
 
 
 # ---- 1. the disk ---------------------------------------------------------------------------------
-def disk(path: Path, gib: float, threads: int) -> dict:
+def disk(path: Path, gib: float, threads: int, queue_depth: int = 8) -> dict:
     from zero_offload.nvme.aio import AioPolicy, measure_disk_bandwidth
 
-    runs = [
-        measure_disk_bandwidth(path, int(gib * GIB), AioPolicy(threads=threads)) for _ in range(3)
-    ]
+    policy = AioPolicy(threads=threads, queue_depth=queue_depth)
+    runs = [measure_disk_bandwidth(path, int(gib * GIB), policy) for _ in range(3)]
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k.endswith("gbps")}
     return med | {"backend": runs[0]["backend"], "direct": runs[0]["direct"]}
 
@@ -101,7 +100,10 @@ def update(path: Path, million: float, reps: int, threads: int) -> dict:
 
 
 # ---- 3/4. training steps -------------------------------------------------------------------------
-def model_config(where: str, path: str, stage3_live: int) -> dict:
+def model_config(
+    where: str, path: str, stage3_live: int, dtype: str = "bf16", aio: dict | None = None
+) -> dict:
+    """The step's config; ``aio``: DeepSpeed's ``aio`` section (both engines read it)."""
     zero = {
         "stage": 3,
         "stage3_param_persistence_threshold": 0,
@@ -116,13 +118,16 @@ def model_config(where: str, path: str, stage3_live: int) -> dict:
         zero["offload_optimizer"]["nvme_path"] = path
         # room for the read-ahead of the next buffer_count (5) units beside the one in use
         zero["offload_param"] |= {"nvme_path": path, "max_in_cpu": 6 * stage3_live}
-    return {
+    cfg = {
         "train_micro_batch_size_per_gpu": 1,
-        "bf16": {"enabled": True},
+        "bf16": {"enabled": dtype == "bf16"},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": zero,
         "steps_per_print": 10**9,
     }
+    if aio:
+        cfg["aio"] = aio
+    return cfg
 
 
 class Residual(torch.nn.Module):
@@ -141,7 +146,9 @@ def train_child(args) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count() or 1)
     d, layers = args.dim, args.layers
-    cfg = model_config(args.where, str(args.path), d * d)
+    aio = json.loads(args.aio) if args.aio else None
+    cfg = model_config(args.where, str(args.path), d * d, args.dtype, aio)
+    dt = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     for block in ("offload_optimizer", "offload_param"):  # pinned staging where CUDA is
         cfg["zero_optimization"][block]["pin_memory"] = torch.cuda.is_available()
     if args.engine == "deepspeed":  # the anchor: DeepSpeed's own NVMe offload, same config
@@ -155,7 +162,7 @@ def train_child(args) -> None:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=_ds_compat.backend(), verbose=False)
-        with deepspeed.zero.Init(config_dict_or_path=cfg, dtype=torch.bfloat16):
+        with deepspeed.zero.Init(config_dict_or_path=cfg, dtype=dt):
             model = torch.nn.Sequential(*[Residual(d) for _ in range(layers)])
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=cfg
@@ -164,27 +171,29 @@ def train_child(args) -> None:
         import zero_offload
         import zero_offload.zero
 
-        with zero_offload.zero.Init(dtype=torch.bfloat16):
+        with zero_offload.zero.Init(dtype=dt):
             model = torch.nn.Sequential(*[Residual(d) for _ in range(layers)])
         engine, *_ = zero_offload.initialize(model=model, config=cfg)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(8, d, generator=g).bfloat16().to(engine.device)
-    losses, times = [], []
+    x = torch.randn(8, d, generator=g).to(dt).to(engine.device)
+    losses, times, update_times = [], [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         loss = (engine(x).float() - 1.0).square().mean()
         engine.backward(loss)
+        t1 = time.perf_counter()
         engine.step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the step's queued GPU work belongs to its time
         times.append(time.perf_counter() - t0)
+        update_times.append(time.perf_counter() - t1)  # step() alone: the update
         losses.append(float(loss))
     report = engine.memory_report() if hasattr(engine, "memory_report") else {}
     with open("/proc/self/status") as f:
         hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     gpu_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-    print(json.dumps({"losses": losses, "times": times, "peak_rss": hwm, "gpu_peak": gpu_peak,
-                      "memory": report}))  # fmt: skip
+    print(json.dumps({"losses": losses, "times": times, "update_times": update_times,
+                      "peak_rss": hwm, "gpu_peak": gpu_peak, "memory": report}))  # fmt: skip
     # No destroy(): at stage 3 it hands the params back to zero.Init form, the whole model in
     # host memory (what a later engine starts from), which is not what is measured here. The
     # swap files go at exit.
@@ -217,10 +226,18 @@ def _cgroup(cap: int) -> tuple[Path, str] | None:
         return None
 
 
-def run_child(args, where: str, cap: int | None = None, engine: str = "zero_offload") -> dict:
-    cmd = [sys.executable, __file__, "--child", "--where", where, "--path", str(args.path),
-           "--dim", str(args.dim), "--layers", str(args.layers), "--steps", str(args.steps),
-           "--engine", engine]  # fmt: skip
+def run_child(
+    args, where: str, cap: int | None = None, engine: str = "zero_offload", python: str = ""
+) -> dict:
+    """One training run in a fresh process of ``python`` (default: this interpreter); its
+    ``src`` is on the path, so an interpreter of another environment (DeepSpeed's) runs it."""
+    cmd = [python or sys.executable, __file__, "--child", "--where", where, "--path",
+           str(args.path), "--dim", str(args.dim), "--layers", str(args.layers), "--steps",
+           str(args.steps), "--engine", engine, "--dtype", getattr(args, "dtype", "bf16"),
+           "--aio", getattr(args, "aio", "") or ""]  # fmt: skip
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [src, *filter(None, [os.environ.get("PYTHONPATH")])])}  # fmt: skip
     how = None
     pre = None
     if cap is not None:
@@ -234,7 +251,7 @@ def run_child(args, where: str, cap: int | None = None, engine: str = "zero_offl
 
     try:
         p = subprocess.run(
-            cmd, capture_output=True, text=True, preexec_fn=pre, timeout=args.run_timeout
+            cmd, capture_output=True, text=True, preexec_fn=pre, timeout=args.run_timeout, env=env
         )
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.run_timeout:.0f} s", "cap_how": how}
@@ -272,6 +289,8 @@ def main() -> None:
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--where", default="nvme")
     ap.add_argument("--engine", default="zero_offload", choices=["zero_offload", "deepspeed"])
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--aio", default="", help="child: the config's aio section, as JSON")
     ap.add_argument("--deepspeed", action="store_true", help="also run DeepSpeed's NVMe offload")
     args = ap.parse_args()
     args.path.mkdir(parents=True, exist_ok=True)

@@ -420,3 +420,24 @@ def test_a_missing_compiled_module_is_named():
     assert mod is None and "No module named 'zero_offload._not_built'" in why
     mod, why = load_optional("zero_offload._aio")
     assert (mod is None) == (aio._C is None)
+
+
+def test_queue_depth_sets_the_requests_in_flight(backend, tmp_path, gen):
+    """threads x queue_depth pieces at the disk at once, as DeepSpeed's libaio threads keep
+    them: the engine runs that many workers (queue_depth used to be ignored: one per thread)."""
+    policy = AioPolicy(block_size=BLOCK, threads=2, queue_depth=3)
+    assert policy.workers == 6
+    assert AioPolicy(threads=1, queue_depth=1).workers == 1
+    assert AioPolicy(threads=64, queue_depth=64).workers == 1024  # the compiled pool's limit
+    eng = AioEngine(policy)
+    with SwapFile.create(tmp_path / "swap", 12 * BLOCK) as f:
+        data = random_buffer(12 * BLOCK, gen)
+        eng.write(f, 0, data).wait()
+        out = aligned_empty(12 * BLOCK)
+        eng.read(f, 0, out).wait()
+        assert torch.equal(out, data)
+    if eng.backend == "pthreads":
+        assert C.pool_threads()[6] == 6
+    else:
+        assert eng._pool._max_workers == 6
+    eng.close()

@@ -293,3 +293,33 @@ def test_grad_norm_benchmark_quick() -> None:
     before = next(ln for ln in out.splitlines() if ln.startswith("losses before:"))
     after = next(ln for ln in out.splitlines() if ln.startswith("losses after:"))
     assert before.split(":")[1].split() == after.split(":")[1].split(), out
+
+
+def test_nvme_step_benchmark_runs(tmp_path: Path) -> None:
+    """The NVMe step comparison's quick run (this library's side): the disk, the floor and the
+    step are printed, and the swap files are gone after it."""
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "nvme_step.py"),
+            "--path",
+            str(tmp_path),
+            "--disk-gib",
+            "0.01",
+            "--dim",
+            "64",
+            "--layers",
+            "2",
+            "--steps",
+            "2",
+            "--dtype",
+            "fp32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for part in ("[disk]", "[floor]", "zero_offload     median step", "ours / floor (state)"):
+        assert part in done.stdout, done.stdout
+    assert not any(tmp_path.rglob("*.swp"))

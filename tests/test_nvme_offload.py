@@ -373,8 +373,7 @@ def test_param_swap_read_error_is_named(tmp_path, monkeypatch):
     engine = _engine(tmp_path / "swap", "nvme", "nvme")
     _train(engine, range(1))
     shard = engine.param_store.swapped[0]
-    shard.cache.clear()
-    shard.cached = 0
+    shard.drop_cached()
     monkeypatch.setattr(engine.aio, "read", lambda *a: _Failing(errno.EIO))
     with pytest.raises(NvmeSwapError, match=r"param-shard .* failed"):
         _train(engine, range(1, 2))

@@ -42,8 +42,9 @@ class AioConfig(Section):
     queue_depth: Int = Field(
         AIO_QUEUE_DEPTH,
         gt=0,
-        description="DeepSpeed: libaio's submission queue depth. The I/O here runs on a "
-        "pread/pwrite thread pool with no queue to size: kept so a config round-trips.",
+        description="Requests each I/O thread keeps at the disk at once (DeepSpeed: libaio's "
+        "submission queue depth): the pread/pwrite pool here runs threads x queue_depth "
+        "workers, one blocking request each (1: one request per thread).",
     )
     intra_op_parallelism: Int = Field(
         AIO_INTRA_OP_PARALLELISM,

@@ -203,7 +203,8 @@ class OffloadParamConfig(Section):
     buffer_count: DsInt = Field(
         5,
         ge=0,
-        description='Host buffers params are read into from NVMe (device "nvme").',
+        description='Host buffers params are read into from NVMe (device "nvme"): the slices '
+        "read ahead of the fetches and the most recently used ones, for the whole model.",
     )
     buffer_size: DsInt = Field(
         100_000_000,
@@ -214,8 +215,8 @@ class OffloadParamConfig(Section):
     max_in_cpu: DsInt = Field(
         1_000_000_000,
         ge=0,
-        description="Param elements kept cached in host memory between fetches with device "
-        '"nvme" (elements).',
+        description="Param elements kept in host memory (the read buffers and those kept for "
+        'reuse) for the whole model, with device "nvme" (elements).',
     )
     pin_memory: Bool = Field(
         True,

@@ -1,8 +1,9 @@
 """The I/O engine of NVMe offload: direct I/O between aligned host buffers and swap files.
 
 A request (read or write of one CPU buffer at one file offset) is split into ``block_size``
-pieces that a pool of ``threads`` worker threads (DeepSpeed's ``aio.intra_op_parallelism``) runs
-with pread/pwrite; :meth:`AioEngine.read` and :meth:`AioEngine.write` return a :class:`Request`
+pieces that a pool of ``threads x queue_depth`` worker threads runs with pread/pwrite (DeepSpeed's
+``aio.intra_op_parallelism`` threads each keep ``queue_depth`` libaio requests in flight: here
+each worker keeps one blocking request in flight, so as many pieces are at the disk at once); :meth:`AioEngine.read` and :meth:`AioEngine.write` return a :class:`Request`
 at once, and :meth:`Request.wait` blocks until every piece is done, raising the first error as an
 ``OSError`` that names the swap file, the offset, the byte count and the operation.
 
@@ -22,7 +23,7 @@ multiples of :data:`ALIGN`: use :func:`aligned_empty` buffers. The caller keeps 
 untouched until its request is waited for; the :class:`Request` keeps the buffer and the file
 alive until then.
 
-``queue_depth``, ``single_submit`` and ``overlap_events`` are DeepSpeed's libaio settings, kept in
+``single_submit`` and ``overlap_events`` are DeepSpeed's libaio settings, kept in
 :class:`AioPolicy` so a config round-trips; the thread backends have no submission queue or event
 loop for them to tune.
 """
@@ -60,6 +61,7 @@ __all__ = [
 ALIGN = 4096  # direct I/O alignment of buffer addresses, byte counts and file offsets
 _AIO_ENV = "ZERO_OFFLOAD_AIO"
 _BASELINE_BLOCK = 1 << 20
+_MAX_WORKERS = 1024  # the compiled module's largest pool
 
 _C, _IMPORT_ERROR = load_optional("zero_offload._aio")
 
@@ -69,7 +71,8 @@ _fallback_warned = False
 @dataclass(frozen=True)
 class AioPolicy:
     """DeepSpeed's ``aio`` settings. ``threads`` is ``intra_op_parallelism``; ``block_size`` is
-    the piece size a request is split into (rounded up to :data:`ALIGN` for direct I/O)."""
+    the piece size a request is split into (rounded up to :data:`ALIGN` for direct I/O);
+    ``threads x queue_depth`` pieces are in flight at once (:attr:`workers`)."""
 
     block_size: int = 1 << 20
     queue_depth: int = 8
@@ -82,6 +85,12 @@ class AioPolicy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"AioPolicy.{name} must be an int >= 1, got {value!r}")
+
+    @property
+    def workers(self) -> int:
+        """I/O worker threads: one blocking request each, so ``threads x queue_depth`` pieces
+        are at the disk at once, as DeepSpeed's libaio threads keep them (at most 1024)."""
+        return min(self.threads * self.queue_depth, _MAX_WORKERS)
 
 
 def _round_up(n: int, to: int = ALIGN) -> int:
@@ -419,7 +428,7 @@ def _warn_fallback_once() -> None:
 
 class AioEngine:
     """Reads and writes of CPU buffers in swap files, split into ``policy.block_size`` pieces
-    run by ``policy.threads`` threads. ``backend``: ``"pthreads"`` or ``"python-threads"``
+    run by ``policy.workers`` threads. ``backend``: ``"pthreads"`` or ``"python-threads"``
     (chosen at construction from ZERO_OFFLOAD_AIO and the compiled module's presence). Several
     Python threads may submit and wait at once. The C++ pools are process-wide, one per thread
     count: engines with the same ``threads`` share one."""
@@ -438,7 +447,7 @@ class AioEngine:
                 _warn_fallback_once()
             self.backend = "python-threads"
             self._pool = concurrent.futures.ThreadPoolExecutor(
-                self.policy.threads, thread_name_prefix="zero_offload_aio"
+                self.policy.workers, thread_name_prefix="zero_offload_aio"
             )
         else:
             self.backend = "pthreads"
@@ -465,7 +474,7 @@ class AioEngine:
             block = _round_up(block)  # every piece of a direct request stays aligned
         if self._pool is None:
             handle: _Handle = _CHandle(
-                _C.submit(f.fd, addr, nbytes, offset, write, block, self.policy.threads)
+                _C.submit(f.fd, addr, nbytes, offset, write, block, self.policy.workers)
             )
         else:
             py = _PyHandle()
@@ -549,7 +558,8 @@ def measure_disk_bandwidth(path: Path, nbytes: int, policy: AioPolicy) -> dict[s
     view = memoryview((ctypes.c_char * nbytes).from_address(buf.data_ptr())).cast("B")
     engine = AioEngine(policy)
     result: dict[str, Any] = {"path": str(path), "nbytes": nbytes, "backend": engine.backend}
-    result.update(threads=policy.threads, block_size=policy.block_size)
+    result.update(threads=policy.threads, queue_depth=policy.queue_depth)
+    result.update(workers=policy.workers, block_size=policy.block_size)
     f = SwapFile.create(path, nbytes)
     try:
         result["direct"] = f.direct

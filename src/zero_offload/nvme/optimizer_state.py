@@ -13,6 +13,11 @@ Invariants:
   committed state as it was before the step: the master weights are never half-updated;
 - at most ``len(pool)`` records are in host memory (the pool's aligned, pinned-on-CUDA buffers);
   the update reads chunk k+1 ahead while chunk k is computed and chunk k-1 written back;
+- ``read_ahead`` (the engine calls it as the step's backward begins) reads the first
+  ``len(pool) - 1`` records into ``pool[1:]`` before the update starts, so the disk works while
+  the backward computes; those early reads hold the committed versions, and anything that
+  changes the committed state first (``write``, ``fill``, ``commit``) drops them. ``pool[0]`` is
+  never read ahead: it is the element cache of ``read`` and ``write``;
 - every I/O is one record or one region: offsets and sizes are multiples of 4096 bytes, as
   direct I/O needs;
 - ``sums[v, k]`` holds the block checksums of what this run last wrote to version v of chunk
@@ -63,6 +68,7 @@ class NvmeOptimizerState:
         self.known = torch.zeros(2, self.nchunks, dtype=torch.bool)
         self.pool = [aligned_empty(self.record, pin) for _ in range(max(2, buffers))]
         self._dirty: tuple[int, int] | None = None  # (chunk, kind) cached in pool[0] by write
+        self._early: dict[int, tuple[torch.Tensor, object]] = {}  # chunk -> (buffer, read)
         self._written = False  # an update wrote the other versions, not committed yet
         self.close = own_file(self, self.file)  # scratch: removed with this object or at exit
 
@@ -134,6 +140,8 @@ class NvmeOptimizerState:
         every group's step at once, after every rank succeeded."""
         assert [lo for lo, _ in chunks] == [k * self.chunk for k in range(len(chunks))]
         assert not self._written, "an update is waiting for commit() or discard()"
+        if len(chunks) != self.nchunks:
+            self._drop_early()
         self.flush()
         self.check()
         self._stream(chunks, body, write)  # every request waited for when it returns or raises
@@ -148,8 +156,9 @@ class NvmeOptimizerState:
         """The pipeline over the record pool: chunk k computes while later chunks are read ahead
         and earlier ones written behind (into the other version of each record)."""
         n = len(chunks)
-        free = collections.deque(self.pool)
-        reads: dict[int, tuple[torch.Tensor, object]] = {}
+        reads, self._early = self._early, {}  # the records read ahead during the backward
+        busy = {id(buf) for buf, _ in reads.values()}
+        free = collections.deque(b for b in self.pool if id(b) not in busy)
         writes: collections.deque = collections.deque()
         ahead = len(self.pool) - 1  # one buffer computes, the rest read ahead or write behind
 
@@ -160,7 +169,7 @@ class NvmeOptimizerState:
                 free.append(buf)
             return free.popleft()
 
-        nxt = 0
+        nxt = len(reads)
         try:
             for k, (lo, hi) in enumerate(chunks):
                 while nxt < n and nxt - k < ahead and (nxt == k or free):
@@ -187,8 +196,34 @@ class NvmeOptimizerState:
             for _, _, req in writes:
                 _quiet_wait(req)
 
+    # ---- the read-ahead before the update -------------------------------------------------------
+    def read_ahead(self) -> None:
+        """Start reading the first records of the next update into ``pool[1:]`` (see the
+        invariants); a no-op while they are in flight or an update waits for its commit. Never
+        raises: a failed read is the update's error (a step failure, rolled back)."""
+        if self._early or self._written:
+            return
+        try:
+            self.flush()  # pool[0]'s cached region goes back before the records are read
+            self.check()
+            for k in range(min(len(self.pool) - 1, self.nchunks)):
+                buf = self.pool[1 + k]
+                off = self._offset(k, self.current[k])
+                self._early[k] = (buf, self.aio.read(self.file, off, buf))
+        except Exception:
+            # The update meets the same trouble and fails the step on every rank at once
+            # (rolled back); a backward raising on one rank would leave the others waiting.
+            self._drop_early()
+
+    def _drop_early(self) -> None:
+        """Forget the records read ahead (their reads finish first: the buffers are reused)."""
+        for _, req in self._early.values():
+            _quiet_wait(req)
+        self._early.clear()
+
     def commit(self) -> None:
         """The versions the last update wrote become the state, every chunk at once."""
+        self._drop_early()
         if self._written:
             self.current = [1 - v for v in self.current]
             self._written = False
@@ -231,6 +266,7 @@ class NvmeOptimizerState:
         """Into the committed version (not a step): one region is cached in ``pool[0]`` and
         written back when another region is touched or at ``flush`` (which every read, update
         and fill runs first), so many small consecutive writes cost one read and one write."""
+        self._drop_early()
         i = KINDS.index(kind)
         src = src.detach().reshape(-1).to("cpu", torch.float32)
         buf = self.pool[0].view(torch.float32)[: self.chunk]
@@ -256,6 +292,7 @@ class NvmeOptimizerState:
         """Initial state, one chunk at a time: moments zero, ``master_of(lo, hi, out)`` writes
         elements ``[lo, hi)`` of the master into ``out`` (fp32, host)."""
         self._dirty = None  # every region is rewritten
+        self._drop_early()
         buf = self.pool[0]
         for k in range(self.nchunks):
             lo = k * self.chunk

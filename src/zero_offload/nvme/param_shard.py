@@ -2,9 +2,10 @@
 
 The file is the shard itself: element i at byte ``i * itemsize``, padded to 4096 bytes. A fetch
 reads a slot's slice (this rank's piece of one fetch unit) from the 4096-byte blocks that cover
-it into an aligned host buffer; those buffers are a cache of at most ``max_in_cpu`` elements
-(DeepSpeed's key), least recently used first out. ``read_ahead`` starts the reads of the slots
-the fetch schedule will gather next (its recorded order), so a fetch finds its slice in memory.
+it into an aligned host buffer; those buffers are a cache shared by every shard of the model
+(``param_cache.py``: at most ``buffer_count`` slices and ``max_in_cpu`` elements, DeepSpeed's
+keys), least recently used first out. ``read_ahead`` starts the reads of the slots the fetch
+schedule will gather next (its recorded order), so a fetch finds its slice in memory.
 
 Invariants:
 - a cached slice equals the file's bytes: every write drops the cached slices it overlaps first;
@@ -16,8 +17,8 @@ Invariants:
 - a buffer is never reused or freed while a request on it is in flight (the cache and
   ``pending`` hold the request with its buffer until it was waited for); on the CPU a dropped
   buffer is kept for reuse (two per size: no page faults per fetch) while the cache and the kept
-  buffers together stay within ``max_in_cpu`` elements (DeepSpeed's meaning: the param elements
-  kept in host memory), pinned ones go back to torch's pinned allocator, which knows when a
+  buffers of every shard together stay within ``max_in_cpu`` elements (DeepSpeed's meaning: the
+  param elements kept in host memory for the whole model), pinned ones go back to torch's pinned allocator, which knows when a
   non-blocking copy from them has finished;
 - ``sums[j]`` is the checksum of what this run last wrote to block j of the file
   (``known[j]``: it wrote it), taken before the write is submitted; every read is checked
@@ -27,8 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
-import collections
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,6 +37,7 @@ from .aio import ALIGN, AioEngine, SwapFile, aligned_empty
 from .checksum import BLOCK, block_sums, first_mismatch
 from .errors import NvmeSwapError
 from .file_guard import RESTART, check_swap_file, hold
+from .param_cache import ParamCache
 from .scratch import own_file
 
 MAX_PENDING_WRITES = 4  # writes in flight per shard; a fifth waits for the oldest
@@ -52,22 +53,25 @@ class NvmeParamShard:
         aio: AioEngine,
         pin: bool,
         max_in_cpu: int,
+        cache: ParamCache | None = None,
     ) -> None:
+        """``cache``: the one shared with the model's other shards (default: one of its own,
+        bounded by ``max_in_cpu`` alone)."""
         self.numel, self.dtype, self.aio, self.pin = numel, dtype, aio, pin
         self.itemsize = torch.empty((), dtype=dtype).element_size()
-        self.max_in_cpu = max_in_cpu
+        self.shared = cache if cache is not None else ParamCache(max_in_cpu)
+        self.shared.register(self)
+        self.max_in_cpu = self.shared.max_in_cpu
         folder.mkdir(parents=True, exist_ok=True)
         self.file = SwapFile.create(folder / f"{name}.swp", max(ALIGN, numel * self.itemsize))
         hold(self.file)
         self.sums = torch.zeros(self.file.nbytes // BLOCK, dtype=torch.int64)
         self.known = torch.zeros(self.file.nbytes // BLOCK, dtype=torch.bool)
-        # (lo, hi) -> (buffer, first byte of the slice in it, pending request or None)
-        self.cache: collections.OrderedDict = collections.OrderedDict()
-        self.cached = 0  # elements held by the cache
         self.pending: list = []  # (lo, hi, buffer, request) of writes in flight
         self.ahead_hits = 0  # fetches served by a read-ahead (how well the guesses work)
         self._spare: dict[int, list[torch.Tensor]] = {}  # free buffers by size (CPU only)
         self.spare_bytes = 0  # bytes of the buffers in _spare
+        self._target: tuple[int, int, torch.Tensor] | None = None  # write_target's, unsubmitted
         self.close = own_file(self, self.file)  # scratch: removed with this object or at exit
 
     # ---- addressing ----------------------------------------------------------------------------
@@ -107,15 +111,41 @@ class NvmeParamShard:
         spare = self._spare.get(nbytes)
         if not spare:
             return aligned_empty(nbytes, self.pin)
-        self.spare_bytes -= nbytes
+        self._spare_change(-nbytes)
         return spare.pop()
 
     def _recycle(self, buf: torch.Tensor) -> None:
         spare = self._spare.setdefault(buf.numel(), [])
-        kept = (self.spare_bytes + buf.numel()) // self.itemsize + self.cached
+        shared = self.shared
+        kept = shared.spare + buf.numel() // self.itemsize + shared.cached
         if not self.pin and len(spare) < 2 and kept <= self.max_in_cpu:
             spare.append(buf)
-            self.spare_bytes += buf.numel()
+            self._spare_change(buf.numel())
+
+    def _spare_change(self, nbytes: int) -> None:
+        self.spare_bytes += nbytes
+        self.shared.spare += nbytes // self.itemsize
+
+    def _trim_spares(self, excess: int) -> None:
+        """Free kept buffers, largest first, until ``excess`` elements are freed (or none are
+        left)."""
+        for size in sorted(self._spare, reverse=True):
+            bufs = self._spare[size]
+            while bufs and excess > 0:
+                bufs.pop()
+                self._spare_change(-size)
+                excess -= size // self.itemsize
+
+    @property
+    def cached(self) -> int:
+        """Elements of this shard's slices in the shared cache."""
+        return sum(k[2] - k[1] for k in self.shared.entries if k[0] is self)
+
+    def held_bytes(self) -> int:
+        """Host bytes this shard holds now: its cached slices' buffers, its spares and the
+        buffers of its writes in flight."""
+        cached = sum(e[0].numel() for k, e in self.shared.entries.items() if k[0] is self)
+        return cached + self.spare_bytes + sum(p[2].numel() for p in self.pending)
 
     def flush(self, lo: int = 0, hi: int | None = None) -> None:
         """Wait for the pending writes overlapping elements [lo, hi) (all by default)."""
@@ -139,30 +169,34 @@ class NvmeParamShard:
 
     def read_ahead(self, lo: int, hi: int) -> None:
         """Start reading [lo, hi) into the cache (no-op when cached or without room)."""
-        if (lo, hi) in self.cache or hi <= lo or not self._make_room(hi - lo, used_only=True):
+        key = (self, lo, hi)
+        if key in self.shared.entries or hi <= lo:
+            return
+        if not self.shared.make_room(hi - lo, used_only=True):
             return
         self.flush(lo, hi)
         check_swap_file(self.file, "param-shard")
         a, b = self._blocks(lo, hi)
         buf = self._buffer(b - a)
         req = self.aio.read(self.file, a, buf)
-        self._insert((lo, hi), [buf, lo * self.itemsize - a, req, False])
+        self.shared.insert(key, [buf, lo * self.itemsize - a, req, False])
 
     def read(self, lo: int, hi: int, cache: bool = True) -> torch.Tensor:
         """Elements [lo, hi), a host tensor (from the cache when read ahead). ``cache=False``:
         a one-off read (set-up, checkpoints) that leaves the cache as it was."""
         if hi <= lo:
             return torch.empty(0, dtype=self.dtype)
-        key = (lo, hi)
-        hit = self.cache.get(key)
+        key = (self, lo, hi)
+        entries = self.shared.entries
+        hit = entries.get(key)
         if hit is None:
             self.flush(lo, hi)
             a, b = self._blocks(lo, hi)
             buf = aligned_empty(b - a, self.pin) if not cache else self._buffer(b - a)
             self._read_checked(a, buf, lo, hi)
             hit = [buf, lo * self.itemsize - a, None, True]
-            if cache and self._make_room(hi - lo, used_only=False):
-                self._insert(key, hit)
+            if cache and self.shared.make_room(hi - lo, used_only=False):
+                self.shared.insert(key, hit)
         elif hit[2] is not None:
             try:
                 self._wait(hit[2], "read", lo, hi)
@@ -171,45 +205,25 @@ class NvmeParamShard:
                 self._drop(key)
                 raise
             hit[2] = None
-        if key in self.cache:
+        if key in entries:
             self.ahead_hits += not hit[3]
             hit[3] = True
-            self.cache.move_to_end(key)
+            entries.move_to_end(key)
         buf, start = hit[0], hit[1]
         return buf[start : start + (hi - lo) * self.itemsize].view(self.dtype)
 
-    def _make_room(self, n: int, used_only: bool) -> bool:
-        """Evict least recently used entries (used ones only, or any) until ``n`` more elements
-        fit within ``max_in_cpu``; whether they fit."""
-        if n > self.max_in_cpu:
-            return False
-        for key in list(self.cache):
-            if self.cached + n <= self.max_in_cpu:
-                break
-            if self.cache[key][3] or not used_only:
-                self._drop(key)
-        return self.cached + n <= self.max_in_cpu
+    def drop_cached(self) -> None:
+        """Forget this shard's cached slices (the next fetches read the file)."""
+        for key in [k for k in self.shared.entries if k[0] is self]:
+            self._drop(key)
 
-    def _insert(self, key: tuple[int, int], entry) -> None:
-        self.cache[key] = entry
-        self.cached += key[1] - key[0]
-        self._trim_spares()
-
-    def _trim_spares(self) -> None:
-        """Free kept buffers, largest first, until they fit beside the cache in max_in_cpu."""
-        for size in sorted(self._spare, reverse=True):
-            bufs = self._spare[size]
-            while bufs and self.spare_bytes // self.itemsize + self.cached > self.max_in_cpu:
-                self.spare_bytes -= bufs.pop().numel()
-
-    def _drop(self, key: tuple[int, int]) -> None:
-        buf, _, req, _ = self.cache.pop(key)
+    def _drop(self, key: tuple) -> None:
+        buf, _, req, _ = self.shared.pop(key)
         if req is not None:
             try:
                 req.wait()  # the buffer goes only after its read has finished
             except OSError:
                 pass  # reported by the fetch that needs it, if any
-        self.cached -= key[1] - key[0]
         self._recycle(buf)
 
     # ---- writes --------------------------------------------------------------------------------
@@ -219,12 +233,10 @@ class NvmeParamShard:
         hi = lo + src.numel()
         if hi <= lo:
             return
-        for key in [k for k in self.cache if k[0] < hi and k[1] > lo]:
-            self._drop(key)
-        self.flush(lo, hi)  # two writes of one block in flight could land in either order
+        self._before_write(lo, hi)
         a, b = self._blocks(lo, hi)
         start, end = lo * self.itemsize - a, hi * self.itemsize - a
-        partial = start or end != b - a and hi < self.numel
+        partial = self._partial(lo, hi)
         if partial:  # keep the neighbours' bytes of the first and last block
             self.flush()
         buf = self._buffer(b - a)
@@ -233,11 +245,46 @@ class NvmeParamShard:
         else:
             buf[end:].zero_()  # the file's padding after the shard's last element
         buf[start:end].view(self.dtype).copy_(src.detach().reshape(-1))
-        self.sums[a // BLOCK : b // BLOCK] = block_sums(buf)
-        self.known[a // BLOCK : b // BLOCK] = True
+        self._submit_write(lo, hi, buf)
+
+    def write_target(self, lo: int, hi: int) -> torch.Tensor | None:
+        """A host tensor for elements [lo, hi) that the caller fills, then submits with
+        ``finish_write`` (the host update's kernel writes its 16-bit output there: no staging
+        copy); None where [lo, hi) has a partial 4096-byte block (``write`` it instead)."""
+        if hi <= lo or self._partial(lo, hi):
+            return None
+        self._before_write(lo, hi)
+        a, b = self._blocks(lo, hi)
+        buf = self._buffer(b - a)
+        buf[(hi - lo) * self.itemsize :].zero_()  # the file's padding after the last element
+        self._target = (lo, hi, buf)
+        return buf[: (hi - lo) * self.itemsize].view(self.dtype)
+
+    def finish_write(self) -> None:
+        """Submit the tensor of the last ``write_target``, now filled."""
+        assert self._target is not None, "finish_write without write_target"
+        (lo, hi, buf), self._target = self._target, None
+        self._submit_write(lo, hi, buf)
+
+    def _partial(self, lo: int, hi: int) -> bool:
+        """[lo, hi) covers its first or last 4096-byte block only in part (the shard's padding
+        after its last element excepted)."""
+        a, b = self._blocks(lo, hi)
+        return bool(lo * self.itemsize - a or (hi * self.itemsize - a != b - a and hi < self.numel))
+
+    def _before_write(self, lo: int, hi: int) -> None:
+        for key in [k for k in self.shared.entries if k[0] is self and k[1] < hi and k[2] > lo]:
+            self._drop(key)
+        self.flush(lo, hi)  # two writes of one block in flight could land in either order
+
+    def _submit_write(self, lo: int, hi: int, buf: torch.Tensor) -> None:
+        a = self._blocks(lo, hi)[0]
+        self.sums[a // BLOCK : (a + buf.numel()) // BLOCK] = block_sums(buf)
+        self.known[a // BLOCK : (a + buf.numel()) // BLOCK] = True
         while len(self.pending) >= MAX_PENDING_WRITES:  # bounded host memory for writes
             self._finish(self.pending.pop(0))
         self.pending.append((lo, hi, buf, self.aio.write(self.file, a, buf)))
+        self.shared.note()
 
     def _finish(self, entry) -> None:
         wlo, whi, buf, req = entry
@@ -253,12 +300,20 @@ class NvmeParamShard:
 
 @dataclass(frozen=True)
 class NvmeParams:
-    """Where a store's NVMe param shards go and how they are read."""
+    """Where a store's NVMe param shards go and how they are read; every shard made by
+    :meth:`shard` shares one :class:`ParamCache` (``max_in_cpu`` elements and ``depth`` slices
+    for the whole model)."""
 
     folder: Path
     aio: AioEngine
     max_in_cpu: int
     depth: int = 5  # slots read ahead of the gathers (offload_param.buffer_count)
+    cache: ParamCache = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cache", ParamCache(self.max_in_cpu, self.depth))
 
     def shard(self, name: str, numel: int, dtype: torch.dtype, pin: bool) -> NvmeParamShard:
-        return NvmeParamShard(self.folder, name, numel, dtype, self.aio, pin, self.max_in_cpu)
+        return NvmeParamShard(
+            self.folder, name, numel, dtype, self.aio, pin, self.max_in_cpu, self.cache
+        )

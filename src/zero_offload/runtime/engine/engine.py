@@ -155,6 +155,9 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             for gs in self.grad_shards:
                 gs.ensure_device_accumulator()
         self.reducer.prepare(first, last, factor)
+        if last:  # the update follows this backward: start what it can do already
+            for so in self.shard_opts:
+                so.prepare_update()
 
     def _backward_epilogue(self) -> None:
         self.window.end_backward()
@@ -318,6 +321,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         self.reducer.bufs.reset_peak()
         if self.param_store is not None:
             self.param_store.peak_live = self.param_store.live
+            if self.param_store.nvme is not None:
+                self.param_store.nvme.cache.reset_peak()
 
     def _working_set_bounds(self) -> dict[str, int]:
         """The step's transient bytes the config allows, known once the engine is built."""

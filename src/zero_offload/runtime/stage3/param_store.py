@@ -472,6 +472,8 @@ class ParamStore:
         if self.live:
             esize = self.groups[0].dtype.itemsize if self.groups else 0
             out["device.gathered_params"] = self.live * esize
+        if self.swapped and self.nvme is not None:  # the whole model's NVMe read/write buffers
+            out["peak.host.param_buffers"] = self.nvme.cache.peak_bytes
         return out
 
     def trainable(self, gi: int) -> bool:
@@ -494,6 +496,13 @@ class ShardHome:
 
     def host_shard(self) -> torch.Tensor | None:
         return self.store.shards[self.gi] if self.where == "host" else None
+
+    def write_target(self, lo: int, hi: int) -> torch.Tensor | None:
+        nv = self.store.swapped.get(self.gi)
+        return None if nv is None else nv.write_target(lo, hi)
+
+    def finish_write(self) -> None:
+        self.store.swapped[self.gi].finish_write()
 
     def prepare_write(self) -> None:
         self.store.quiesce()

@@ -132,8 +132,12 @@ class HostUpdate(ShardOptimizer):
             and upload_is_async
         )
 
+        # An NVMe home lends its write buffer: the kernel's 16-bit output goes there directly.
+        direct = upload and self.staging_per_chunk
+
         def body(lo: int, hi: int, v: dict[str, torch.Tensor]) -> None:
-            out = None if self.staging is None else self._staged(lo, hi)
+            target = self.home.write_target(lo, hi) if direct else None
+            out = target if target is not None else self._staged_or_none(lo, hi)
             with label(HOST_UPDATE):
                 host_adam_step(
                     v["master"],
@@ -148,7 +152,9 @@ class HostUpdate(ShardOptimizer):
                     threads=self.threads,
                     **h,
                 )
-            if upload:  # chunk k travels while chunk k+1 computes
+            if target is not None:
+                self.home.finish_write()
+            elif upload:  # chunk k travels while chunk k+1 computes
                 self._upload(lo, hi, v["master"])
                 if sync_each:  # fp32 uploads read the chunk buffer, which the next read reuses
                     self.streams.h2d.synchronize()
@@ -164,6 +170,9 @@ class HostUpdate(ShardOptimizer):
         st = self.streams
         with label(PARAM_H2D), st.use(st.h2d):
             self.home.write(lo, src, non_blocking=st.cuda)
+
+    def _staged_or_none(self, lo: int, hi: int) -> torch.Tensor | None:
+        return None if self.staging is None else self._staged(lo, hi)
 
     def _staged(self, lo: int, hi: int) -> torch.Tensor:
         """Where the 16-bit output of shard range [lo, hi) is staged."""

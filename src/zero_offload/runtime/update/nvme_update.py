@@ -26,6 +26,11 @@ class NvmeUpdate(HostUpdate):
             return super().master_from_params()
         self.state.fill(lambda lo, hi, out: out.copy_(self.home.read(lo, hi)))
 
+    def prepare_update(self) -> None:
+        """The step's backward began: read the first records of the state ahead, so the disk
+        works while the backward computes (the update starts from records in memory)."""
+        self.state.read_ahead()
+
     def stage(self, factor: float) -> None:
         """This step's update written, not committed, not published."""
         self.flush()

@@ -40,6 +40,13 @@ class ParamHome(Protocol):
         """The whole host-resident 16-bit shard, which the host update may write in place."""
         ...
 
+    def write_target(self, lo: int, hi: int) -> torch.Tensor | None:
+        """A host tensor the caller fills with shard elements [lo, hi), then submits with
+        ``finish_write`` (a swap file's write buffer: no staging copy), or None."""
+        ...
+
+    def finish_write(self) -> None: ...
+
     def prepare_write(self) -> None:
         """Before the update writes: nothing may still be reading the values it replaces."""
         ...
@@ -95,6 +102,12 @@ class FlatHome:
 
     def host_shard(self) -> None:
         return None
+
+    def write_target(self, lo: int, hi: int) -> None:
+        return None
+
+    def finish_write(self) -> None:
+        raise AssertionError("a device home has no write target")
 
     def prepare_write(self) -> None:
         """The flat buffer's own slices are only read by compute, which the uploads wait for."""

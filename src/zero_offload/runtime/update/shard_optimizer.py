@@ -139,6 +139,10 @@ class ShardOptimizer:
     def flush(self) -> None:
         """Apply a pending (delayed) update; only the host path has one."""
 
+    def prepare_update(self) -> None:
+        """The backward that ends an accumulation window began (the update follows it); only
+        the NVMe path has work to start early."""
+
     def nbytes(self) -> dict[str, int]:
         out = self.state.nbytes()
         if self.client is not None:
