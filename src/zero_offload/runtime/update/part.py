@@ -55,6 +55,12 @@ class PartHome:
     def write(self, lo: int, src: torch.Tensor, non_blocking: bool = False) -> None:
         self.home.write(self.span.lo + lo, src, non_blocking)
 
+    def write_target(self, lo: int, hi: int) -> torch.Tensor | None:
+        return self.home.write_target(self.span.lo + lo, self.span.lo + hi)
+
+    def finish_write(self) -> None:
+        self.home.finish_write()
+
     def host_shard(self) -> torch.Tensor | None:
         shard = self.home.host_shard()
         return None if shard is None else shard[self.span.lo : self.span.hi]
