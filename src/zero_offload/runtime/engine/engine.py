@@ -369,6 +369,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             self.window.gas,
             self.placement.delayed,
             offload_param=self.placement.params != "device",
+            alias_master=all(so.aliased for so in self.shard_opts) if self.shard_opts else None,
         )
 
     def _log_memory(self) -> None:

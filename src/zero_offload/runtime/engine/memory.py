@@ -13,6 +13,9 @@ exp_avg, exp_avg_sq: 12 bytes), N ranks; "offload" is ``offload_optimizer``:
 | 3 + offload_param | grad shard b/N + 12/N                   | param shard b/N                   |
 | 3 + both offloads | 0                                       | param shard b/N + 12/N + grad b/N |
 
+fp32 training with the optimizer and the params on the device keeps no master copy: the fp32
+params (stage 3: the param shard) are the master, so the 12 becomes 8 (the moments).
+
 Stages 2 and 3 also hold grad bucket buffers (``reduce_bucket_size`` each, at most two alternating with
 overlap_comm), which are not part of the formula; with offload and gradient accumulation the grad
 shard is accumulated on the device (b/N) and only the final sum crosses the bus; the delayed update
@@ -43,9 +46,12 @@ def expected_bytes(
     delayed: bool = False,
     *,
     offload_param: bool = False,
+    alias_master: bool | None = None,
 ) -> dict[str, int]:
     """Model-state bytes per rank by category (``device.*`` / ``host.*``). ``offload`` is
-    optimizer offload; ``offload_param`` (stage 3 only) puts the 16-bit param shard on the host."""
+    optimizer offload; ``offload_param`` (stage 3 only) puts the 16-bit param shard on the host.
+    ``alias_master``: the fp32 params are the master shard (no ``master_shard`` bytes); default:
+    fp32 with the optimizer and the params on the device (``core/alias_state.py``)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
     if offload_param and stage != 3:
@@ -64,7 +70,10 @@ def expected_bytes(
     elif not offload or gas > 1:
         out["device.grad_shard"] = shard * b
     where = "host" if offload else "device"
-    out[f"{where}.master_shard"] = shard * 4
+    if alias_master is None:
+        alias_master = b == 4 and not offload and not offload_param
+    if not alias_master:  # fp32 params beside a device optimizer are the master themselves
+        out[f"{where}.master_shard"] = shard * 4
     out[f"{where}.optimizer_state"] = shard * 8
     if offload:
         out["host.grad_shard"] = shard * b * (2 if delayed else 1)
