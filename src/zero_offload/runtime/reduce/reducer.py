@@ -80,7 +80,7 @@ class Reducer:
         self.learned = False  # the order was replaced by the one backward completes buckets in
         self.bucket_of = [g.layout.param_bucket() for g in groups]
         self.ignore_unused = ignore_unused
-        self.bufs = ReduceBuffers(groups, bucket_size, self.world)
+        self.bufs = ReduceBuffers(groups, bucket_size, self.world, (streams.reduce, streams.d2h))
         self.reducing = False  # does this backward reduce (stage 2: always; 0/1: at boundary)
         self.last = True
         self.grad_factor = 1.0  # applied to each gradient before it accumulates
