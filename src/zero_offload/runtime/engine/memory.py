@@ -16,8 +16,9 @@ exp_avg, exp_avg_sq: 12 bytes), N ranks; "offload" is ``offload_optimizer``:
 fp32 training with the optimizer and the params on the device keeps no master copy: the fp32
 params (stage 3: the param shard) are the master, so the 12 becomes 8 (the moments).
 
-Stages 2 and 3 also hold grad bucket buffers (``reduce_bucket_size`` each, at most two alternating with
-overlap_comm), which are not part of the formula; with offload and gradient accumulation the grad
+Stages 2 and 3 also hold grad bucket buffers (at most ``reduce_bucket_size`` each, two kept for
+the run; none on one rank whose grad shard is on the device, where the hooks fill it directly),
+which are not part of the formula; with offload and gradient accumulation the grad
 shard is accumulated on the device (b/N) and only the final sum crosses the bus; the delayed update
 keeps two host grad shards. fp32 training needs no staging buffer (the master uploads itself).
 

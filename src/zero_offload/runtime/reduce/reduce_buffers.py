@@ -9,7 +9,9 @@ cap: piece j holds, for every rank r, the elements ``[r*S + j*c, r*S + (j+1)*c)`
 r's elements exactly at ``[j*c, (j+1)*c)`` of its segment, the same bytes as one whole-bucket
 reduce-scatter (same sums, same order: bitwise equal).
 
-Buffers come from a pool kept for the run (``buffer_pool.py``: two, reused bucket after bucket),
+One rank, a bucket within the cap whose result has a place of its own (the device grad shard on
+the micro-step that writes it): the hooks fill that place directly, no buffer at all. Otherwise
+buffers come from a pool kept for the run (``buffer_pool.py``: two, reused bucket after bucket),
 and only what no gradient overwrites is zeroed: a bucket's padding when its buffer is taken, the
 range of a param that got no gradient when the bucket is launched, a piece only when its params
 do not cover it.
@@ -45,12 +47,17 @@ class Piece:
 
 
 class ReduceBuffers:
-    def __init__(self, groups: list[FlatGroup], cap: int, world: int, readers=()) -> None:
-        """``readers``: the streams that read a reduced buffer (CUDA: reduce, d2h)."""
+    def __init__(
+        self, groups: list[FlatGroup], cap: int, world: int, readers=(), direct=None
+    ) -> None:
+        """``readers``: the streams that read a reduced buffer (CUDA: reduce, d2h);
+        ``direct(key)``: where a whole bucket's reduced result goes when that place may be
+        filled as the buffer itself (one rank: the reduction is the identity), else None."""
         unit = world * ALIGN
         self.cap = max(-(-cap // unit) * unit, unit)
         self.groups, self.world = groups, world
         self.pool, self.readers = BufferPool(keep=2), [r for r in readers if r is not None]
+        self.direct = direct or (lambda key: None)
         self.buffers: dict[tuple[int, int], torch.Tensor] = {}  # whole buckets being filled
         self.filled: dict[tuple[int, int], set[int]] = {}  # params copied into each
         self.held: dict[tuple[int, int], torch.Tensor] = {}  # (group, param) -> full gradient
@@ -79,7 +86,8 @@ class ReduceBuffers:
         buf = self.buffers.get(key)
         if buf is None:
             b = self.bucket(key)
-            buf = self.buffers[key] = self._alloc(b.numel, g)
+            buf = self.direct(key)
+            buf = self.buffers[key] = buf if buf is not None else self._alloc(b.numel, g)
             buf[self._data_end(g, b) :].zero_()  # padding reduces as zeros
             self.filled[key] = set()
         off = g.layout.offsets[i] - self.bucket(key).start
