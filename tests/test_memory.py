@@ -70,8 +70,12 @@ def _check(results: list[dict]) -> None:
             )
             assert "device.grads" not in have  # no full-size gradient buffer
             # reduce buffers: each within reduce_bucket_size, and a bounded number at once
-            assert 1 <= r["buffers"] <= 3 and r["largest"] <= r["cap"]
-            assert 0 < peaks["peak.device.reduce_buffers"] <= r["buffers"] * r["cap"] * b
+            if r["world"] == 1 and r["case"][1:] == (False, 1):
+                # one rank, the grad shard overwritten every step: the hooks fill it directly
+                assert r["buffers"] == 0 and peaks["peak.device.reduce_buffers"] == 0
+            else:
+                assert 1 <= r["buffers"] <= 3 and r["largest"] <= r["cap"]
+                assert 0 < peaks["peak.device.reduce_buffers"] <= r["buffers"] * r["cap"] * b
         else:
             assert all(all(k) for k in r["grads_kept"])  # p.grad views of the flat grad buffer
 

@@ -69,7 +69,10 @@ def test_states_and_bounds_match_the_engine(tmp_path, stage, opt, param):
     assert have.get("host.param_spares", 0) <= spares
     assert have.get("host.param_cache", 0) == 0
     # every transient the step measured is within its predicted term
-    assert 0 < have["peak.device.reduce_buffers"] <= want["peak.device.reduce_buffers"]
+    if opt is None:  # one rank, a device grad shard: the hooks fill it, no reduce buffer
+        assert have["peak.device.reduce_buffers"] == 0
+    else:
+        assert 0 < have["peak.device.reduce_buffers"] <= want["peak.device.reduce_buffers"]
     assert have["peak.device.held_grads"] <= want["peak.device.grads"]
     if stage == 3:
         assert 0 < have["peak.device.gathered_params"] <= want["peak.device.gathered_params"]

@@ -224,7 +224,8 @@ def default_device() -> torch.device:
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
     """Sum-reduce ``inp`` across ranks; rank r receives the r-th slice into ``out``."""
     if world_size() == 1:
-        out.copy_(inp)
+        if inp.data_ptr() != out.data_ptr():  # the input may already be the result
+            out.copy_(inp)
         return None
     return _run("reduce_scatter", _reduce_scatter, out, inp, async_op=async_op)
 

@@ -162,8 +162,9 @@ def _no_key(fn: str, key: str, keys: list[str], client: bool):
 def _state_source(state, kind: str):
     """``kind`` of a shard state over the whole shard: the tensor, or for a state on NVMe a
     range that reads and writes the swap file."""
-    if hasattr(state, kind):
-        return getattr(state, kind)
+    t = getattr(state, kind, None)
+    if t is not None:  # None: an aliased master not stored as one tensor, read through the home
+        return t
     return StateRange(state, kind, 0, state.numel)
 
 

@@ -18,6 +18,7 @@ from ...config.runtime_keys import DTYPES
 from ...core import dist
 from ...core.consistency import synchronize_start
 from ...core.flat_group import FlatGroup
+from ...core.shard_state import ShardState
 from ...core.streams import Streams
 from ...nvme.aio import AioEngine
 from ...utils.z3_leaf_module import apply_leaf_config
@@ -30,10 +31,10 @@ from ..stage3.memory_efficient_linear import attach as attach_linear
 from ..stage3.param_store import ParamStore, ShardHome, Stage3Policy
 from ..stage3.partition_units import move_buffers, unit_ids, unit_layout
 from ..update.group import OptimizerGroup, build_shard_optimizer
-from ..update.param_home import FlatHome
+from ..update.param_home import FlatHome, ParamHome
 from ..update.placement import Placement, run_name
 from ..update.shard_optimizer import UpdatePolicy
-from ..update.state_build import build_nvme_params, build_states, preflight
+from ..update.state_build import alias_state, build_nvme_params, build_states, preflight
 from ..update.zero_optimizer import ZeroOptimizer
 from . import guards
 from .loss_scaler import build_loss_scaler
@@ -243,12 +244,13 @@ def build_updates(
 ) -> list[OptimizerGroup]:
     """Per trainable group: its grad shard, its param home, its optimizer state (placed by
     ``e.placement``) and the shard optimizer that updates them, as one object."""
-    zc, place = e.config.zero_optimization, e.placement
-    sharded, partitioned = e.stage >= 1, e.stage == 3
-    states = build_states(groups, sharded, place, e.aio, client is None)
+    place = e.placement
+    sharded = e.stage >= 1
+    homes = [_param_home(e, g, gi, sharded) for gi, g in enumerate(groups)]
+    states = _states(e, groups, homes, sharded, client)
     policy = UpdatePolicy(sharded, adamw, place)
     out = []
-    for gi, (g, state) in enumerate(zip(groups, states)):
+    for gi, (g, home, state) in enumerate(zip(groups, homes, states)):
         gs = GradShard(
             g,
             min(e.stage, 2),  # stage 3 reduces gradients exactly as stage 2
@@ -260,21 +262,28 @@ def build_updates(
             accum_dtype=e.grad_accum_dtype,
             host_from=place.host_from(g.shard_numel(sharded)),
         )
-        home = (
-            ShardHome(e.param_store, gi)
-            if partitioned
-            else FlatHome(
-                g,
-                e.streams,
-                sharded,
-                int(zc.allgather_bucket_size),
-                bool(zc.allgather_partitions),
-            )
-        )
         so = build_shard_optimizer(g, gs, home, state, policy, e.streams, e._executor, client)
-        if partitioned:
+        if e.stage == 3:
             e.param_store.masters[gi] = so.state
         for i, p in enumerate(g.params):
             p._zero_offload = (weakref.ref(e), gi, i)
         out.append(OptimizerGroup(g, gs, home, so, place))
     return out
+
+
+def _param_home(e: ZeroOffloadEngine, g: FlatGroup, gi: int, sharded: bool) -> ParamHome:
+    if e.stage == 3:
+        return ShardHome(e.param_store, gi)
+    zc = e.config.zero_optimization
+    return FlatHome(
+        g, e.streams, sharded, int(zc.allgather_bucket_size), bool(zc.allgather_partitions)
+    )
+
+
+def _states(e, groups, homes, sharded: bool, client) -> list[ShardState]:
+    """Each group's optimizer state: the params themselves as the master where that holds
+    (fp32 on the device, ``alias_state``), else a master of its own where the placement says."""
+    aliases = [alias_state(g, h, sharded, e.placement, client) for g, h in zip(groups, homes)]
+    rest = [g for g, a in zip(groups, aliases) if a is None]
+    built = iter(build_states(rest, sharded, e.placement, e.aio, client is None))
+    return [a if a is not None else next(built) for a in aliases]

@@ -376,6 +376,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             offload_param=self.placement.params != "device",
             ratio=self.placement.ratio,
             accum_dtype=self.grad_accum_dtype,
+            alias_master=all(so.aliased for so in self.shard_opts) if self.shard_opts else None,
         )
 
     def _log_memory(self) -> None:

@@ -17,8 +17,12 @@ Partial offload (stage 3, ``offload_optimizer.ratio`` r < 1): the optimizer colu
 device part ``(1 - r)`` of the shard (rounded as ``placement.twin_split`` cuts it) keeps its
 12 bytes, its grad shard (b) and no staging on the device; the host part keeps the rest.
 
-Stages 2 and 3 also hold grad bucket buffers (``reduce_bucket_size`` each, at most two alternating with
-overlap_comm), which are not part of the formula; with offload and gradient accumulation the grad
+fp32 training with the optimizer and the params on the device keeps no master copy: the fp32
+params (stage 3: the param shard) are the master, so the 12 becomes 8 (the moments).
+
+Stages 2 and 3 also hold grad bucket buffers (at most ``reduce_bucket_size`` each, two kept for
+the run; none on one rank whose grad shard is on the device, where the hooks fill it directly),
+which are not part of the formula; with offload and gradient accumulation the grad
 shard is accumulated on the device (b/N) and only the final sum crosses the bus; the delayed update
 keeps two host grad shards. fp32 training needs no staging buffer (the master uploads itself).
 The grad shards (device accumulator and host copy, not the stage 0/1 grads) take ``a`` bytes
@@ -54,11 +58,14 @@ def expected_bytes(
     offload_param: bool = False,
     ratio: float = 1.0,
     accum_dtype: torch.dtype | None = None,
+    alias_master: bool | None = None,
 ) -> dict[str, int]:
     """Model-state bytes per rank by category (``device.*`` / ``host.*``). ``offload`` is
     optimizer offload; ``offload_param`` (stage 3 only) puts the 16-bit param shard on the host;
     ``ratio`` (stage 3 with offload) is the host's share of the optimizer state;
-    ``accum_dtype`` is the grad shards' dtype (None: ``dtype``)."""
+    ``accum_dtype`` is the grad shards' dtype (None: ``dtype``).
+    ``alias_master``: the fp32 params are the master shard (no ``master_shard`` bytes); default:
+    fp32 with the optimizer and the params on the device (``core/alias_state.py``)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
     if offload_param and stage != 3:
@@ -81,9 +88,12 @@ def expected_bytes(
         out["device.grad_shard"] = shard * a
     elif cut:
         out["device.grad_shard"] = cut * a
+    if alias_master is None:
+        alias_master = b == 4 and not offload and not offload_param
     for where, n in (("device", cut), ("host", shard - cut)):
         if n or where == ("host" if offload else "device"):
-            out[f"{where}.master_shard"] = n * 4
+            if not (alias_master and where == "device"):  # fp32 params are the master themselves
+                out[f"{where}.master_shard"] = n * 4
             out[f"{where}.optimizer_state"] = n * 8
     if offload:
         out["host.grad_shard"] = (shard - cut) * a * (2 if delayed else 1)

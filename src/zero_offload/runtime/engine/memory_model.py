@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
+from ..reduce.reduce_buffers import ALIGN as REDUCE_ALIGN
 from .memory import expected_bytes
 from .model_shape import ModelShape
 
@@ -174,10 +175,14 @@ def working_set(shape: ModelShape, step: StepShape, plan: ZeroPlan) -> dict[str,
         # Stage 3: a unit's bucket, or a piece (at most the cap) of a larger one; stage 2:
         # greedy buckets of the params within the cap (the rest: pieces of their own gradient).
         small = [n for n in sizes if n <= cap]
+        # The reducer's two pooled buffers both take the largest request: a bucket padded to
+        # ranks x alignment (never above the cap, which is rounded the same way).
+        unit = plan.world * REDUCE_ALIGN
+        pad = lambda n: -(-n // unit) * unit  # noqa: E731
         if plan.stage == 3:
-            bucket, count = min(cap, max(sizes)), 2
+            bucket, count = pad(min(cap, max(sizes))), 2
         else:
-            bucket = min(cap, max(sum(small), max(sizes)))
+            bucket = pad(min(cap, max(sum(small), max(sizes))))
             count = min(2, -(-shape.numel() // bucket))  # one bucket: one buffer
         # A tied embedding's bucket stays open from the head's backward to the embedding's:
         # one more buffer within the cap, or its full gradient held above it.

@@ -9,10 +9,18 @@ cap: piece j holds, for every rank r, the elements ``[r*S + j*c, r*S + (j+1)*c)`
 r's elements exactly at ``[j*c, (j+1)*c)`` of its segment, the same bytes as one whole-bucket
 reduce-scatter (same sums, same order: bitwise equal).
 
-Invariants: no buffer is larger than its bucket or the cap; a buffer or held gradient is dropped
-when its last collective completes (CUDA: ``record_stream`` on the reduce stream first, so the
-caching allocator does not recycle it while the collective reads it). ``peak`` counts bytes a GPU
-allocator would hold for these buffers and held gradients, by name.
+One rank, a bucket within the cap whose result has a place of its own (the device grad shard on
+the micro-step that writes it): the hooks fill that place directly, no buffer at all. Otherwise
+buffers come from a pool kept for the run (``buffer_pool.py``: two, reused bucket after bucket),
+and only what no gradient overwrites is zeroed: a bucket's padding when its buffer is taken, the
+range of a param that got no gradient when the bucket is launched, a piece only when its params
+do not cover it.
+
+Invariants: no buffer is larger than its bucket or the cap; a buffer goes back to the pool (a
+temporary beyond it, or a held gradient, is dropped) when its last collective completes (CUDA:
+the pool's events, or ``record_stream``, keep it from reuse while a stream still reads it).
+``peak`` counts bytes a GPU allocator would hold for these buffers (the pool's, in use or not)
+and held gradients, by name.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import torch
 
 from ...core.flat_group import FlatGroup
 from ...core.layout import Bucket
+from .buffer_pool import BufferPool
 
 ALIGN = 16
 
@@ -38,11 +47,19 @@ class Piece:
 
 
 class ReduceBuffers:
-    def __init__(self, groups: list[FlatGroup], cap: int, world: int) -> None:
+    def __init__(
+        self, groups: list[FlatGroup], cap: int, world: int, readers=(), direct=None
+    ) -> None:
+        """``readers``: the streams that read a reduced buffer (CUDA: reduce, d2h);
+        ``direct(key)``: where a whole bucket's reduced result goes when that place may be
+        filled as the buffer itself (one rank: the reduction is the identity), else None."""
         unit = world * ALIGN
         self.cap = max(-(-cap // unit) * unit, unit)
         self.groups, self.world = groups, world
+        self.pool, self.readers = BufferPool(keep=2), [r for r in readers if r is not None]
+        self.direct = direct or (lambda key: None)
         self.buffers: dict[tuple[int, int], torch.Tensor] = {}  # whole buckets being filled
+        self.filled: dict[tuple[int, int], set[int]] = {}  # params copied into each
         self.held: dict[tuple[int, int], torch.Tensor] = {}  # (group, param) -> full gradient
         self.live = {"reduce_buffers": 0, "held_grads": 0}
         self.peak = {"reduce_buffers": 0, "held_grads": 0}
@@ -68,11 +85,20 @@ class ReduceBuffers:
             return
         buf = self.buffers.get(key)
         if buf is None:
-            buf = self.buffers[key] = self._alloc(self.bucket(key).numel, g)
-            buf.zero_()  # padding and params without a gradient reduce as zeros
+            b = self.bucket(key)
+            buf = self.direct(key)
+            buf = self.buffers[key] = buf if buf is not None else self._alloc(b.numel, g)
+            buf[self._data_end(g, b) :].zero_()  # padding reduces as zeros
+            self.filled[key] = set()
         off = g.layout.offsets[i] - self.bucket(key).start
         dst = buf[off : off + grad.numel()]
         dst.add_(grad.reshape(-1)) if again else dst.copy_(grad.reshape(-1))
+        self.filled[key].add(i)
+
+    @staticmethod
+    def _data_end(g: FlatGroup, b: Bucket) -> int:
+        """Where the bucket's params end inside it (they sit back to back from its start)."""
+        return sum(g.layout.numels[i] for i in b.params)
 
     # ---- consumed by the launch (reduce stream) ------------------------------------------------
     def count(self, key: tuple[int, int]) -> int:
@@ -96,8 +122,14 @@ class ReduceBuffers:
 
     def _take_buffer(self, key, b: Bucket) -> torch.Tensor:
         buf = self.buffers.pop(key, None)
+        g = self.groups[key[0]]
         if buf is None:  # no param of the bucket got a gradient (unused): zeros
-            buf = self._alloc(b.numel, self.groups[key[0]]).zero_()
+            return self._alloc(b.numel, g).zero_()
+        filled = self.filled.pop(key)
+        for i in b.params:  # a param without a gradient (unused) reduces as zeros
+            if i not in filled:
+                off = g.layout.offsets[i] - b.start
+                buf[off : off + g.layout.numels[i]].zero_()
         return buf
 
     def _own_view(self, g: FlatGroup, b: Bucket, lo: int, n: int) -> torch.Tensor | None:
@@ -111,7 +143,8 @@ class ReduceBuffers:
 
     def _assemble(self, g: FlatGroup, b: Bucket, lo: int, n: int) -> torch.Tensor:
         """Rank-major piece buffer: rank r's part is the bucket's ``[r*S + lo, +n)``."""
-        piece = self._alloc(self.world * n, g).zero_()
+        piece = self._alloc(self.world * n, g)
+        copies = []  # (piece offset, gradient view)
         for r in range(self.world):
             a, z = r * b.slice_numel + lo, r * b.slice_numel + lo + n
             for i in b.params:
@@ -119,13 +152,19 @@ class ReduceBuffers:
                 s, e = max(a, off), min(z, off + g.layout.numels[i])
                 grad = self.held.get((g.index, i))
                 if s < e and grad is not None:
-                    dst = piece[r * n + s - a : r * n + e - a]
-                    dst.copy_(grad.reshape(-1)[s - off : e - off])
+                    copies.append((r * n + s - a, grad.reshape(-1)[s - off : e - off]))
+        if sum(src.numel() for _, src in copies) < piece.numel():
+            piece.zero_()  # padding or a param without a gradient in it: zeros there
+        for at, src in copies:
+            piece[at : at + src.numel()].copy_(src)
         return piece
 
     def release(self, key: tuple[int, int], piece: torch.Tensor, keep_alive) -> None:
-        """A piece's collective completed: drop its buffer (not a view of a held gradient)."""
-        if piece._base is None:
+        """A piece's collective completed: its buffer goes back to the pool, or is dropped (a
+        temporary); a view of a held gradient is dropped with the gradient."""
+        if self.pool.owns(piece):
+            self.pool.give(piece, self.readers)
+        elif piece._base is None:
             keep_alive(piece)
             self._count("reduce_buffers", -piece.numel() * piece.element_size(), buffer=-1)
 
@@ -138,20 +177,24 @@ class ReduceBuffers:
         self._count_held()
 
     def clear(self) -> None:
-        """An abandoned backward: nothing in flight any more, drop everything."""
+        """End of a backward, or an abandoned one: nothing in flight any more, drop everything
+        but the pool, whose buffers are all free again."""
         self.buffers.clear()
+        self.filled.clear()
         self.held.clear()
-        self.live = dict.fromkeys(self.live, 0)
-        self._alive = 0
+        self.pool.reset()
+        self.live = {"reduce_buffers": self.pool.nbytes(), "held_grads": 0}
+        self._alive = len(self.pool.bases)
 
     # ---- accounting ----------------------------------------------------------------------------
     def bounds(self, esize: int) -> dict[str, int]:
-        """The most bytes the config allows: two buffers of the largest bucket within the cap,
-        and the full gradients of two of the largest bucket above it."""
+        """The most bytes the config allows: the pool's two buffers of the largest request (a
+        bucket within the cap, or a piece, at most the cap, of one above it), and the full
+        gradients of two of the largest bucket above the cap."""
         sizes = [b.numel for g in self.groups for b in g.layout.buckets]
-        whole = max((n for n in sizes if n <= self.cap), default=0)
+        largest = min(self.cap, max(sizes, default=0))
         held = max((n for n in sizes if n > self.cap), default=0)
-        return {"reduce_buffers": 2 * whole * esize, "held_grads": 2 * held * esize}
+        return {"reduce_buffers": 2 * largest * esize, "held_grads": 2 * held * esize}
 
     _alive = 0
 
@@ -161,9 +204,14 @@ class ReduceBuffers:
         self.peak_buffers = self._alive
 
     def _alloc(self, numel: int, g: FlatGroup) -> torch.Tensor:
-        buf = torch.empty(numel, dtype=g.dtype, device=g.device)
+        """A buffer from the pool (contents undefined); what it newly allocated is counted."""
+        before, bases = self.pool.nbytes(), len(self.pool.bases)
+        buf = self.pool.take(numel, g.dtype, g.device)
         self.largest_buffer = max(self.largest_buffer, numel)
-        self._count("reduce_buffers", numel * buf.element_size(), buffer=1)
+        if self.pool.owns(buf):
+            self._count("reduce_buffers", self.pool.nbytes() - before, len(self.pool.bases) - bases)
+        else:  # a temporary beyond the pool
+            self._count("reduce_buffers", numel * buf.element_size(), buffer=1)
         return buf
 
     def _count_held(self) -> None:

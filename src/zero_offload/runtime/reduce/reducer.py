@@ -80,7 +80,9 @@ class Reducer:
         self.learned = False  # the order was replaced by the one backward completes buckets in
         self.bucket_of = [g.layout.param_bucket() for g in groups]
         self.ignore_unused = ignore_unused
-        self.bufs = ReduceBuffers(groups, bucket_size, self.world)
+        self.bufs = ReduceBuffers(
+            groups, bucket_size, self.world, (streams.reduce, streams.d2h), self._direct
+        )
         self.reducing = False  # does this backward reduce (stage 2: always; 0/1: at boundary)
         self.last = True
         self.grad_factor = 1.0  # applied to each gradient before it accumulates
@@ -92,6 +94,14 @@ class Reducer:
             for i, p in enumerate(g.params):
                 self.handles.append(p.register_post_accumulate_grad_hook(self._hook(g.index, i)))
         scope.on_end(self._finish_backward, self._abandon)
+
+    def _direct(self, key: tuple[int, int]) -> torch.Tensor | None:
+        """One rank: the reduce-scatter is the identity, so a bucket may be gathered right in
+        its reduce target (the grad shard's segment on a micro-step that overwrites it)."""
+        if self.world > 1:
+            return None
+        seg = self.shards[key[0]].segs[key[1]]
+        return self.shards[key[0]].reduce_target(seg)
 
     # ---- per-backward state --------------------------------------------------------------------
     def _reset(self) -> None:

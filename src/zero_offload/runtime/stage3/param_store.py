@@ -504,6 +504,15 @@ class ShardHome:
     def finish_write(self) -> None:
         self.store.swapped[self.gi].finish_write()
 
+    def shard_views(self, segs) -> list[torch.Tensor]:
+        shard = self.shard_tensor()
+        assert shard is not None, "a device param shard only"
+        return [shard[s.shard_start : s.shard_start + s.numel] for s in segs]
+
+    def shard_tensor(self) -> torch.Tensor | None:
+        """The device param shard: stored contiguously in shard order."""
+        return self.store.shards[self.gi] if self.where == "device" else None
+
     def prepare_write(self) -> None:
         self.store.quiesce()
 

@@ -24,7 +24,8 @@ class DeviceUpdate(ShardOptimizer):
             self._adam(factor)
 
     def write_home(self) -> None:
-        self.home.write(0, self.master)  # the master covers the whole shard (span)
+        if not self.aliased:  # an aliased master was updated in the home itself
+            self.home.write(0, self.master)  # the master covers the whole shard (span)
 
     def _grads(self) -> list[torch.Tensor]:
         """The reduced gradient of each segment. A span is a twin's device part, which starts
@@ -37,13 +38,14 @@ class DeviceUpdate(ShardOptimizer):
         grads = [g if g.dtype == torch.float32 else g.float() for g in self._grads()]
         torch._foreach_mul_(grads, factor)  # fp32 grads are this rank's own, consumed here
         views = lambda t: [t[s.shard_start : s.shard_start + s.numel] for s in self.segs]  # noqa: E731
-        p, m, v = views(self.master), views(self.state.exp_avg), views(self.state.exp_avg_sq)
+        p = self.state.views("master", self.segs) if self.aliased else views(self.master)
+        m, v = views(self.state.exp_avg), views(self.state.exp_avg_sq)
         if not self.group.hyper.get("bias_correction", True):
             _adam_no_bias_correction(p, grads, m, v, self.adamw, **h)
             return
         # One step tensor filled on the device, shared by every segment (the fused kernel only
         # reads it): no host-to-device copy per segment per step.
-        step = torch.full((), float(self.step_count), device=self.master.device)
+        step = torch.full((), float(self.step_count), device=self.state.exp_avg.device)
         fused = torch._fused_adamw_ if self.adamw else torch._fused_adam_
         fused(
             p,

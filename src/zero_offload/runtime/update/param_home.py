@@ -47,6 +47,15 @@ class ParamHome(Protocol):
 
     def finish_write(self) -> None: ...
 
+    def shard_views(self, segs) -> list[torch.Tensor]:
+        """Views of the home's own storage, one per segment of ``segs`` (device homes only)."""
+        ...
+
+    def shard_tensor(self) -> torch.Tensor | None:
+        """The whole shard as one view of the home's storage, where it is stored contiguously in
+        shard order; None otherwise (a device home's values the update may write in place)."""
+        ...
+
     def prepare_write(self) -> None:
         """Before the update writes: nothing may still be reading the values it replaces."""
         ...
@@ -108,6 +117,20 @@ class FlatHome:
 
     def finish_write(self) -> None:
         raise AssertionError("a device home has no write target")
+
+    def shard_views(self, segs) -> list[torch.Tensor]:
+        flat = self.group.flat
+        return [flat[s.flat_start : s.flat_start + s.numel] for s in segs]
+
+    def shard_tensor(self) -> torch.Tensor | None:
+        """Contiguous when every segment sits at the same offset from its shard position
+        (stage 0, one rank, or one bucket); then the segments tile one range of ``flat``."""
+        shift = {s.flat_start - s.shard_start for s in self.segs}
+        if len(shift) != 1:
+            return None
+        (off,) = shift
+        n = self.group.shard_numel(self.sharded)
+        return self.group.flat[off : off + n]
 
     def prepare_write(self) -> None:
         """The flat buffer's own slices are only read by compute, which the uploads wait for."""

@@ -91,9 +91,16 @@ class ShardOptimizer:
     def exp_avg_sq(self) -> torch.Tensor:
         return self.state.exp_avg_sq
 
+    @property
+    def aliased(self) -> bool:
+        """The master is the param home's own fp32 values (``core/alias_state.py``)."""
+        return getattr(self.state, "aliased", False)
+
     def master_from_params(self, initial: bool = False) -> None:
         """The master becomes the param home's 16-bit values (padding: zero); the moments are
-        kept."""
+        kept. An aliased master already is them."""
+        if self.aliased:
+            return
         self.state.update(self.chunks, lambda lo, hi, v: v["master"].copy_(self.home.read(lo, hi)))
 
     def params_from_master(self) -> None:
@@ -102,7 +109,10 @@ class ShardOptimizer:
         self.home.publish()
 
     def restore_params(self) -> None:
-        """This rank's own 16-bit slices become the committed master's cast again."""
+        """This rank's own 16-bit slices become the committed master's cast again (an aliased
+        master is those slices)."""
+        if self.aliased:
+            return
         self.state.update(
             self.chunks, lambda lo, hi, v: self.home.write(lo, v["master"]), write=False
         )

@@ -10,6 +10,7 @@ import torch
 
 from ...config.errors import ConfigError
 from ...core import dist
+from ...core.alias_state import AliasState
 from ...core.flat_group import FlatGroup
 from ...core.shard_state import MemoryState, ShardState
 from ...core.twin_state import TwinState
@@ -73,6 +74,24 @@ def build_states(
         )
         for g, n in zip(groups, numels)
     ]
+
+
+def alias_state(
+    group: FlatGroup,
+    home,
+    sharded: bool,
+    placement: Placement,
+    client: object | None,
+) -> AliasState | None:
+    """fp32 params with the optimizer on the device: the master shard is the param home's own
+    values (``alias_state.py``), or None where it cannot be: a 16-bit dtype, an offloaded
+    optimizer or param shard, or a client optimizer (which steps one tensor) over a sharded flat
+    buffer whose partition is not one contiguous range."""
+    if group.dtype != torch.float32 or placement.optimizer != "device" or home.where != "device":
+        return None
+    if client is not None and home.shard_tensor() is None:
+        return None
+    return AliasState(home, group.segments(sharded), group.shard_numel(sharded), client is None)
 
 
 def build_nvme_params(placement: Placement, aio: AioEngine | None) -> NvmeParams | None:
