@@ -55,8 +55,7 @@ def test_an_overwritten_param_block_is_caught(tmp_path):
     engine = _engine(tmp_path / "swap", "nvme", "nvme")
     _train(engine, range(1))
     shard = engine.param_store.swapped[0]
-    shard.cache.clear()
-    shard.cached = 0
+    shard.drop_cached()  # the next fetch reads the file
     _overwrite(shard.file.path, 0, b"\x7f" * 64)
     with pytest.raises(NvmeSwapError, match="param-shard .*checksum mismatch"):
         _train(engine, range(1, 2))
@@ -76,8 +75,7 @@ def test_a_param_swap_file_changed_under_the_run_is_named(tmp_path, how):
     else:  # a copy put in its place: the same bytes, another file
         shutil.copyfile(path, tmp_path / "copy")
         os.replace(tmp_path / "copy", path)
-    shard.cache.clear()
-    shard.cached = 0
+    shard.drop_cached()  # the next fetch reads the file
     with pytest.raises(NvmeSwapError, match=f"{path}: the param-shard swap file was"):
         _train(engine, range(1, 2))
     _destroy(engine)
