@@ -46,6 +46,40 @@ class ZeroOffloadAccelerator:
     def communication_backend_name(self) -> str:
         return "nccl" if self._name == "cuda" else "gloo"
 
+    def set_device(self, device_index: int) -> None:
+        """Make ``device_index`` the current CUDA device; the CPU has one device (a no-op)."""
+        if self._name == "cuda":
+            torch.cuda.set_device(device_index)
+
+    # The random-number generator of the device (the CPU's default generator on the CPU).
+    def manual_seed(self, seed: int) -> None:
+        if self._name == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        if self._name == "cuda":
+            torch.cuda.manual_seed_all(seed)
+        else:
+            torch.manual_seed(seed)
+
+    def initial_seed(self) -> int:
+        return torch.cuda.initial_seed() if self._name == "cuda" else torch.initial_seed()
+
+    def get_rng_state(self, device_index=None) -> torch.Tensor:
+        if self._name == "cuda":
+            return torch.cuda.get_rng_state(device_index if device_index is not None else "cuda")
+        return torch.get_rng_state()
+
+    def set_rng_state(self, new_state: torch.Tensor, device_index=None) -> None:
+        if self._name == "cuda":
+            torch.cuda.set_rng_state(
+                new_state, device_index if device_index is not None else "cuda"
+            )
+        else:
+            torch.set_rng_state(new_state)
+
     def synchronize(self, device_index=None) -> None:
         if self._name == "cuda":
             torch.cuda.synchronize(device_index)
