@@ -1,11 +1,9 @@
-"""``zero_force_ds_cpu_optimizer`` as DeepSpeed reads it, and the accelerator's device and
-random-number calls.
+"""``zero_force_ds_cpu_optimizer`` as DeepSpeed reads it.
 
 ``deepspeed.initialize`` (the namespace) refuses a client optimizer other than
 ``DeepSpeedCPUAdam`` under ``offload_optimizer`` with DeepSpeed's ``ZeRORuntimeException``
 unless the key is false (DeepSpeed's default is true); ``zero_offload.initialize`` keeps
-running any client optimizer on the host. ``get_accelerator()``'s ``set_device``,
-``manual_seed`` and RNG-state calls act on torch's generator of the engine's device."""
+running any client optimizer on the host."""
 
 from __future__ import annotations
 
@@ -63,16 +61,3 @@ def test_native_initialize_keeps_any_client_optimizer() -> None:
     client = torch.optim.Adam(model.parameters(), lr=1e-3)
     engine = zero_offload.initialize(model=model, optimizer=client, config=_config("cpu"))[0]
     engine.destroy()
-
-
-def test_accelerator_seed_and_rng_state_are_torchs() -> None:
-    acc = deepspeed.get_accelerator()
-    acc.set_device(0)  # the CPU has one device; CUDA's current device otherwise
-    acc.manual_seed(1234)
-    state = acc.get_rng_state()
-    first = torch.rand(3) if acc.device_name() == "cpu" else torch.rand(3, device="cuda")
-    acc.set_rng_state(state)
-    again = torch.rand(3) if acc.device_name() == "cpu" else torch.rand(3, device="cuda")
-    assert torch.equal(first, again)
-    acc.manual_seed_all(7)
-    assert acc.initial_seed() == 7

@@ -94,6 +94,13 @@ class ZeroOffloadAccelerator:
     def is_fp16_supported(self) -> bool:
         return True
 
+    def supported_dtypes(self) -> list[torch.dtype]:
+        """The training dtypes the engine runs on this device (DeepSpeed's order)."""
+        if self._name == "cuda":
+            bf16 = [torch.bfloat16] if self.is_bf16_supported() else []
+            return [torch.float, torch.half, *bf16]
+        return [torch.float, torch.bfloat16, torch.float16]
+
     def on_accelerator(self, tensor: torch.Tensor) -> bool:
         return tensor.device.type == self._name
 
