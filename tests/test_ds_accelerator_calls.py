@@ -4,6 +4,7 @@ and ``supported_dtypes`` (each dtype listed trains)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from zero_offload import deepspeed_compat as deepspeed
@@ -46,3 +47,18 @@ def test_supported_dtypes_train() -> None:
         engine.step()
         assert next(engine.module.parameters()).dtype == dtype
         engine.destroy()
+
+
+def test_cpu_device_count_is_one_per_local_rank(monkeypatch) -> None:
+    """DeepSpeed's CPU accelerator counts one device per local rank, so a script's
+    ``world_size <= device_count()`` check holds on a CPU job."""
+    acc = deepspeed.get_accelerator()
+    if acc.device_name() != "cpu":
+        pytest.skip("the CPU accelerator's count")
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert acc.device_count() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # torchrun
+    assert acc.device_count() == 3
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # DeepSpeed's launcher
+    assert acc.device_count() == 2

@@ -5,6 +5,8 @@ method raises ``DeepSpeedNotProvidedError`` naming it."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ...core import dist as _rt
@@ -38,7 +40,15 @@ class ZeroOffloadAccelerator:
         return torch.device(self.device_name(device_index))
 
     def device_count(self) -> int:
-        return torch.cuda.device_count() if self._name == "cuda" else 1
+        """CUDA's device count; on the CPU, as DeepSpeed's CPU accelerator counts: one "device"
+        per local rank (``LOCAL_SIZE``, else torchrun's ``LOCAL_WORLD_SIZE``), else 1."""
+        if self._name == "cuda":
+            return torch.cuda.device_count()
+        for key in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+            value = os.environ.get(key, "")
+            if value.isdigit() and int(value) > 0:
+                return int(value)
+        return 1
 
     def is_available(self) -> bool:
         return True
