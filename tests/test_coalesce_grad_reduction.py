@@ -68,6 +68,8 @@ def test_refusals_as_deepspeed() -> None:
     engine = _engine(1, _model())
     x = torch.randn(2, 4)
     with engine.coalesce_grad_reduction():
+        with pytest.raises(AssertionError, match="no_sync"):  # before any backward too
+            engine.step()
         engine.backward(engine(x).sum())
         with pytest.raises(AssertionError, match="no_sync"):
             engine.step()
