@@ -148,3 +148,27 @@ def test_convert_takes_deepspeeds_signature(saved, tmp_path):
     _assert_equal(load_file(files[0]), want)
     with pytest.raises(ValueError, match="max_shard_size"):
         convert_zero_checkpoint_to_fp32_state_dict(saved, tmp_path / "c", "five gigs")
+
+
+def test_ranks_converting_into_one_folder_at_once_all_succeed(saved, tmp_path, monkeypatch):
+    """Every rank of a job calling ``convert_zero_checkpoint_to_fp32_state_dict`` into the same
+    folder (as DeepSpeed's own scripts do): another writer that finishes while this one is still
+    writing must not take this one's file away (one shared temporary name did)."""
+    out = tmp_path / "fp32"
+    real_replace = os.replace
+    nested = []
+
+    def replace_after_another_rank_converted(src, dst, *args, **kwargs):
+        if not nested:  # this rank's file is written; the other rank converts before the rename
+            nested.append(True)
+            convert_zero_checkpoint_to_fp32_state_dict(saved, out)
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace_after_another_rank_converted)
+    convert_zero_checkpoint_to_fp32_state_dict(saved, out)
+    monkeypatch.undo()
+    assert sorted(p.name for p in out.iterdir()) == ["pytorch_model.bin"]  # no leftovers
+    _assert_equal(
+        torch.load(out / "pytorch_model.bin", weights_only=True),
+        get_fp32_state_dict_from_zero_checkpoint(str(saved)),
+    )

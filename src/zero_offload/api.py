@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,6 +46,39 @@ def initialize(
     config_params=None,
 ):
     """Build the engine. Returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
+    return build_engine(
+        EngineRequest(args, model, optimizer, model_parameters, training_data, lr_scheduler),
+        mpu=mpu,
+        collate_fn=collate_fn,
+        config=config,
+        config_params=config_params,
+    )
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """What the caller hands ``initialize``; ``deepspeed_rules`` applies DeepSpeed's
+    ``zero_force_ds_cpu_optimizer`` refusal (``deepspeed.initialize`` sets it)."""
+
+    args: Any = None
+    model: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer | Callable | None = None
+    model_parameters: Iterable | None = None
+    training_data: Any = None
+    lr_scheduler: Any = None
+    deepspeed_rules: bool = False
+
+
+def build_engine(
+    request: EngineRequest, *, mpu=None, collate_fn=None, config=None, config_params=None
+):
+    """``initialize``'s work, for either API (see :class:`EngineRequest`)."""
+    args, model, optimizer = request.args, request.model, request.optimizer
+    model_parameters, training_data, lr_scheduler = (
+        request.model_parameters,
+        request.training_data,
+        request.lr_scheduler,
+    )
     if model is None:
         raise ValueError("initialize: 'model' is required (a torch.nn.Module)")
     if mpu is not None:
@@ -54,6 +89,8 @@ def initialize(
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     optimizer = _client_optimizer(optimizer, model, model_parameters, cfg)
+    if request.deepspeed_rules and optimizer is not None:
+        _refuse_like_deepspeed(optimizer, cfg)
     groups, adamw, client = _param_groups(model, model_parameters, optimizer, cfg)
     if client is not None:
         _check_client(client, cfg)
@@ -115,6 +152,25 @@ def _client_optimizer(optimizer, model: torch.nn.Module, model_parameters, cfg):
             cfg.optimizer.type,
         )
     return optimizer
+
+
+def _refuse_like_deepspeed(client: torch.optim.Optimizer, cfg) -> None:
+    """DeepSpeed's ``zero_force_ds_cpu_optimizer`` (default true): under ``offload_optimizer``
+    a client optimizer must be ``DeepSpeedCPUAdam``, else ``ZeRORuntimeException``."""
+    from .deepspeed_compat.runtime.zero.utils import ZeRORuntimeException
+    from .ops.adam import DeepSpeedCPUAdam
+
+    if not cfg.zero_optimization.offload or not cfg.zero_force_ds_cpu_optimizer:
+        return
+    if isinstance(client, DeepSpeedCPUAdam):
+        return
+    raise ZeRORuntimeException(
+        f"initialize: ZeRO-Offload (zero_optimization.offload_optimizer) with the client "
+        f"optimizer {type(client).__name__}: DeepSpeed requires deepspeed.ops.adam."
+        "DeepSpeedCPUAdam or an 'optimizer' config block here; set "
+        '"zero_force_ds_cpu_optimizer": false to run this optimizer on the host (torch '
+        "Adam/AdamW then use the SIMD kernel)"
+    )
 
 
 def _check_client(client: torch.optim.Optimizer, cfg) -> None:

@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import re
+import uuid
 from pathlib import Path
 
 import torch
@@ -209,9 +210,15 @@ def _shard_names(weights: str, count: int) -> list[str]:
     return [f"{stem}-{k:05d}-of-{count:05d}{ext}" for k in range(1, count + 1)]
 
 
+def _aside(path: Path) -> Path:
+    """A fresh name beside ``path`` for this one write: writers converting into the same folder
+    at once (every rank of a job calling the function) each rename their own whole file."""
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+
+
 def _write(path: Path, tensors: dict, safe: bool) -> None:
     """One file, written aside and renamed into place (never a half-written file)."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = _aside(path)
     if safe:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     else:
@@ -261,7 +268,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
             "weight_map": {key: name for name, keys in zip(names, shards) for key in keys},
         }
         path = out / f"{weights}.index.json"
-        tmp = path.with_name(f".{path.name}.tmp")
+        tmp = _aside(path)
         tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         os.replace(tmp, path)
         written.append(path)

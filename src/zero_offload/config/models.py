@@ -79,7 +79,6 @@ TOP_LEVEL_NOT_IMPLEMENTED = frozenset(
         "wandb",
         "weight_quantization",
         "zero_allow_untested_optimizer",
-        "zero_force_ds_cpu_optimizer",
     }
 )
 
@@ -148,6 +147,13 @@ class ZeroOffloadConfig(Section):
         ge=1,
         description="Log the step count, learning rates, loss scale, gradient norm and time per "
         "step every this many optimizer steps (rank 0). Null, DeepSpeed's default: no step log.",
+    )
+    zero_force_ds_cpu_optimizer: Bool = Field(
+        True,
+        description="DeepSpeed's rule for deepspeed.initialize (the namespace): with "
+        "offload_optimizer, a client optimizer other than DeepSpeedCPUAdam is refused with "
+        "ZeRORuntimeException unless this is false. zero_offload.initialize runs any client "
+        "optimizer on the host (torch Adam/AdamW with the SIMD kernel) and does not read it.",
     )
     wall_clock_breakdown: Bool = Field(
         False,

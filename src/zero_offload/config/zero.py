@@ -18,6 +18,8 @@ from .leaf_module import LeafModuleConfig
 
 # 5e8 elements: DeepSpeed's default for both bucket sizes.
 DEFAULT_BUCKET_SIZE = 500_000_000
+# DeepSpeed stage 1/2: the all-gather bucket is whole 4-byte words of 16-bit elements.
+NCCL_START_ALIGNMENT_FACTOR = 2
 
 # The stage-3 keys this project reads, by their field (and canonical JSON) name, with every
 # other spelling DeepSpeed accepts for the same setting: DeepSpeed's own field names are the
@@ -278,7 +280,8 @@ class ZeroConfig(Section):
     allgather_bucket_size: DsInt = Field(
         DEFAULT_BUCKET_SIZE,
         gt=0,
-        description="Param elements gathered at once after the update (stages 1/2) (elements).",
+        description="Param elements gathered at once after the update (stages 1/2; a multiple "
+        "of 2 there, as DeepSpeed asserts) (elements).",
     )
     overlap_comm: Bool | None = Field(
         None,
@@ -401,6 +404,19 @@ class ZeroConfig(Section):
     @classmethod
     def known_keys(cls) -> set[str]:
         return super().known_keys() | set(_ALIAS_OF)
+
+    @model_validator(mode="after")
+    def _allgather_alignment(self) -> ZeroConfig:
+        """DeepSpeed's stage 1/2 optimizer asserts the all-gather bucket holds whole 4-byte
+        words of 16-bit elements (its ``nccl_start_alignment_factor``, 2); the same config is
+        refused here, with DeepSpeed's words, so it fails where it would fail there."""
+        if self.stage in (1, 2) and self.allgather_bucket_size % NCCL_START_ALIGNMENT_FACTOR:
+            raise rule_error(
+                "allgather_bucket_size",
+                "allgather_bucket_size must be a multiple of nccl_start_alignment_factor, "
+                f"{NCCL_START_ALIGNMENT_FACTOR} (got {self.allgather_bucket_size}; stages 1 and 2)",
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -70,17 +70,17 @@ def initialize(
     optimizer, training_dataloader, lr_scheduler)``.
 
     Two settings the Hugging Face libraries write into every config are read as DeepSpeed reads
-    them (``as_zero_offload_config``)."""
+    them (``as_zero_offload_config``), and ``zero_force_ds_cpu_optimizer`` (default true) refuses
+    a client optimizer other than ``DeepSpeedCPUAdam`` under ``offload_optimizer`` with
+    ``ZeRORuntimeException``, as DeepSpeed does."""
     if mesh_param is not None:
         raise DeepSpeedNotProvidedError("deepspeed.initialize(mesh_param=...)")
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    return _api.initialize(
-        args=args,
-        model=model,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        training_data=training_data,
-        lr_scheduler=lr_scheduler,
+    request = _api.EngineRequest(
+        args, model, optimizer, model_parameters, training_data, lr_scheduler, deepspeed_rules=True
+    )
+    return _api.build_engine(
+        request,
         mpu=mpu,
         collate_fn=collate_fn,
         config=as_zero_offload_config(config if config is not None else config_params),

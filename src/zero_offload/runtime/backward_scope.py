@@ -11,6 +11,12 @@ it before any param's gradient: a pre-hook on the loss's ``grad_fn`` (``engine.b
 hook on the gradient of the engine's forward outputs (a plain ``loss.backward()``). Only a
 backward that enters the model by neither route (through ``engine.module`` directly) falls back
 to the task of the first gradient hook that fires.
+
+Under a ``torch.func`` transform (``grad``, ``grad_and_value``, ``jacrev``, ``vmap(grad)``) the
+engine at stages 0-2 is an ordinary function being differentiated: neither route opens a
+backward, so nothing is scaled, reduced or written into gradient shards (the transform returns
+the gradients it asked for, as plain PyTorch's would). Stage 3 gathers its params with hooks a
+transform cannot run through: not supported there (as in DeepSpeed's own tests).
 """
 
 from __future__ import annotations
@@ -26,6 +32,13 @@ PLAIN = "loss.backward"
 
 def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+def functorch_transforming() -> bool:
+    """True inside a ``torch.func`` transform (its interpreter stack is not empty)."""
+    functorch = getattr(torch._C, "_functorch", None)
+    peek = getattr(functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
 
 
 class BackwardScope:
@@ -90,12 +103,12 @@ class BackwardScope:
 
     # ---- the routes into a backward ------------------------------------------------------------
     def attach_loss(self, loss: torch.Tensor) -> None:
-        if loss.grad_fn is not None:
+        if loss.grad_fn is not None and not functorch_transforming():
             loss.grad_fn.register_prehook(lambda _grads: self.queue())
 
     def attach_outputs(self, outputs: object) -> None:
         """Hooks on the forward's outputs that open a plain ``loss.backward()``."""
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or functorch_transforming():
             return
         for t in tree_flatten(outputs)[0]:
             if isinstance(t, torch.Tensor) and t.grad_fn is not None:

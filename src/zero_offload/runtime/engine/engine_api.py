@@ -79,6 +79,36 @@ class DeepSpeedEngineAPI:
         finally:
             self.window.inside_no_sync = False
 
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self) -> Iterator[None]:
+        """DeepSpeed's: every ``backward()`` inside accumulates without ending the window, and
+        the exit ends it once (stages 0/1 reduce the summed gradients then; stages 2/3, which
+        reduce-scatter inside each backward, finalize the shards), as ``step()`` does with
+        ``managed_gradient_accumulation`` false. One block is one optimizer step: ``step()``
+        inside raises, as does a backward after the block before ``step()``. Stages 1-3; not
+        nested with ``no_sync``."""
+        if not self.window.managed:
+            raise guards.EngineAssertionError(
+                "coalesce_grad_reduction is not supported with managed_gradient_accumulation="
+                "False; the caller already owns the accumulation boundary via step()"
+            )
+        if self.stage == 0:
+            raise NotImplementedError(
+                "coalesce_grad_reduction requires ZeRO stage 1/2/3, got stage 0"
+            )
+        if self.window.inside_no_sync:
+            raise guards.EngineAssertionError(
+                "coalesce_grad_reduction cannot be nested inside another no_sync context"
+            )
+        self.window.inside_no_sync = True  # no backward inside ends the window
+        try:
+            yield
+        finally:
+            self.window.inside_no_sync = False
+            if self.window.backward_since_step:
+                self.reducer.finish_window()
+                self.window.ended = True
+
     def was_step_applied(self) -> bool:
         """Whether the latest ``step()`` changed the parameters (False between accumulation
         boundaries, after an fp16 overflow skip, and before any step)."""

@@ -71,13 +71,14 @@ class Window:
         self.backward_since_step = True
 
     def begin_step(self, global_steps: int) -> None:
-        """``step()`` begins: it needs a backward since the last one, and not inside no_sync."""
-        if not self.backward_since_step:
-            raise guards.step_without_backward_error(global_steps)
+        """``step()`` begins: not inside no_sync (checked first, as DeepSpeed does), and it
+        needs a backward since the last one."""
         if self.inside_no_sync:
             raise guards.EngineAssertionError(
                 "it is illegal to call engine.step() inside no_sync context manager"
             )
+        if not self.backward_since_step:
+            raise guards.step_without_backward_error(global_steps)
         self.ended = self.backward_since_step = False
 
     def restart(self, global_steps: int, micro_steps: int) -> None:
