@@ -18,6 +18,21 @@ def _device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         monkeypatch.setenv("ZERO_OFFLOAD_DEVICE", "cpu")
 
 
+@pytest.fixture(autouse=True)
+def _no_leaked_process_group():
+    """A default process group a test made in this process (``deepspeed.initialize`` makes a
+    group of one without a launcher, as DeepSpeed does) is destroyed after it, so the next test
+    starts from the state it would see alone."""
+    import torch.distributed as dist
+
+    before = dist.is_available() and dist.is_initialized()
+    yield
+    if not before and dist.is_available() and dist.is_initialized():
+        from zero_offload.core.dist import shutdown
+
+        shutdown()
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     from required_parts import check_session
 
