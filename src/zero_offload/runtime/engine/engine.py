@@ -228,6 +228,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             if self.lr_scheduler is not None:
                 self.optimizer._opt_called = True  # torch's schedulers check the optimizer stepped
                 self.lr_scheduler.step()
+        if self.param_store is not None:  # persistent params full between steps, as DeepSpeed's
+            self.param_store.gather_persistent()
         self.loss_scaler.update_scale(overflow)
         self.zero_grad()
         self.global_steps += 1

@@ -332,6 +332,13 @@ class ParamStore:
             self.live += s.numel
         self.peak_live = max(self.peak_live, self.live)
 
+    def gather_persistent(self) -> None:
+        """Every persistent slot not gathered now is gathered (one all-gather per group that
+        has any). A collective after every optimizer step (DeepSpeed's ``_post_step``): ranks
+        agree on which slots are gathered, as they run the same fetches and releases."""
+        for gi in range(len(self.groups)):
+            self.refresh_persistent(gi, missing_only=True)
+
     # ---- the param shards, wherever they live --------------------------------------------------
     def shard_read(self, gi: int, lo: int, hi: int, cache: bool = True) -> torch.Tensor:
         """Elements [lo, hi) of group ``gi``'s param shard: a view, or read from NVMe (kept in
@@ -480,8 +487,7 @@ class ParamStore:
                     self._write_own(slot, self._own_slice(slot, host))
                     if slot.status is ZeroParamStatus.AVAILABLE:
                         slot.buf.copy_(host)
-                for gi in range(len(self.groups)):  # the shards changed: persistent gathered
-                    self.refresh_persistent(gi, missing_only=True)
+                self.gather_persistent()  # the shards changed (gathered ones took the copy)
         finally:
             for slot in self.slots[: len(copies)]:
                 if slot.status is ZeroParamStatus.AVAILABLE:
