@@ -511,12 +511,23 @@ class ParamStore:
         for nv in self.swapped.values():
             for k, v in nv.nbytes().items():
                 out[k] = out.get(k, 0) + v
-        if self.live:
+        # the persistent slots gathered (held between steps) apart from the others (working set)
+        held = [
+            s for s in self.slots if s.persistent and s.status is not ZeroParamStatus.NOT_AVAILABLE
+        ]
+        if held:
+            out["device.persistent_params"] = sum(s.numel * s.group.dtype.itemsize for s in held)
+        others = self.live - sum(s.numel for s in held)
+        if others:
             esize = self.groups[0].dtype.itemsize if self.groups else 0
-            out["device.gathered_params"] = self.live * esize
+            out["device.gathered_params"] = others * esize
         if self.swapped and self.nvme is not None:  # the whole model's NVMe read/write buffers
             out["peak.host.param_buffers"] = self.nvme.cache.peak_bytes
         return out
+
+    def persistent_bytes(self) -> int:
+        """What the persistent slots hold once gathered (from the first step on)."""
+        return sum(s.numel * s.group.dtype.itemsize for s in self.slots if s.persistent)
 
     def trainable(self, gi: int) -> bool:
         return bool(self.group_slots[gi]) and self.slots[self.group_slots[gi][0]].trainable
