@@ -108,3 +108,26 @@ def test_a_working_set_that_cannot_fit_names_the_key(monkeypatch, stage, key):
     cfg = _config(stage, "cpu", "cpu" if stage == 3 else None, None, bucket=10**6)
     with pytest.raises(MemoryError, match=key):
         zero_offload.initialize(model=_gpt2(), config=cfg)
+
+
+def test_persistent_params_are_held_as_states():
+    """Stage 3 with units within ``stage3_param_persistence_threshold`` (the layer norms): they
+    stay gathered after the step, and the prediction and the engine count them as states."""
+    import zero_offload
+
+    model = _gpt2()
+    cfg = _config(3, "cpu", None, None)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 64  # a norm's weight+bias
+    engine, *_ = zero_offload.initialize(model=model, config=copy.deepcopy(cfg))
+    x = torch.randint(0, 128, (2, 16))
+    engine.backward(engine(x, x))
+    engine.step()
+    have = engine.memory_report()
+    norms = sum(1 for m in model.modules() if isinstance(m, torch.nn.LayerNorm))
+    assert have["device.persistent_params"] == norms * 64 * 4 > 0  # fp32 weight + bias
+    shape = ModelShape.from_config(model.config)
+    want = predict(shape, StepShape(2, 16), ZeroPlan.from_config(load_config(cfg), 1))
+    assert want["device.persistent_params"] == have["device.persistent_params"]
+    assert engine.expected_memory()["device.persistent_params"] == have["device.persistent_params"]
+    assert "device.gathered_params" not in have  # nothing else stays gathered
+    engine.destroy()

@@ -264,7 +264,7 @@ def _write_16bit(w: _Where, flat: torch.Tensor | None, piece: torch.Tensor) -> N
     """The 16-bit param the model computes with takes the new value: stages 0-2 the whole param
     in the flat buffer (every rank has the full value); stage 3 this rank's param shard, plus
     the gathered copy if the param is gathered (refreshed from ``flat``, or dropped and, when
-    ``GatheredParameters`` pins it, gathered again: a collective)."""
+    ``GatheredParameters`` pins it or it is persistent, gathered again: a collective)."""
     e = w.engine
     if e.param_store is None:
         e.groups[w.gi].flat[w.off : w.off + w.numel].copy_(flat)
@@ -278,9 +278,9 @@ def _write_16bit(w: _Where, flat: torch.Tensor | None, piece: torch.Tensor) -> N
     if flat is not None:
         store.slots[i].buf[w.in_bucket()].copy_(flat)
         return
-    pinned = store.pinned[i] > 0
+    keep = store.pinned[i] > 0 or store.slots[i].persistent
     store.release(i, force=True)
-    if pinned:
+    if keep:
         store.fetch([i])
 
 

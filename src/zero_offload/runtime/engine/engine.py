@@ -228,6 +228,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             if self.lr_scheduler is not None:
                 self.optimizer._opt_called = True  # torch's schedulers check the optimizer stepped
                 self.lr_scheduler.step()
+        if self.param_store is not None:  # persistent params full between steps, as DeepSpeed's
+            self.param_store.gather_persistent()
         self.loss_scaler.update_scale(overflow)
         self.zero_grad()
         self.global_steps += 1
@@ -365,7 +367,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
 
     def _expected_states(self) -> dict[str, int]:
         total = sum(g.layout.total for g in self.groups)
-        return expected_bytes(
+        out = expected_bytes(
             total,
             self.dtype,
             self.stage,
@@ -378,6 +380,10 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             accum_dtype=self.grad_accum_dtype,
             alias_master=all(so.aliased for so in self.shard_opts) if self.shard_opts else None,
         )
+        persistent = self.param_store.persistent_bytes() if self.param_store is not None else 0
+        if persistent:  # stage 3: gathered from the first step on (DeepSpeed's persistent params)
+            out["device.persistent_params"] = persistent
+        return out
 
     def _log_memory(self) -> None:
         have, want = self.memory_report(), self.expected_memory()

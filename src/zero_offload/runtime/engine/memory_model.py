@@ -1,7 +1,9 @@
 """The peak of a training step per rank, predicted before the run, by category.
 
 peak = states (what ``initialize`` keeps: ``memory.expected_bytes``, moved to NVMe where the
-config says) + the step's working set, every term from the config and the model shape:
+config says; at stage 3 also ``persistent_params``, the units within
+``stage3_param_persistence_threshold``, gathered from the first step on) + the step's working
+set, every term from the config and the model shape:
 
 - ``reduce_buffers`` (stages 2/3): at most two, each at most ``min(reduce_bucket_size, bucket)``;
 - ``grads``: full gradients not yet reduced: at stages 2/3 the largest param's (a bucket larger
@@ -27,6 +29,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
+from ...core.layout import build_unit_layout
 from ..reduce.reduce_buffers import ALIGN as REDUCE_ALIGN
 from .memory import expected_bytes
 from .model_shape import ModelShape
@@ -71,6 +74,7 @@ class ZeroPlan:
     reduce_bucket_size: int = 500_000_000
     max_live: int = 1_000_000_000
     persistence: int = 100_000
+    model_persistence: int = 2**63 - 1  # stage3_model_persistence_threshold
     gas: int = 1
     delayed: bool = False
     chunk: int = 1 << 22  # host-update chunk (sub_group_size, capped)
@@ -98,6 +102,7 @@ class ZeroPlan:
             reduce_bucket_size=int(zc.reduce_bucket_size),
             max_live=int(zc.stage3_max_live_parameters),
             persistence=int(zc.stage3_param_persistence_threshold),
+            model_persistence=int(zc.stage3_model_persistence_threshold),
             gas=int(config.gradient_accumulation_steps),
             delayed=bool(oc is not None and oc.delayed_update),
             chunk=update_chunk(zc.sub_group_size),
@@ -128,6 +133,9 @@ def states(numel: int, plan: ZeroPlan, shape: ModelShape | None = None) -> dict[
         out["nvme.param_shard"] = out.pop("host.param_shard")
         if shape is not None:
             out["host.param_spares"] = param_spares(shape, plan)
+    persistent = persistent_numel(shape, plan) if plan.stage == 3 and shape is not None else 0
+    if persistent:
+        out["device.persistent_params"] = persistent * plan.dtype_bytes
     return out
 
 
@@ -194,6 +202,20 @@ def working_set(shape: ModelShape, step: StepShape, plan: ZeroPlan) -> dict[str,
         live = min(shape.numel(), plan.max_live + shape.largest_unit())
         out["gathered_params"] = live * b
     return out
+
+
+def persistent_numel(shape: ModelShape, plan: ZeroPlan) -> int:
+    """Stage 3: elements of the fetch units kept gathered from the first step on (at most
+    ``stage3_param_persistence_threshold`` each, ``stage3_model_persistence_threshold`` in all),
+    each padded as the layout pads its bucket. A unit is taken as one bucket (one optimizer
+    group); the engine's ``expected_memory()`` counts its actual slots."""
+    left, total = plan.model_persistence, 0
+    for sizes in shape.units():
+        n = sum(sizes)
+        if n <= plan.persistence and n <= left:
+            left -= n
+            total += build_unit_layout([n], [0], plan.world).total
+    return total
 
 
 def held_grads(sizes: list[int], cap: int) -> int:

@@ -13,9 +13,10 @@ A **slot** is one bucket with its gather state. Invariants:
   and an empty tensor otherwise (``p.numel() == 0``, ``p.ds_status`` NOT_AVAILABLE);
 - ``live`` is the number of gathered elements (AVAILABLE or INFLIGHT slots), ``peak_live`` its
   maximum since the last ``reset_peak``;
-- a pinned slot (``GatheredParameters``) and, between optimizer steps, a persistent slot are never
-  released; ``invalidate`` (after the shard changed) releases every slot of a group, persistent or
-  not, and the next fetch gathers the new values.
+- a pinned slot (``GatheredParameters``) and a persistent slot are released only by force
+  (``empty_cache``, ``invalidate``); ``invalidate`` (after the shard changed) releases a group's
+  other slots, whose next fetch gathers the new values, and gathers its persistent slots again
+  at once, so between steps a persistent param is full and current (as DeepSpeed keeps it).
 
 Placement: the shard lives on the device, or in host memory with ``offload_param`` (pinned when
 CUDA is present). CUDA: a gather runs on the fetch stream (host-to-device copy of the own slice,
@@ -295,9 +296,48 @@ class ParamStore:
             self.streams.fetch.synchronize()
 
     def invalidate(self, gi: int) -> None:
-        """Group ``gi``'s shard changed: drop every gathered copy (persistent ones too)."""
+        """Group ``gi``'s shard changed: drop every gathered copy but the persistent ones, which
+        take the new values at once (a collective: every rank invalidates the same groups in
+        the same order, as the step and a checkpoint load do)."""
         for i in self.group_slots[gi]:
-            self.release(i, force=True)
+            if not self.slots[i].persistent:
+                self.release(i, force=True)
+        self.refresh_persistent(gi)
+
+    def refresh_persistent(self, gi: int, missing_only: bool = False) -> None:
+        """Every persistent slot of group ``gi`` (``missing_only``: those not gathered) is
+        gathered from the shard as it is now, in one all-gather of their own slices side by
+        side. Invariant kept: from the first shard change on, a persistent slot is gathered and
+        equal to the shard between steps (DeepSpeed's ``persistent_parameters``)."""
+        slots = [self.slots[i] for i in self.group_slots[gi] if self.slots[i].persistent]
+        if missing_only:
+            slots = [s for s in slots if s.status is ZeroParamStatus.NOT_AVAILABLE]
+        if not slots:
+            return
+        for s in slots:
+            self.release(s.index, force=True)
+        g = self.groups[gi]
+        own = torch.cat([self._read_own(s, cache=False).to(self.device) for s in slots])
+        out = torch.empty(self.world * own.numel(), dtype=g.dtype, device=self.device)
+        dist.all_gather(out, own, what=f"stage-3 gather of group {gi}'s persistent params")
+        ranks, at = out.view(self.world, -1), 0  # row r: rank r's slices, slot after slot
+        for s in slots:
+            n = s.bucket.slice_numel
+            s.buf = torch.empty(s.numel, dtype=g.dtype, device=self.device)
+            s.buf.view(self.world, n).copy_(ranks[:, at : at + n])
+            at += n
+            self._bind(s, s.buf)
+            s.status = ZeroParamStatus.AVAILABLE
+            self._set_status(s, ZeroParamStatus.AVAILABLE)
+            self.live += s.numel
+        self.peak_live = max(self.peak_live, self.live)
+
+    def gather_persistent(self) -> None:
+        """Every persistent slot not gathered now is gathered (one all-gather per group that
+        has any). A collective after every optimizer step (DeepSpeed's ``_post_step``): ranks
+        agree on which slots are gathered, as they run the same fetches and releases."""
+        for gi in range(len(self.groups)):
+            self.refresh_persistent(gi, missing_only=True)
 
     # ---- the param shards, wherever they live --------------------------------------------------
     def shard_read(self, gi: int, lo: int, hi: int, cache: bool = True) -> torch.Tensor:
@@ -323,10 +363,11 @@ class ParamStore:
                 b = slot.bucket
                 nv.read_ahead(b.shard_start, b.shard_start + b.slice_numel)
 
-    def _read_own(self, slot: Slot) -> torch.Tensor:
+    def _read_own(self, slot: Slot, cache: bool = True) -> torch.Tensor:
         """This rank's piece of the slot in its param shard."""
         b = slot.bucket
-        return self.shard_read(slot.group.index, b.shard_start, b.shard_start + b.slice_numel)
+        lo, hi = b.shard_start, b.shard_start + b.slice_numel
+        return self.shard_read(slot.group.index, lo, hi, cache)
 
     def _write_own(self, slot: Slot, src: torch.Tensor) -> None:
         self.shard_write(slot.group.index, slot.bucket.shard_start, src)
@@ -446,6 +487,7 @@ class ParamStore:
                     self._write_own(slot, self._own_slice(slot, host))
                     if slot.status is ZeroParamStatus.AVAILABLE:
                         slot.buf.copy_(host)
+                self.gather_persistent()  # the shards changed (gathered ones took the copy)
         finally:
             for slot in self.slots[: len(copies)]:
                 if slot.status is ZeroParamStatus.AVAILABLE:
@@ -469,12 +511,23 @@ class ParamStore:
         for nv in self.swapped.values():
             for k, v in nv.nbytes().items():
                 out[k] = out.get(k, 0) + v
-        if self.live:
+        # the persistent slots gathered (held between steps) apart from the others (working set)
+        held = [
+            s for s in self.slots if s.persistent and s.status is not ZeroParamStatus.NOT_AVAILABLE
+        ]
+        if held:
+            out["device.persistent_params"] = sum(s.numel * s.group.dtype.itemsize for s in held)
+        others = self.live - sum(s.numel for s in held)
+        if others:
             esize = self.groups[0].dtype.itemsize if self.groups else 0
-            out["device.gathered_params"] = self.live * esize
+            out["device.gathered_params"] = others * esize
         if self.swapped and self.nvme is not None:  # the whole model's NVMe read/write buffers
             out["peak.host.param_buffers"] = self.nvme.cache.peak_bytes
         return out
+
+    def persistent_bytes(self) -> int:
+        """What the persistent slots hold once gathered (from the first step on)."""
+        return sum(s.numel * s.group.dtype.itemsize for s in self.slots if s.persistent)
 
     def trainable(self, gi: int) -> bool:
         return bool(self.group_slots[gi]) and self.slots[self.group_slots[gi][0]].trainable

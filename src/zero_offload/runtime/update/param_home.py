@@ -6,8 +6,8 @@ The shard optimizer writes its updated 16-bit slices through ``own(seg)`` and th
 - ``FlatHome`` (stages 0-2): the slices are this rank's ranges of the full flat buffer on the
   device; ``publish`` all-gathers every bucket in place so every rank computes with the new params.
 - ``ShardHome`` (stage 3, param_store.py): the slices are the rank's param shard (device, or host
-  memory with ``offload_param``); ``publish`` only drops stale gathered copies, since params travel
-  when a module fetches them.
+  memory with ``offload_param``); ``publish`` drops stale gathered copies, since params travel
+  when a module fetches them, and gathers the group's persistent params again at once.
 """
 
 from __future__ import annotations
