@@ -314,6 +314,10 @@ class ParamStore:
             slots = [s for s in slots if s.status is ZeroParamStatus.NOT_AVAILABLE]
         if not slots:
             return
+        with label(FETCH):  # a fetch too: profiles and traces name it as one
+            self._gather_persistent_slots(gi, slots)
+
+    def _gather_persistent_slots(self, gi: int, slots: list) -> None:
         for s in slots:
             self.release(s.index, force=True)
         g = self.groups[gi]
