@@ -245,12 +245,13 @@ class ZeroOffloadConfig(Section):
                 f"{json_repr(dt.param_dtype)} differs from the training dtype {training} "
                 "(set by the fp16/bf16 blocks)",
             )
-        if dt.grad_accum_dtype not in (None, training) and stage < 2:
+        wider = (training, dt.grad_accum_dtype) == ("bf16", "fp32")  # DeepSpeed's BF16_Optimizer
+        if dt.grad_accum_dtype not in (None, training) and stage < 2 and not wider:
             raise rule_error(
                 "data_types.grad_accum_dtype",
                 f"{json_repr(dt.grad_accum_dtype)} with {training} params is built for ZeRO stages "
-                f"2 and 3 (a separate accumulator); at stage {stage} gradients accumulate in the "
-                "params' own .grad, in their dtype",
+                f"2 and 3 (a separate accumulator); at stage {stage} the only other accumulator is "
+                '"fp32" with bf16 params',
             )
         context = info.context or {}
         world_size = context.get("world_size", 1)

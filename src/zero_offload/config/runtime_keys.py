@@ -32,7 +32,8 @@ class DataTypesConfig(Section):
     grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = Field(
         None,
         description="The dtype gradients accumulate in across micro-steps (stages 2 and 3 "
-        "when it differs from the training dtype). Null: the training dtype.",
+        'when it differs from the training dtype; at stages 0 and 1 only "fp32" with bf16 '
+        "params). Null: the training dtype.",
     )
     param_dtype: Literal["fp32", "fp16", "bf16"] | None = Field(
         None,

@@ -85,7 +85,7 @@ def read_settings(e: ZeroOffloadEngine, module, config, lr_scheduler, training_d
     if e.device.type == "cuda":  # streams, events and collectives act on the current one
         torch.cuda.set_device(e.device)
     e.dtype = config.dtype
-    accum = config.data_types.grad_accum_dtype  # stages 2/3 only (the config checks)
+    accum = config.data_types.grad_accum_dtype  # stages 0/1: only fp32 with bf16 (config)
     e.grad_accum_dtype = DTYPES[accum] if accum is not None else e.dtype
     e.world_size, e.global_rank = dist.world_size(), dist.rank()
     e.local_rank = dist.local_rank()

@@ -27,7 +27,8 @@ shard is accumulated on the device (b/N) and only the final sum crosses the bus;
 keeps two host grad shards. fp32 training needs no staging buffer (the master uploads itself).
 The grad shards (device accumulator and host copy, not the stage 0/1 grads) take ``a`` bytes
 per element instead of ``b`` when ``data_types.grad_accum_dtype`` differs from the training dtype
-(fp32 with 16-bit params: ``a`` = 4).
+(fp32 with 16-bit params: ``a`` = 4). At stages 0/1 such an accumulator is one more full-length
+flat buffer (``device.grad_accum``, ``a`` bytes per param) beside the 16-bit grads.
 
 Stage 3 keeps no full-size params or grads: each rank holds its param shard (b/N), on the host
 with ``offload_param``, and the gathered (live) params of the modules running now, bounded by
@@ -84,6 +85,8 @@ def expected_bytes(
     cut = shard if not offload else twin_split(shard, ratio) if stage == 3 else 0
     if stage <= 1:
         out["device.grads"] = numel * b
+        if a != b:  # the full-length flat accumulator beside the 16-bit grads
+            out["device.grad_accum"] = numel * a
     elif not offload or gas > 1:
         out["device.grad_shard"] = shard * a
     elif cut:

@@ -2,6 +2,10 @@
 
 - stage 0: the flat grad buffer itself (all-reduced in place; every rank holds all of it);
 - stage 1: this rank's slices of the flat grad buffer (reduce-scattered in place);
+- stage 0/1 with a wider accumulator (``data_types.grad_accum_dtype`` "fp32" with bf16 params):
+  ``p.grad`` (the 16-bit flat grad) holds one micro-step's gradient; each backward adds it into
+  a full-length fp32 flat accumulator (``accum``), which the boundary reduces in fp32 and the
+  update reads (DeepSpeed's BF16_Optimizer: the window's sum is never rounded to 16 bits);
 - stage 2: a device grad shard accumulated over micro-steps (absent with offload and one
   micro-step per step: the reduced slice then goes straight to the host);
 - offload: a host grad shard in the accumulation dtype (two of them with the delayed update,
@@ -43,9 +47,9 @@ class GradShard:
         accum_dtype: torch.dtype | None = None,
         host_from: int = 0,
     ) -> None:
-        """``accum_dtype``: the dtype of the stage-2/3 device accumulator and of the host grad
-        shard (fp32 with 16-bit params: ``data_types.grad_accum_dtype``); stages 0/1 accumulate
-        in ``p.grad``, in the params' dtype (the config refuses another one there).
+        """``accum_dtype``: the dtype of the device accumulator and of the host grad shard
+        (fp32 with 16-bit params: ``data_types.grad_accum_dtype``); stages 0/1 accumulate in
+        ``p.grad`` when it is the params' dtype, else in the flat accumulator ``accum``.
         ``host_from`` (with ``offload``): the shard offset where the host part begins
         (``Placement.host_from``); the elements before it are updated on the device."""
         self.group = group
@@ -57,6 +61,7 @@ class GradShard:
         numel = self.numel = group.shard_numel(stage >= 1)
         dev, dt = group.device, group.dtype
         self.flat_grad = None
+        self.accum = None  # stage 0/1 with a wider accumulator: the window's full-length sum
         self.device_shard = None
         self.host_from = host_from if offload else numel
         if stage <= 1:
@@ -65,6 +70,8 @@ class GradShard:
             self.views = group.param_views(self.flat_grad)
             for p, v in zip(group.params, self.views):
                 p.grad = v
+            if self.accum_dtype != dt:
+                self.accum = torch.zeros(group.layout.total, dtype=self.accum_dtype, device=dev)
         elif not offload or gas > 1:
             self.device_shard = torch.zeros(numel, dtype=self.accum_dtype, device=dev)
         elif self.host_from > 0:  # a twin's device part, reduced into place
@@ -116,13 +123,24 @@ class GradShard:
 
     # ---- targets for the reducer -------------------------------------------------------------
     def bucket_input(self, b: Bucket) -> torch.Tensor:
-        """Stage 0/1: the flat-grad range that is the bucket's reduction input."""
-        return self.flat_grad[b.start : b.start + b.numel]
+        """Stage 0/1: the flat-grad range that is the bucket's reduction input (with an
+        accumulator: its range, after this micro-step's gradient is added into it)."""
+        grad = self.flat_grad[b.start : b.start + b.numel]
+        if self.accum is None:
+            return grad
+        return self.accum[b.start : b.start + b.numel].add_(grad)
+
+    def fold_micro_step(self) -> None:
+        """Stage 0/1 with an accumulator, after a backward that does not reduce: add its
+        16-bit gradient into the accumulator (cleared by the next ``begin_backward``)."""
+        if self.accum is not None:
+            self.accum.add_(self.flat_grad)
 
     def reduce_target(self, seg: Segment) -> torch.Tensor | None:
         """Where a collective may write this rank's reduced segment directly, or None for a temp."""
         if self.stage <= 1:
-            return self.flat_grad[seg.flat_start : seg.flat_start + seg.numel]
+            src = self.flat_grad if self.accum is None else self.accum
+            return src[seg.flat_start : seg.flat_start + seg.numel]
         d, end = self.device_shard, seg.shard_start + seg.numel
         if d is not None and self.writes and self.accum_dtype == self.group.dtype:
             # a segment across a twin's cut (or past its device part) goes through a temp
@@ -170,7 +188,8 @@ class GradShard:
     def device_grads(self, segs: tuple[Segment, ...] | None = None) -> list[torch.Tensor]:
         """Per-segment device views of the reduced gradient (device placement, or a twin's
         device part: ``segs`` inside it)."""
-        src = self.flat_grad if self.stage <= 1 else self.device_shard
+        src = self.device_shard if self.stage >= 2 else self.flat_grad
+        src = src if self.accum is None else self.accum
         key = "flat_start" if self.stage <= 1 else "shard_start"
         segs = self.segs if segs is None else segs
         return [src[getattr(s, key) : getattr(s, key) + s.numel] for s in segs]
@@ -193,6 +212,8 @@ class GradShard:
         first one (after a backward that raised part way, then ``zero_grad``)."""
         if self.flat_grad is not None:
             self.flat_grad.zero_()
+        if self.accum is not None:
+            self.accum.zero_()
         if self.device_shard is not None and self.accum_dtype != self.group.dtype:
             self.device_shard.zero_()  # another accumulator dtype is always added into
         self.zeroed = True
@@ -204,11 +225,17 @@ class GradShard:
         per completed backward (unused params as zeros), so a writing backward covers it all."""
         self.writes = first or self.zeroed
         self.zeroed = False
+        if self.accum is not None:
+            # Invariant: the 16-bit flat grad holds only this backward's gradient; the
+            # earlier micro-steps' are in ``accum`` already (DeepSpeed clears lp grads here).
+            self.flat_grad.zero_()
 
     def nbytes(self) -> dict[str, int]:
         out = {}
         if self.flat_grad is not None:
             out["device.grads"] = self.flat_grad.numel() * self.flat_grad.element_size()
+        if self.accum is not None:
+            out["device.grad_accum"] = self.accum.numel() * self.accum.element_size()
         if self.device_shard is not None:
             out["device.grad_shard"] = self.device_shard.numel() * self.device_shard.element_size()
         if self.host:

@@ -263,6 +263,9 @@ class Reducer:
                 "zero_optimization.ignore_unused_parameters is false and these parameters got no "
                 f"gradient in this backward: {missing}; set it to true to reduce them as zeros"
             )
+        if not self.reducing:
+            for shard in self.shards:
+                shard.fold_micro_step()  # stage 0/1 with an fp32 accumulator (else nothing)
         if self.reducing:
             self._launch_ready(force=True)
             if self.inflight:
