@@ -46,6 +46,7 @@ import torch
 
 from .._native import load_optional
 from ..core.streams import pin_failed
+from .trace import tracer
 
 __all__ = [
     "ALIGN",
@@ -379,6 +380,9 @@ class Request:
                 return
             try:
                 self._handle.wait()
+                trace = tracer()
+                if trace is not None:
+                    trace.finished(self)
             except OSError as e:
                 self._error = (
                     e.errno if e.errno is not None else errno.EIO,
@@ -486,7 +490,11 @@ class AioEngine:
                     )
                 )
             handle = py
-        return Request(f, op, offset, nbytes, buf, handle)
+        request = Request(f, op, offset, nbytes, buf, handle)
+        trace = tracer()
+        if trace is not None:  # ZERO_OFFLOAD_NVME_TRACE: the timeline of every request
+            trace.submitted(request)
+        return request
 
 
 def _validate(f: SwapFile, offset: int, buf: torch.Tensor, op: str) -> int:

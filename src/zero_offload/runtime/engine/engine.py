@@ -19,6 +19,7 @@ import torch
 from ...core import dist
 from ...core.flat_group import FlatGroup
 from ...nvme.errors import NvmeSwapError
+from ...nvme.trace import mark as trace_mark
 from ..backward_scope import ENGINE, PLAIN, in_backward
 from ..reduce.grad_shard import GradShard
 from ..stage3.memory_efficient_linear import detach as detach_linear
@@ -75,6 +76,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         guards.check_alive(self.destroyed, "forward")
         if self.scope.open and not in_backward():
             self.scope.abandon()  # the last backward raised part way: start clean
+        trace_mark("forward")
         with self._timed("forward"):
             out = self.module(*inputs, **kwargs)
         self.scope.attach_outputs(out)  # a plain loss.backward() of these opens the backward
@@ -143,6 +145,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         already scaled) or a plain ``loss.backward()`` of the forward's output (``PLAIN``)."""
         guards.check_has_optimizer(self.optimizer, "backward")
         self.window.check_backward()
+        trace_mark("backward")
         factor = 1.0
         if driver == PLAIN:
             if self._fp16 and not self._loss_scaled:
@@ -170,6 +173,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         guards.check_has_optimizer(self.optimizer, "step")
         window = self.window
         window.begin_step(self.global_steps)
+        trace_mark("step")
         self._before_step_counts = (self.global_steps, self.skipped_steps)
         samples = self._micro_batch * self.world_size
         if not window.managed:  # this step() is the boundary of its backwards
@@ -195,6 +199,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
                     raise
         self.micro_steps += 1
         self.global_samples += samples
+        trace_mark("step_end")
 
     # ---- the update ----------------------------------------------------------------------------
     def _take_step(self) -> None:
