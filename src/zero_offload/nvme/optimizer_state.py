@@ -14,10 +14,12 @@ Invariants:
 - at most ``len(pool)`` records are in host memory (the pool's aligned, pinned-on-CUDA buffers);
   the update reads chunk k+1 ahead while chunk k is computed and chunk k-1 written back;
 - ``read_ahead`` (the engine calls it as the step's backward begins) reads the first
-  ``len(pool) - 1`` records into ``pool[1:]`` before the update starts, so the disk works while
-  the backward computes; those early reads hold the committed versions, and anything that
-  changes the committed state first (``write``, ``fill``, ``commit``) drops them. ``pool[0]`` is
-  never read ahead: it is the element cache of ``read`` and ``write``;
+  ``len(pool)`` records into the pool before the update starts, so the disk works while the
+  backward computes; those early reads hold the committed versions, and anything that changes
+  the committed state or borrows ``pool[0]`` first (``read``, ``write``, ``fill``, ``commit``)
+  drops them. ``pool[0]`` is also the element cache of ``read`` and ``write``;
+- during the update the read of chunk k+1 is in flight before chunk k computes (the disk never
+  waits for the kernel), and a buffer goes back to reading as soon as its write is done;
 - every I/O is one record or one region: offsets and sizes are multiples of 4096 bytes, as
   direct I/O needs;
 - ``sums[v, k]`` holds the block checksums of what this run last wrote to version v of chunk
@@ -154,26 +156,32 @@ class NvmeOptimizerState:
 
     def _stream(self, chunks: list[Chunk], body: Body, write: bool) -> None:
         """The pipeline over the record pool: chunk k computes while later chunks are read ahead
-        and earlier ones written behind (into the other version of each record)."""
+        and earlier ones written behind (into the other version of each record). Before chunk k
+        computes, the read of chunk k+1 is in flight (waiting for the oldest write's buffer if
+        it must), so the disk never idles through a computation; a buffer whose write is done
+        goes back to reading at once, and free buffers read further ahead."""
         n = len(chunks)
         reads, self._early = self._early, {}  # the records read ahead during the backward
         busy = {id(buf) for buf, _ in reads.values()}
         free = collections.deque(b for b in self.pool if id(b) not in busy)
         writes: collections.deque = collections.deque()
-        ahead = len(self.pool) - 1  # one buffer computes, the rest read ahead or write behind
+        nxt = len(reads)  # the next chunk to read (those read ahead are 0..len(reads)-1)
 
-        def take() -> torch.Tensor:
-            if not free:
-                k, buf, req = writes.popleft()
-                self._wait(req, "write", k)
-                free.append(buf)
-            return free.popleft()
+        def reclaim(block: bool) -> bool:
+            """The oldest write's buffer back to ``free``: if done, or (``block``) once it is."""
+            if not writes or not (block or writes[0][2].done()):
+                return False
+            k, buf, req = writes.popleft()
+            self._wait(req, "write", k)
+            free.append(buf)
+            return True
 
-        nxt = len(reads)
         try:
             for k, (lo, hi) in enumerate(chunks):
-                while nxt < n and nxt - k < ahead and (nxt == k or free):
-                    buf = take()
+                while reclaim(block=False):
+                    pass
+                while nxt < n and (free or (nxt <= k + 1 and reclaim(block=True))):
+                    buf = free.popleft()
                     off = self._offset(nxt, self.current[nxt])
                     reads[nxt] = (buf, self.aio.read(self.file, off, buf))
                     nxt += 1
@@ -188,8 +196,7 @@ class NvmeOptimizerState:
                 self._wrote(k, 1 - self.current[k], buf)
                 writes.append((k, buf, self.aio.write(self.file, off, buf)))
             while writes:
-                k, buf, req = writes.popleft()
-                self._wait(req, "write", k)
+                reclaim(block=True)
         finally:  # on failure: let every request finish before its buffer can be reused
             for _, req in reads.values():
                 _quiet_wait(req)
@@ -198,7 +205,7 @@ class NvmeOptimizerState:
 
     # ---- the read-ahead before the update -------------------------------------------------------
     def read_ahead(self) -> None:
-        """Start reading the first records of the next update into ``pool[1:]`` (see the
+        """Start reading the first records of the next update into the pool (see the
         invariants); a no-op while they are in flight or an update waits for its commit. Never
         raises: a failed read is the update's error (a step failure, rolled back)."""
         if self._early or self._written:
@@ -206,8 +213,8 @@ class NvmeOptimizerState:
         try:
             self.flush()  # pool[0]'s cached region goes back before the records are read
             self.check()
-            for k in range(min(len(self.pool) - 1, self.nchunks)):
-                buf = self.pool[1 + k]
+            for k in range(min(len(self.pool), self.nchunks)):
+                buf = self.pool[k]
                 off = self._offset(k, self.current[k])
                 self._early[k] = (buf, self.aio.read(self.file, off, buf))
         except Exception:
@@ -250,6 +257,7 @@ class NvmeOptimizerState:
             pos = k * self.chunk + b
 
     def read(self, kind: str, lo: int, hi: int) -> torch.Tensor:
+        self._drop_early()  # pool[0] may hold a record read ahead
         self.flush()
         out = torch.empty(hi - lo, dtype=torch.float32)
         i = KINDS.index(kind)
