@@ -441,3 +441,30 @@ def test_queue_depth_sets_the_requests_in_flight(backend, tmp_path, gen):
     else:
         assert eng._pool._max_workers == 6
     eng.close()
+
+
+def test_an_urgent_read_goes_before_the_queued_requests(tmp_path):
+    """One worker, a long normal write queued first: an urgent read's pieces run next, so it
+    completes while most of the write is still queued (a param fetch does not wait behind the
+    optimizer state's read-ahead)."""
+    if C is None or not aio._URGENT:
+        pytest.skip("the compiled module with urgent requests is not built")
+    big, small = 1024 * ALIGN, ALIGN
+    eng = AioEngine(AioPolicy(block_size=ALIGN, queue_depth=1, threads=1))
+    with SwapFile.create(tmp_path / "swap", big + small) as f:
+        src = aligned_empty(big)
+        src.fill_(3)
+        out = aligned_empty(small)
+        slow = eng.write(f, 0, src)  # 1024 pieces, one at a time
+        fast = eng.read(f, big, out, urgent=True)
+        fast.wait()
+        assert not slow.done()  # the read did not wait for the write's queued pieces
+        slow.wait()
+
+
+def test_urgent_is_ignored_by_a_build_without_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(aio, "_URGENT", False)  # an older compiled module: plain FIFO
+    eng = engine()
+    buf = aligned_empty(ALIGN)
+    with SwapFile.create(tmp_path / "swap", ALIGN) as f:
+        eng.read(f, 0, buf, urgent=True).wait()

@@ -374,7 +374,7 @@ def test_param_swap_read_error_is_named(tmp_path, monkeypatch):
     _train(engine, range(1))
     shard = engine.param_store.swapped[0]
     shard.drop_cached()
-    monkeypatch.setattr(engine.aio, "read", lambda *a: _Failing(errno.EIO))
+    monkeypatch.setattr(engine.aio, "read", lambda *a, **k: _Failing(errno.EIO))
     with pytest.raises(NvmeSwapError, match=r"param-shard .* failed"):
         _train(engine, range(1, 2))
     monkeypatch.undo()

@@ -4,7 +4,9 @@
 // block_size pieces and queues them on a persistent pool of worker threads (one pool per thread
 // count, created on first use, never shrunk: the pool of `threads` threads is DeepSpeed's
 // aio.intra_op_parallelism); it returns a request id at once. The workers run pread/pwrite loops
-// (short transfers and EINTR handled) outside the GIL; the request completes when all its
+// (short transfers and EINTR handled) outside the GIL, urgent requests' pieces (submit's
+// `urgent`: a read someone waits for now) before every queued normal one, each class oldest
+// first; the request completes when all its
 // pieces are done, and keeps the first error (a read that meets the end of the file is an
 // error). wait(id) releases the GIL until the request completes, consumes the id and raises
 // OSError(errno, message) on failure; done(id) polls.
@@ -81,7 +83,8 @@ using RequestPtr = std::shared_ptr<Request>;
 struct Pool {
     std::mutex mu;
     std::condition_variable cv;
-    std::deque<RequestPtr> queue;  // requests with unclaimed pieces, oldest first
+    std::deque<RequestPtr> urgent;  // requests with unclaimed pieces, oldest first: served
+    std::deque<RequestPtr> queue;   // before any of these
     std::vector<std::thread*> workers;  // never joined: pools live until the process exits
 
     void worker_loop();
@@ -196,10 +199,11 @@ void Pool::worker_loop()
         uint64_t piece;
         {
             std::unique_lock<std::mutex> lk(mu);
-            cv.wait(lk, [&] { return !queue.empty(); });
-            r = queue.front();
+            cv.wait(lk, [&] { return !urgent.empty() || !queue.empty(); });
+            std::deque<RequestPtr>& from = urgent.empty() ? queue : urgent;
+            r = from.front();
             piece = r->next_piece++;
-            if (r->next_piece == r->npieces) queue.pop_front();
+            if (r->next_piece == r->npieces) from.pop_front();
         }
         run_piece(*r, piece);
     }
@@ -231,11 +235,11 @@ void* as_ptr(unsigned long long v) { return reinterpret_cast<void*>(static_cast<
 
 PyObject* py_submit(PyObject*, PyObject* args)
 {
-    int fd, is_write, threads;
+    int fd, is_write, threads, urgent = 0;
     unsigned long long addr;
     long long nbytes, offset, block_size;
-    if (!PyArg_ParseTuple(args, "iKLLpLi:submit", &fd, &addr, &nbytes, &offset, &is_write,
-                          &block_size, &threads)) {
+    if (!PyArg_ParseTuple(args, "iKLLpLi|p:submit", &fd, &addr, &nbytes, &offset, &is_write,
+                          &block_size, &threads, &urgent)) {
         return nullptr;
     }
     if (fd < 0) return PyErr_Format(PyExc_ValueError, "fd must be >= 0, got %d", fd);
@@ -275,7 +279,7 @@ PyObject* py_submit(PyObject*, PyObject* args)
     if (pool != nullptr) {
         {
             std::lock_guard<std::mutex> lk(pool->mu);
-            pool->queue.push_back(r);
+            (urgent ? pool->urgent : pool->queue).push_back(r);
         }
         if (r->npieces == 1) {
             pool->cv.notify_one();
@@ -397,10 +401,10 @@ PyObject* py_pool_threads(PyObject*, PyObject*)
 
 PyMethodDef kMethods[] = {
     {"submit", py_submit, METH_VARARGS,
-     "submit(fd, addr, nbytes, offset, is_write, block_size, threads) -> int\n"
+     "submit(fd, addr, nbytes, offset, is_write, block_size, threads, urgent=False) -> int\n"
      "Queue a pread (is_write false) or pwrite of nbytes at file offset `offset` from/to the "
      "buffer at address addr, split into block_size pieces run by the pool of `threads` "
-     "threads. Returns a request id at once. The buffer and fd must stay valid until wait(). "
+     "threads; an urgent request's pieces run before every queued normal one. Returns a request id at once. The buffer and fd must stay valid until wait(). "
      "No alignment checks: use zero_offload.nvme.aio.AioEngine."},
     {"wait", py_wait, METH_VARARGS,
      "wait(id): block (GIL released) until the request completes; consumes the id. Raises "
@@ -429,5 +433,11 @@ PyModuleDef kModule = {
 PyMODINIT_FUNC PyInit__aio(void)
 {
     zo::aio::state();
-    return PyModule_Create(&zo::aio::kModule);
+    PyObject* m = PyModule_Create(&zo::aio::kModule);
+    // submit() takes `urgent` (older builds of this module do not: the wrapper checks this).
+    if (m != nullptr && PyModule_AddIntConstant(m, "SUBMIT_URGENT", 1) != 0) {
+        Py_DECREF(m);
+        return nullptr;
+    }
+    return m;
 }

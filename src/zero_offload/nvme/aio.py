@@ -65,6 +65,7 @@ _BASELINE_BLOCK = 1 << 20
 _MAX_WORKERS = 1024  # the compiled module's largest pool
 
 _C, _IMPORT_ERROR = load_optional("zero_offload._aio")
+_URGENT = bool(getattr(_C, "SUBMIT_URGENT", 0))  # a build whose submit() takes ``urgent``
 
 _fallback_warned = False
 
@@ -378,11 +379,12 @@ class Request:
         with self._lock:
             if self._finished:
                 return
+            trace = tracer()
+            began = trace.waiting(self) if trace is not None else None
             try:
                 self._handle.wait()
-                trace = tracer()
                 if trace is not None:
-                    trace.finished(self)
+                    trace.finished(self, began)
             except OSError as e:
                 self._error = (
                     e.errno if e.errno is not None else errno.EIO,
@@ -456,9 +458,12 @@ class AioEngine:
         else:
             self.backend = "pthreads"
 
-    def read(self, f: SwapFile, offset: int, buf: torch.Tensor) -> Request:
-        """Read ``buf``'s bytes from ``f`` at ``offset`` into ``buf``."""
-        return self._submit(f, offset, buf, False)
+    def read(self, f: SwapFile, offset: int, buf: torch.Tensor, urgent: bool = False) -> Request:
+        """Read ``buf``'s bytes from ``f`` at ``offset`` into ``buf``. ``urgent``: its pieces go
+        to the disk before every queued normal request's (a read the computation waits for,
+        e.g. a param fetch queued behind the optimizer state's read-ahead); the compiled
+        backend only (the fallback's queue is first come, first served)."""
+        return self._submit(f, offset, buf, False, urgent)
 
     def write(self, f: SwapFile, offset: int, buf: torch.Tensor) -> Request:
         """Write ``buf``'s bytes to ``f`` at ``offset``."""
@@ -469,7 +474,9 @@ class AioEngine:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
-    def _submit(self, f: SwapFile, offset: int, buf: torch.Tensor, write: bool) -> Request:
+    def _submit(
+        self, f: SwapFile, offset: int, buf: torch.Tensor, write: bool, urgent: bool = False
+    ) -> Request:
         op = "write" if write else "read"
         nbytes = _validate(f, offset, buf, op)
         addr = buf.data_ptr()
@@ -477,9 +484,10 @@ class AioEngine:
         if f.direct:
             block = _round_up(block)  # every piece of a direct request stays aligned
         if self._pool is None:
-            handle: _Handle = _CHandle(
-                _C.submit(f.fd, addr, nbytes, offset, write, block, self.policy.workers)
-            )
+            how = (f.fd, addr, nbytes, offset, write, block, self.policy.workers)
+            if urgent and _URGENT:
+                how += (True,)
+            handle: _Handle = _CHandle(_C.submit(*how))
         else:
             py = _PyHandle()
             for start in range(0, nbytes, block):

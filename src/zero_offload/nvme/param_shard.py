@@ -104,7 +104,7 @@ class NvmeParamShard:
     def _read_checked(self, a: int, buf: torch.Tensor, lo: int, hi: int) -> None:
         """A demanded read of the blocks from byte ``a`` into ``buf``, waited for and checked."""
         check_swap_file(self.file, "param-shard")
-        self._wait(self.aio.read(self.file, a, buf), "read", lo, hi)
+        self._wait(self.aio.read(self.file, a, buf, urgent=True), "read", lo, hi)
         self._verify(a, buf, lo, hi)
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
@@ -178,7 +178,7 @@ class NvmeParamShard:
         check_swap_file(self.file, "param-shard")
         a, b = self._blocks(lo, hi)
         buf = self._buffer(b - a)
-        req = self.aio.read(self.file, a, buf)
+        req = self.aio.read(self.file, a, buf, urgent=True)  # before the optimizer's read-ahead
         self.shared.insert(key, [buf, lo * self.itemsize - a, req, False])
 
     def read(self, lo: int, hi: int, cache: bool = True) -> torch.Tensor:
