@@ -50,7 +50,7 @@ def test_trace_records_every_request_and_the_phases(tmp_path, monkeypatch):
     engine.destroy()
     events = load(out)
     requests = [e for e in events if "op" in e]
-    assert {e["file"] for e in requests} >= {"group0.swp"}  # the optimizer state's file
+    assert {e["file"] for e in requests} == {"optimizer/group0.swp", "param/group0.swp"}
     assert all(e["done"] is not None and e["done"] >= e["submit"] for e in requests)
     found = steps(phases(events))
     assert [[p.name for p in s] for s in found] == [["forward", "backward", "step", "step_end"]] * 2

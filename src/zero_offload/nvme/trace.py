@@ -9,7 +9,8 @@ Environment variable (read once, at the first request or mark):
 Completion times come from a polling thread (every 0.2 ms) and from the wait that consumes the
 request, whichever sees it first: a completion is stamped at most one poll late while the
 poller gets the interpreter lock. Lines: ``{"op": "read"|"write", "file": name, "bytes": n,
-"submit": t, "done": t}`` and ``{"mark": name, "t": t}``, times in seconds (``perf_counter``).
+"submit": t, "done": t}`` (with ``"stall": t``
+when a thread began waiting for it at t before it completed: the I/O held that thread up) and ``{"mark": name, "t": t}``, times in seconds (``perf_counter``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class IoTrace:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.events: list[dict[str, Any]] = []
-        self._open: dict[int, tuple[dict[str, Any], Any]] = {}  # id(request) -> (event, request)
+        self._open: dict[int, tuple[dict[str, Any], Any]] = {}  # polled: id -> (event, request)
+        self._live: dict[int, dict[str, Any]] = {}  # not finished: id(request) -> event
         self._lock = threading.Lock()
         self._stop = False
         self._poller = threading.Thread(target=self._poll, name="zero_offload_io_trace")
@@ -39,19 +41,33 @@ class IoTrace:
         atexit.register(self.dump)
 
     def submitted(self, request: Any) -> None:
-        event = {"op": request.op, "file": request.file.path.name, "bytes": request.nbytes}
+        path = request.file.path  # its folder names the kind: optimizer/ or param/
+        event = {"op": request.op, "file": f"{path.parent.name}/{path.name}"}
+        event |= {"bytes": request.nbytes}
         event |= {"submit": time.perf_counter(), "done": None}
         with self._lock:
             self.events.append(event)
             self._open[id(request)] = (event, request)
+            self._live[id(request)] = event
 
-    def finished(self, request: Any) -> None:
-        """The request's wait returned: it completed by now (if the poller did not see it)."""
+    def waiting(self, request: Any) -> float | None:
+        """A thread starts waiting for ``request``: the time, when it is not done yet (the
+        waiter stalls on the I/O), else None."""
+        return None if request.done() else time.perf_counter()
+
+    def finished(self, request: Any, began: float | None = None) -> None:
+        """The request's wait returned: it completed by now (if the poller did not see it);
+        ``began``: when the wait started, if it had to wait (recorded as ``"stall"``)."""
         now = time.perf_counter()
         with self._lock:
-            entry = self._open.pop(id(request), None)
-        if entry is not None and entry[0]["done"] is None:
-            entry[0]["done"] = now
+            self._open.pop(id(request), None)
+            event = self._live.pop(id(request), None)
+            if event is None:
+                return
+            if event["done"] is None:
+                event["done"] = now
+            if began is not None:
+                event["stall"] = began
 
     def mark(self, name: str) -> None:
         with self._lock:

@@ -1,11 +1,13 @@
 """What a timeline of ``trace.py`` says: per phase of each training step (from one mark to the
 next), how long the disk was busy (at least one request in flight), how long idle, the longest
-idle gap, and the bytes read and written by the requests submitted in it."""
+idle gap, the bytes read and written by the requests submitted in it, and how long threads
+waited for unfinished requests, per swap folder (optimizer/, param/): the I/O that held the
+step up."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ class Phase:
     longest_gap: float = 0.0  # the longest stretch with nothing in flight
     read_bytes: int = 0
     write_bytes: int = 0
+    stalled: dict[str, float] = field(default_factory=dict)  # folder -> s a thread waited
 
     @property
     def wall(self) -> float:
@@ -54,6 +57,10 @@ def _fill(phase: Phase, requests: list[dict[str, Any]]) -> None:
     phase.writing = sum(b - a for a, b in _union(spans("write"), phase.start, phase.end))
     edges = [phase.start, *[t for span in busy for t in span], phase.end]
     phase.longest_gap = max(b - a for a, b in zip(edges[::2], edges[1::2]))
+    for kind in sorted({r["file"].split("/")[0] for r in requests}):
+        mine = [r for r in requests if "stall" in r and r["file"].startswith(kind + "/")]
+        waits = [(r["stall"], r["done"]) for r in mine]
+        phase.stalled[kind] = sum(b - a for a, b in _union(waits, phase.start, phase.end))
     for r in requests:
         if phase.start <= r["submit"] < phase.end:
             key = "read_bytes" if r["op"] == "read" else "write_bytes"
@@ -88,7 +95,9 @@ def steps(found: list[Phase]) -> list[list[Phase]]:
 
 
 def table(found: list[Phase]) -> str:
-    """One line per phase of each step: wall, busy %, idle, longest gap, GB read / written."""
+    """One line per phase of each step: wall, busy %, idle, longest gap, GB read / written,
+    and how long the threads waited for requests of each folder (the I/O on the critical
+    path)."""
     rows = []
     for i, group in enumerate(steps(found)):
         for p in group:
@@ -97,6 +106,7 @@ def table(found: list[Phase]) -> str:
                 f"step {i} {p.name:9} {p.wall:7.3f} s  disk busy {pct:5.1f}% (reading "
                 f"{p.reading:6.3f} s, writing {p.writing:6.3f} s)  idle {p.wall - p.busy:6.3f} s "
                 f"longest gap {p.longest_gap:6.3f} s  read {p.read_bytes / 1e9:6.3f} GB  "
-                f"written {p.write_bytes / 1e9:6.3f} GB"
+                f"written {p.write_bytes / 1e9:6.3f} GB  waited for I/O: "
+                + ", ".join(f"{k} {v:.3f} s" for k, v in p.stalled.items())
             )
     return "\n".join(rows)
