@@ -296,8 +296,9 @@ def test_grad_norm_benchmark_quick() -> None:
 
 
 def test_nvme_step_benchmark_runs(tmp_path: Path) -> None:
-    """The NVMe step comparison's quick run (this library's side): the disk, the floor and the
-    step are printed, and the swap files are gone after it."""
+    """The NVMe step comparison's quick run (this library's side): the disk (one direction and
+    mixed), the floors, the step and its disk timeline are printed, and the swap files are gone
+    after it."""
     done = subprocess.run(
         [
             sys.executable,
@@ -314,12 +315,16 @@ def test_nvme_step_benchmark_runs(tmp_path: Path) -> None:
             "2",
             "--dtype",
             "fp32",
+            "--trace",
+            str(tmp_path / "io.jsonl"),
         ],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    for part in ("[disk]", "[floor]", "zero_offload     median step", "ours / floor (state)"):
+    parts = ("[disk]", "[disk, mixed]", "[floor]", "zero_offload     median step")
+    parts += ("ours / floor (state+params, the goal's)", "[disk timeline of ours]", "disk busy")
+    for part in parts:
         assert part in done.stdout, done.stdout
     assert not any(tmp_path.rglob("*.swp"))
