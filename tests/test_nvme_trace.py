@@ -71,3 +71,11 @@ def test_without_the_variable_nothing_is_recorded(monkeypatch):
     monkeypatch.setattr(trace, "_trace", None)
     assert trace.tracer() is None
     trace.mark("forward")  # a no-op
+
+
+def test_each_rank_writes_its_own_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert trace._per_rank(tmp_path / "io.jsonl") == tmp_path / "io.jsonl.rank1"
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert trace._per_rank(tmp_path / "io.jsonl") == tmp_path / "io.jsonl"

@@ -4,7 +4,8 @@ training step can be read off (``summarize``; ``benchmarks/nvme_trace.py`` print
 
 Environment variable (read once, at the first request or mark):
     ZERO_OFFLOAD_NVME_TRACE  a file path: the timeline is written there as JSON lines at exit
-                             (and by ``dump``). Unset: nothing is recorded, nothing runs.
+                             (and by ``dump``); with several ranks (WORLD_SIZE > 1) each writes
+                             ``<path>.rank<RANK>``. Unset: nothing is recorded, nothing runs.
 
 Completion times come from a polling thread (every 0.2 ms) and from the wait that consumes the
 request, whichever sees it first: a completion is stamped at most one poll late while the
@@ -103,8 +104,15 @@ def tracer() -> IoTrace | None:
         _read = True
         path = os.environ.get(ENV, "").strip()
         if path:
-            _trace = IoTrace(Path(path))
+            _trace = IoTrace(_per_rank(Path(path)))
     return _trace
+
+
+def _per_rank(path: Path) -> Path:
+    """``path``, or ``path.rank<r>`` when the launcher started several ranks (one file each)."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        return path.with_name(f"{path.name}.rank{os.environ.get('RANK', '0')}")
+    return path
 
 
 def mark(name: str) -> None:
