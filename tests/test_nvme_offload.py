@@ -149,9 +149,10 @@ def test_param_shard_host_buffers_stay_within_max_in_cpu(tmp_path):
     nv.close()
 
 
-@pytest.mark.parametrize("fail_at", [("read", 4), ("write", 3), ("body", 2)])
+@pytest.mark.parametrize("fail_at", [("read", 4), ("write", 3), ("write", 6), ("body", 2)])
 def test_failed_update_commits_nothing(tmp_path, fail_at):
-    """A failure at any chunk of a six-chunk update leaves every chunk's committed state."""
+    """A failure at any chunk of a six-chunk update leaves every chunk's committed state, the
+    last write's too (the update waits for every write before it commits)."""
     numel, chunk = 6 * 2048, 2048
     aio = AioEngine(AioPolicy())
     nv = NvmeOptimizerState(tmp_path, "g", numel, chunk, 3, aio, pin=False)

@@ -190,3 +190,31 @@ def test_the_next_read_is_in_flight_before_each_chunk_computes(tmp_path):
         for kind in KINDS:
             assert torch.equal(nv.read(kind, 0, NUMEL), mem.read(kind, 0, NUMEL)), kind
         nv.close()
+
+
+def test_param_reads_are_urgent_and_state_reads_are_not(tmp_path):
+    """A param fetch (demanded or read ahead) goes to the disk before the queued optimizer-state
+    reads; the state's own reads and every write stay in order."""
+    from zero_offload.nvme.param_shard import NvmeParamShard
+
+    aio = AioEngine(AioPolicy(block_size=8192))
+    seen: list[tuple[str, bool]] = []
+    real = aio.read
+
+    def read(f, off, buf, urgent=False):
+        seen.append((f.path.name, urgent))
+        return real(f, off, buf, urgent=urgent)
+
+    aio.read = read
+    shard = NvmeParamShard(tmp_path, "p", 10_000, torch.bfloat16, aio, pin=False, max_in_cpu=8000)
+    shard.write(0, torch.randn(10_000).bfloat16())
+    shard.read_ahead(0, 2048)
+    shard.read(2048, 4096)
+    nv = NvmeOptimizerState(tmp_path, "g", NUMEL, CHUNK, 3, aio, pin=False)
+    nv.fill(lambda lo, hi, out: out.zero_())
+    nv.read_ahead()
+    nv.update([(lo, min(lo + CHUNK, NUMEL)) for lo in range(0, NUMEL, CHUNK)], _body(0))
+    assert {u for name, u in seen if name == "p.swp"} == {True}
+    assert {u for name, u in seen if name == "g.swp"} == {False}
+    shard.close()
+    nv.close()
