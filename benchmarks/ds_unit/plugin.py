@@ -186,7 +186,8 @@ def _reduce_boolean_flags(flag: bool, op=all) -> bool:
     if not dist.is_initialized():
         return flag
     device = get_accelerator().current_device_name()
-    mine = torch.tensor(1 if flag else 0, dtype=torch.int, device=device)
+    # one element, not a 0-d tensor: gloo's all-gather refuses 0-d inputs
+    mine = torch.tensor([1 if flag else 0], dtype=torch.int, device=device)
     gathered = torch.zeros(dist.get_world_size(), dtype=torch.int, device=device)
     dist.all_gather_into_tensor(gathered, mine)
     return op(bool(f) for f in gathered.tolist())
