@@ -113,10 +113,7 @@ def _op_builder(name: str, compatible: bool) -> type:
 def _install_probe_stand_ins() -> None:
     """Capability probes the test files run at import or in skip checks: which DeepSpeed ops
     exist (zero_offload's host Adam answers for ``cpu_adam``, its NVMe I/O for ``async_io``;
-    there is no Lamb), the torch
-    version check, and the offload-device enum used to write configs."""
-    import enum
-
+    there is no Lamb) and the torch version check."""
     import deepspeed
     import torch
     from packaging import version
@@ -131,8 +128,7 @@ def _install_probe_stand_ins() -> None:
         "deepspeed.ops.op_builder",
         **{cls_name: _op_builder(op, compatible[op]) for cls_name, op in builders.items()},
     )
-    # zero_offload's NVMe offload has its own async I/O: the probe answers "compatible"
-    _stand_in_module("deepspeed.ops.aio", AsyncIOBuilder=_op_builder("async_io", True))
+    # deepspeed.ops.aio's AsyncIOBuilder and the offload-device enum are the namespace's own
     if not hasattr(deepspeed.ops, "__compatible_ops__"):
         deepspeed.ops.__compatible_ops__ = compatible
 
@@ -143,13 +139,6 @@ def _install_probe_stand_ins() -> None:
         return not (max_version and ours > version.parse(str(max_version)))
 
     _stand_in_module("deepspeed.utils.torch", required_torch_version=required_torch_version)
-
-    class OffloadDeviceEnum(str, enum.Enum):
-        none = "none"
-        cpu = "cpu"
-        nvme = "nvme"
-
-    _stand_in_module("deepspeed.runtime.zero.offload_config", OffloadDeviceEnum=OffloadDeviceEnum)
 
 
 def install_stand_ins() -> None:

@@ -133,7 +133,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """DeepSpeed's ``engine.scale(loss)``: the loss times the fp16 loss scale, for a plain
         ``scale(loss).backward()`` (the engine still applies 1/GAS, to the gradients)."""
-        guards.check_loss(loss)
+        guards.check_loss(loss, "engine.scale(loss)")
         self._loss_scaled = True
         scale = self.loss_scaler.loss_scale
         return loss * scale if scale != 1.0 else loss
