@@ -1,8 +1,8 @@
 """``deepspeed.runtime.torch_autocast``: DeepSpeed's per-parameter communication-dtype queries.
 
-The ``torch_autocast`` config section itself is not built here (it is accepted with the
-not-implemented warning): the engine marks no parameter, so every parameter's communication
-dtype is its own dtype and ``is_autocast_initialized()`` is false."""
+With the ``torch_autocast`` section enabled, the engine marks the params of its
+``lower_precision_safe_modules`` with the autocast dtype (``param.comm_dtype``); an unmarked
+param's communication dtype is its own dtype."""
 
 from __future__ import annotations
 
@@ -10,23 +10,11 @@ from collections.abc import Iterable
 
 import torch
 
+from ...runtime.engine.autocast import DEFAULT_SAFE_MODULES, PARAM_COMM_DTYPE_ATTR_NAME
 from .._common import not_provided_getattr
 
-# The attribute DeepSpeed sets on a parameter whose gradient it communicates in a lower dtype.
-PARAM_COMM_DTYPE_ATTR_NAME = "comm_dtype"
-
 # DeepSpeed's default "lower_precision_safe_modules".
-LOWER_PRECISION_SAFE_MODULES: list[type[torch.nn.Module]] = [
-    torch.nn.Linear,
-    torch.nn.Conv1d,
-    torch.nn.Conv2d,
-    torch.nn.Conv3d,
-]
-
-
-def is_autocast_initialized() -> bool:
-    """False: no engine here marks parameters for ``torch_autocast``."""
-    return False
+LOWER_PRECISION_SAFE_MODULES: list[type[torch.nn.Module]] = list(DEFAULT_SAFE_MODULES)
 
 
 def get_default_autocast_lower_precision_modules() -> list[str]:
@@ -56,6 +44,5 @@ __all__ = [
     "get_comm_dtype",
     "get_default_autocast_lower_precision_modules",
     "has_comm_dtype",
-    "is_autocast_initialized",
 ]
 __getattr__ = not_provided_getattr(__name__)

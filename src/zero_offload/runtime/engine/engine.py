@@ -75,7 +75,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         guards.check_alive(self.destroyed, "forward")
         if self.scope.open and not in_backward():
             self.scope.abandon()  # the last backward raised part way: start clean
-        with self._timed("forward"):
+        with self._timed("forward"), self.autocast.context():
             out = self.module(*inputs, **kwargs)
         self.scope.attach_outputs(out)  # a plain loss.backward() of these opens the backward
         return out
