@@ -41,3 +41,9 @@ def test_unscaled_fp16_plain_backward_is_a_runtime_error() -> None:
     with pytest.raises(RuntimeError, match="Loss scaling is required"):
         engine(x, x).backward()
     engine.destroy()
+
+
+def test_managed_gradient_accumulation_accessor_defaults_true() -> None:
+    engine, _ = _engine()
+    assert engine.managed_gradient_accumulation() is True
+    engine.destroy()

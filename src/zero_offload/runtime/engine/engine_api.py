@@ -55,8 +55,8 @@ class DeepSpeedEngineAPI:
             raise ValueError(
                 f"set_gradient_accumulation_boundary: is_boundary must be a bool, got {is_boundary!r}"
             )
-        if not self.window.managed:
-            raise guards.EngineUsageError(
+        if not self.window.managed:  # DeepSpeed asserts this: an AssertionError as well
+            raise guards.EngineAssertionError(
                 "set_gradient_accumulation_boundary() with managed_gradient_accumulation false: "
                 "the caller owns the boundary by calling step()"
             )
@@ -162,6 +162,10 @@ class DeepSpeedEngineAPI:
 
     def bfloat16_enabled(self) -> bool:
         return bool(self.config.bf16.enabled)
+
+    def managed_gradient_accumulation(self) -> bool:
+        """DeepSpeed's: whether the engine counts micro-steps (false: every step() updates)."""
+        return self.window.managed
 
     def torch_autocast_enabled(self) -> bool:
         return self.autocast.enabled
