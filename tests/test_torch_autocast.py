@@ -123,12 +123,19 @@ def test_disabled_section_marks_nothing_and_leaves_the_forward_alone() -> None:
     engine.destroy()
 
 
-def test_fp16_autocast_scales_the_loss() -> None:
-    engine = _engine({"enabled": True, "dtype": "fp16"}, {"initial_scale_power": 8})
+def test_fp16_autocast_scales_the_loss_as_torchs_grad_scaler() -> None:
+    engine = _engine({"enabled": True, "dtype": "fp16"})
     assert engine.optimizer.needs_scaler()
-    assert engine.loss_scaler.loss_scale == 2.0**8
     assert not engine.fp16_enabled()  # the params stay fp32
     assert engine.module.fc1.weight.dtype == torch.float32
+    scaler = torch.amp.GradScaler("cpu")  # its defaults: the scaling expected
+    assert engine.loss_scaler.loss_scale == scaler.get_scale() == 2.0**16
+    assert scaler.get_backoff_factor() == 0.5 and scaler.get_growth_interval() == 2000
+    expected = 2.0**16
+    for overflow in (True, True, False):  # halved on every overflow (no hysteresis)
+        engine.loss_scaler.update_scale(overflow)
+        expected *= scaler.get_backoff_factor() if overflow else 1.0
+        assert engine.loss_scaler.loss_scale == expected
     engine.destroy()
 
 

@@ -21,8 +21,8 @@ AUTOCAST_DTYPES: dict[str, torch.dtype] = {
 
 
 class TorchAutocastConfig(Section):
-    """Forward passes under ``torch.autocast``; fp16 adds the ``fp16`` section's (dynamic)
-    loss scaling, as DeepSpeed adds a gradient scaler."""
+    """Forward passes under ``torch.autocast``; fp16 adds dynamic loss scaling with torch's
+    ``GradScaler`` defaults, as DeepSpeed adds a ``GradScaler``."""
 
     enabled: Bool = Field(
         False,
@@ -31,8 +31,9 @@ class TorchAutocastConfig(Section):
     dtype: Str | None = Field(
         None,
         description='The autocast dtype: "torch.bfloat16" / "bf16" / "bfloat16" or '
-        '"torch.float16" / "fp16" / "float16" / "half"; fp16 scales the loss as the fp16 '
-        "section's loss-scale keys say. Null: torch's default for the device.",
+        '"torch.float16" / "fp16" / "float16" / "half"; fp16 scales the loss dynamically as '
+        "torch's GradScaler does (from 2**16, halved on each overflow, doubled after 2000 clean "
+        "steps). Null: torch's default for the device.",
     )
     lower_precision_safe_modules: list[Str] | None = Field(
         None,

@@ -37,7 +37,7 @@ from ..update.shard_optimizer import UpdatePolicy
 from ..update.state_build import alias_state, build_nvme_params, build_states, preflight
 from ..update.zero_optimizer import ZeroOptimizer
 from . import guards
-from .autocast import AutocastPolicy
+from .autocast import AutocastPolicy, grad_scaler_for_fp16
 from .loss_scaler import build_loss_scaler
 from .memory_model import ZeroPlan
 from .module_cast import cast_buffers_, cast_params_
@@ -226,10 +226,12 @@ def build_step_policies(e: ZeroOffloadEngine) -> None:
     """The optimizer users see, loss scaling, overflow handling, clipping, reporting."""
     config = e.config
     e.optimizer = ZeroOptimizer(e.groups, e.shard_opts) if e.groups else None
-    # fp16 autocast scales the loss by the fp16 section's keys (enabled or not), as DeepSpeed
-    # adds a gradient scaler for it
+    # fp16 autocast (fp16 section off) scales the loss as torch's GradScaler does, as DeepSpeed
     scaled = config.fp16.enabled or e.autocast.scales_loss
-    e.loss_scaler = build_loss_scaler(scaled and config.fp16.model_copy(update={"enabled": True}))
+    if config.fp16.enabled or not scaled:
+        e.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
+    else:
+        e.loss_scaler = grad_scaler_for_fp16(float(config.fp16.min_loss_scale))
     e._overflows = OverflowMonitor(
         e.loss_scaler.dynamic,
         float(config.fp16.min_loss_scale),

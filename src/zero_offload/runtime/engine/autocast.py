@@ -15,6 +15,7 @@ import torch
 
 from ...config.errors import ConfigError
 from ...config.torch_autocast import TorchAutocastConfig
+from .loss_scaler import DynamicLossScaler
 
 PARAM_COMM_DTYPE_ATTR_NAME = "comm_dtype"
 DEFAULT_SAFE_MODULES: tuple[type[torch.nn.Module], ...] = (
@@ -41,6 +42,19 @@ def _safe_classes(names: list[str] | None) -> tuple[type, ...]:
             ) from None
         found.append(cls)
     return tuple(found)
+
+
+def grad_scaler_for_fp16(min_scale: float) -> DynamicLossScaler:
+    """The loss scaling of fp16 autocast: torch's ``GradScaler`` defaults, which DeepSpeed uses
+    for it (start at 2**16, halve on every overflow, double after 2000 clean steps), floored at
+    ``min_scale`` (the ``fp16.min_loss_scale`` the overflow monitor stops at)."""
+    return DynamicLossScaler(
+        init_scale=2.0**16,
+        scale_factor=2.0,
+        scale_window=2000,
+        min_scale=min_scale,
+        delayed_shift=1,
+    )
 
 
 @dataclass(frozen=True)

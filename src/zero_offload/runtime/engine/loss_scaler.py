@@ -80,7 +80,7 @@ class DynamicLossScaler(LossScaler):
 
 def build_loss_scaler(fp16_cfg) -> LossScaler:
     """From the ``fp16`` config block (None or disabled: no scaling)."""
-    if not fp16_cfg or not fp16_cfg.enabled:
+    if fp16_cfg is None or not fp16_cfg.enabled:
         return LossScaler(1.0)
     if fp16_cfg.loss_scale > 0:
         return LossScaler(fp16_cfg.loss_scale)
