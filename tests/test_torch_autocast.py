@@ -144,3 +144,35 @@ def test_bad_dtype_and_module_name_are_errors_naming_the_key() -> None:
         _engine({"enabled": True, "dtype": "int8"})
     with pytest.raises(ConfigError, match="torch_autocast.lower_precision_safe_modules"):
         _engine({"enabled": True, "lower_precision_safe_modules": ["no.such.Module"]})
+
+
+def _fp16_against_grad_scaler(stage: int) -> list[tuple[float, float]]:
+    torch.manual_seed(1)
+    ref = _Net()
+    engine, *_ = zero_offload.initialize(
+        model=copy.deepcopy(ref), config=_config(stage, {"enabled": True, "dtype": "fp16"})
+    )
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.0)
+    scaler = torch.amp.GradScaler("cpu")
+    losses = []
+    for _ in range(4):
+        x, y = torch.randn(4, 16), 300.0 * torch.randn(4, 8)  # large: the first steps overflow
+        with torch.autocast("cpu", dtype=torch.float16):
+            ref_loss = ref(x, y)
+        loss = engine(x, y)
+        losses.append((loss.item(), ref_loss.item()))
+        opt.zero_grad()
+        scaler.scale(ref_loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        engine.backward(loss)
+        engine.step()
+    assert engine.skipped_steps > 0  # the overflow path ran
+    engine.destroy()
+    return losses
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_fp16_autocast_trains_as_plain_pytorch_with_grad_scaler(stage: int) -> None:
+    for loss, ref_loss in _fp16_against_grad_scaler(stage):
+        assert loss == pytest.approx(ref_loss, rel=1e-6)
