@@ -139,3 +139,28 @@ def test_comm_dtype_queries() -> None:
     assert "torch.nn.modules.linear.Linear" in (
         torch_autocast.get_default_autocast_lower_precision_modules()
     )
+
+
+def test_names_import_through_the_deepspeed_opt_in() -> None:
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = """
+        import zero_offload
+        zero_offload.as_deepspeed()
+        from deepspeed.ops.aio import AsyncIOBuilder
+        from deepspeed.runtime.torch_autocast import get_comm_dtype
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig, ZeroStageEnum
+        from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+        from deepspeed.utils import set_log_level_from_string
+        print(DeepSpeedZeroConfig(stage=ZeroStageEnum.weights).overlap_comm, OffloadDeviceEnum.cpu.value)
+    """
+    env = {k: v for k, v in os.environ.items() if k != "ZERO_OFFLOAD_AS_DEEPSPEED"}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "cpu"]
