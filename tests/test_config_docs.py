@@ -16,9 +16,13 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
 
 def _all_sections(base: type[Section] = Section) -> list[type[Section]]:
+    """The config's sections (not the DeepSpeed namespace's constructor views of them, such as
+    its ``DeepSpeedZeroConfig``, a ``ZeroConfig`` built from keyword arguments)."""
     out = []
     for cls in base.__subclasses__():
-        out += [cls, *_all_sections(cls)]
+        if cls.__module__.startswith("zero_offload.config"):
+            out.append(cls)
+        out += _all_sections(cls)
     return out
 
 

@@ -82,8 +82,10 @@ def _unmanaged(stage: int, offload: bool, world: int = 1, rank: int = 0):
             k += world * MICRO
         engine.step()
         applied.append(engine.was_step_applied())
-    with pytest.raises(EngineUsageError, match="caller owns the boundary"):
+    with pytest.raises(EngineUsageError, match="caller owns the boundary") as refused:
         engine.set_gradient_accumulation_boundary(True)
+    assert isinstance(refused.value, AssertionError)  # DeepSpeed asserts it
+    assert engine.managed_gradient_accumulation() is False
     out = {
         "params": {
             n: safe_get_full_fp32_param(p) for n, p in model.named_parameters() if p.requires_grad

@@ -8,7 +8,11 @@ harness (``unit/common.py``) to a machine without GPUs and nothing else:
 * every test's world size is capped at ``DS_UNIT_MAX_WORLD`` (default 2) ranks, each a CPU
   process on gloo (the harness's GPU-count skip is removed: a CPU "device" holds any number);
 * the process pool is not reused between tests (each test gets fresh ranks, as a user's
-  script does).
+  script does);
+* the tests' reference ``DistributedDataParallel(..., device_ids=[i], output_device=i)`` drops
+  the device ids for a CPU module (torch's form for one), as gloo replaces nccl, and the
+  harness's ``reduce_boolean_flags`` puts its flags on the device by name, not by index (an
+  index is a GPU to torch).
 
 * the harness's own helper modules (``unit/common.py``, ``unit/util.py``, ``unit/simple_model.py``,
   ``unit/checkpoint/common.py``) import a few DeepSpeed names at import time that are not part of
@@ -76,6 +80,7 @@ def _install_harness_stand_ins() -> None:
         torch_info={
             "version": torch.__version__,
             "cuda_version": cuda or "0.0",
+            "nccl_version": "0.0",  # no NCCL on CPU ranks (as DeepSpeed's CPU build records)
             "hip_version": "0.0",
         },
     )
@@ -108,10 +113,7 @@ def _op_builder(name: str, compatible: bool) -> type:
 def _install_probe_stand_ins() -> None:
     """Capability probes the test files run at import or in skip checks: which DeepSpeed ops
     exist (zero_offload's host Adam answers for ``cpu_adam``, its NVMe I/O for ``async_io``;
-    there is no Lamb), the torch
-    version check, and the offload-device enum used to write configs."""
-    import enum
-
+    there is no Lamb) and the torch version check."""
     import deepspeed
     import torch
     from packaging import version
@@ -126,8 +128,7 @@ def _install_probe_stand_ins() -> None:
         "deepspeed.ops.op_builder",
         **{cls_name: _op_builder(op, compatible[op]) for cls_name, op in builders.items()},
     )
-    # zero_offload's NVMe offload has its own async I/O: the probe answers "compatible"
-    _stand_in_module("deepspeed.ops.aio", AsyncIOBuilder=_op_builder("async_io", True))
+    # deepspeed.ops.aio's AsyncIOBuilder and the offload-device enum are the namespace's own
     if not hasattr(deepspeed.ops, "__compatible_ops__"):
         deepspeed.ops.__compatible_ops__ = compatible
 
@@ -139,17 +140,46 @@ def _install_probe_stand_ins() -> None:
 
     _stand_in_module("deepspeed.utils.torch", required_torch_version=required_torch_version)
 
-    class OffloadDeviceEnum(str, enum.Enum):
-        none = "none"
-        cpu = "cpu"
-        nvme = "nvme"
-
-    _stand_in_module("deepspeed.runtime.zero.offload_config", OffloadDeviceEnum=OffloadDeviceEnum)
-
 
 def install_stand_ins() -> None:
     """Both kinds of stand-ins (harness imports and capability probes); idempotent."""
     _install_harness_stand_ins()
+
+
+def _cpu_ddp() -> None:
+    """The tests' reference ``DistributedDataParallel(model, device_ids=[i], output_device=i)``
+    is written for one GPU per rank; torch refuses ``device_ids`` for a CPU module. On CPU ranks
+    they are dropped (torch's form for a CPU module), as the backend is gloo, not nccl."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if getattr(DDP, "_zero_offload_cpu_ids", False):
+        return
+    original_init = DDP.__init__
+
+    def init(self, module, device_ids=None, output_device=None, *args, **kwargs):
+        if all(p.device.type == "cpu" for p in module.parameters()):
+            device_ids = output_device = None
+        original_init(self, module, device_ids, output_device, *args, **kwargs)
+
+    DDP.__init__ = init
+    DDP._zero_offload_cpu_ids = True
+
+
+def _reduce_boolean_flags(flag: bool, op=all) -> bool:
+    """``unit.common.reduce_boolean_flags`` with its flag tensors on the current device by name:
+    the original passes ``current_device()``, an index, which torch reads as a GPU."""
+    import deepspeed.comm as dist
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    if not dist.is_initialized():
+        return flag
+    device = get_accelerator().current_device_name()
+    # one element, not a 0-d tensor: gloo's all-gather refuses 0-d inputs
+    mine = torch.tensor([1 if flag else 0], dtype=torch.int, device=device)
+    gathered = torch.zeros(dist.get_world_size(), dtype=torch.int, device=device)
+    dist.all_gather_into_tensor(gathered, mine)
+    return op(bool(f) for f in gathered.tolist())
 
 
 def patch_harness(common) -> None:
@@ -158,6 +188,8 @@ def patch_harness(common) -> None:
     if getattr(exec_cls, "_zero_offload_patched", False):
         return
     exec_cls._zero_offload_patched = True
+    _cpu_ddp()
+    common.reduce_boolean_flags = _reduce_boolean_flags
     original_launch = exec_cls._launch_with_file_store
 
     def launch_with_file_store(self, request, world_size):

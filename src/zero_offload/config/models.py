@@ -31,6 +31,7 @@ from .precision import BF16Config, FP16Config
 from .runtime_keys import CheckpointConfig, DataTypesConfig, allreduce_op
 from .scheduler import SCHEDULER_CONFIGS, AnySchedulerConfig, canonical_scheduler_type
 from .scheduler import normalize_scheduler as _normalize_scheduler
+from .torch_autocast import TorchAutocastConfig
 from .zero import ZeroConfig
 
 # DeepSpeed's top-level keys (deepspeed/runtime/constants.py and the configs it reads) that
@@ -73,7 +74,6 @@ TOP_LEVEL_NOT_IMPLEMENTED = frozenset(
         "tensor_parallel",
         "tensorboard",
         "timers",
-        "torch_autocast",
         "use_data_before_expert_parallelism",
         "vocabulary_size",
         "wandb",
@@ -185,6 +185,11 @@ class ZeroOffloadConfig(Section):
         "mean",
         description='How gradients combine over the data-parallel ranks: "mean" averages, '
         '"sum" keeps the unscaled sum (not with stage 3). Matched case-insensitively.',
+    )
+    torch_autocast: TorchAutocastConfig = Field(
+        default_factory=TorchAutocastConfig,
+        description="DeepSpeed's native-autocast mode: forwards under torch.autocast, params "
+        "in their own dtype.",
     )
     data_types: DataTypesConfig = Field(
         default_factory=DataTypesConfig,

@@ -172,6 +172,11 @@ class OffloadOptimizerConfig(Section):
     def _device(cls, value: Any) -> Any:
         return _offload_device(value)
 
+    @property
+    def pipeline(self) -> bool:
+        """DeepSpeed's derived ``pipeline`` field: ``pipeline_read or pipeline_write``."""
+        return self.pipeline_read or self.pipeline_write
+
     @model_validator(mode="after")
     def _nvme(self) -> OffloadOptimizerConfig:
         if self.device == "nvme":

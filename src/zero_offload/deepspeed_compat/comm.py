@@ -74,3 +74,45 @@ def init_distributed(
 
 def get_global_rank(group=None, group_rank: int = 0) -> int:
     return _dist.get_global_rank(group, group_rank) if is_initialized() else group_rank
+
+
+# DeepSpeed's further collectives, torch.distributed's under DeepSpeed's names and argument
+# orders (its profiling keywords accepted and unused): the ones data-parallel user code calls.
+
+
+def all_gather_into_tensor(output_tensor, tensor, group=None, async_op: bool = False, **_):
+    return _dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(
+    output_tensor, tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, **_
+):
+    return _dist.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
+
+
+def reduce(tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False, **_):
+    return _dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
+
+
+def all_gather_object(object_list, obj, group=None, **_):
+    return _dist.all_gather_object(object_list, obj, group=group)
+
+
+def broadcast_object_list(object_list, src: int, group=None, device=None):
+    return _dist.broadcast_object_list(object_list, src, group=group, device=device)
+
+
+def new_group(ranks):
+    return _dist.new_group(ranks)
+
+
+def get_world_group():
+    return _dist.group.WORLD
+
+
+def has_all_gather_into_tensor() -> bool:
+    return True
+
+
+def has_reduce_scatter_tensor() -> bool:
+    return True

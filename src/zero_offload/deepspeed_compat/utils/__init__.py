@@ -1,11 +1,10 @@
 """``deepspeed.utils``: the logger (zero_offload's: setting its level, as transformers does from
-``TrainingArguments``, sets zero_offload's), ``log_dist``, the tensor-fragment API, the ZeRO-3
+``TrainingArguments``, sets zero_offload's), ``log_dist``, ``set_log_level_from_string``
+(:mod:`.logging`), the tensor-fragment API, the ZeRO-3
 leaf-module names, ``RepeatingLoader``, ``groups`` (the data-parallel queries) and
 ``zero_to_fp32``."""
 
 from __future__ import annotations
-
-import logging
 
 from ...core.dataloader import RepeatingLoader  # noqa: F401
 from ...utils import (  # noqa: F401
@@ -33,17 +32,7 @@ from ...utils import (  # noqa: F401
 )
 from .._common import not_provided_getattr
 from ..comm import is_initialized  # noqa: F401
-from . import groups, zero_to_fp32  # noqa: F401
-
-logger = logging.getLogger("zero_offload")
+from . import groups, logging, zero_to_fp32  # noqa: F401
+from .logging import log_dist, logger, set_log_level_from_string  # noqa: F401
 
 __getattr__ = not_provided_getattr(__name__)
-
-
-def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
-    """DeepSpeed's: log ``message`` on the listed ranks (None or containing -1: every rank)."""
-    from ..comm import get_rank
-
-    rank = get_rank()
-    if ranks is None or -1 in ranks or rank in ranks:
-        logger.log(level, "[Rank %d] %s", rank, message)

@@ -37,6 +37,7 @@ from ..update.shard_optimizer import UpdatePolicy
 from ..update.state_build import alias_state, build_nvme_params, build_states, preflight
 from ..update.zero_optimizer import ZeroOptimizer
 from . import guards
+from .autocast import AutocastPolicy, grad_scaler_for_fp16
 from .loss_scaler import build_loss_scaler
 from .memory_model import ZeroPlan
 from .module_cast import cast_buffers_, cast_params_
@@ -85,6 +86,7 @@ def read_settings(e: ZeroOffloadEngine, module, config, lr_scheduler, training_d
     if e.device.type == "cuda":  # streams, events and collectives act on the current one
         torch.cuda.set_device(e.device)
     e.dtype = config.dtype
+    e.autocast = AutocastPolicy.from_config(config.torch_autocast, e.device)
     accum = config.data_types.grad_accum_dtype  # stages 0/1: only fp32 with bf16 (config)
     e.grad_accum_dtype = DTYPES[accum] if accum is not None else e.dtype
     e.world_size, e.global_rank = dist.world_size(), dist.rank()
@@ -113,6 +115,7 @@ def prepare_module(e: ZeroOffloadEngine) -> None:
     weights and the same config."""
     module = e.module
     guards.check_materialized(module)
+    e.autocast.mark_params(module, e.config.torch_autocast.lower_precision_safe_modules)
     if e.stage == 3:
         move_buffers(module, e.device)
         apply_leaf_config(module, e.config.zero_optimization.leaf_module)  # before units
@@ -223,7 +226,12 @@ def build_step_policies(e: ZeroOffloadEngine) -> None:
     """The optimizer users see, loss scaling, overflow handling, clipping, reporting."""
     config = e.config
     e.optimizer = ZeroOptimizer(e.groups, e.shard_opts) if e.groups else None
-    e.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
+    # fp16 autocast (fp16 section off) scales the loss as torch's GradScaler does, as DeepSpeed
+    scaled = config.fp16.enabled or e.autocast.scales_loss
+    if config.fp16.enabled or not scaled:
+        e.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
+    else:
+        e.loss_scaler = grad_scaler_for_fp16(float(config.fp16.min_loss_scale))
     e._overflows = OverflowMonitor(
         e.loss_scaler.dynamic,
         float(config.fp16.min_loss_scale),
@@ -231,7 +239,7 @@ def build_step_policies(e: ZeroOffloadEngine) -> None:
         e.global_rank,
     )
     e.clip = float(config.gradient_clipping)
-    e._fp16 = bool(config.fp16.enabled)  # a plain backward needs engine.scale(loss)
+    e._fp16 = bool(scaled)  # a plain backward needs engine.scale(loss)
     e._print_every = config.steps_per_print
     e._micro_batch = int(config.train_micro_batch_size_per_gpu)
     e._t_step = time.perf_counter()

@@ -77,7 +77,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         if self.scope.open and not in_backward():
             self.scope.abandon()  # the last backward raised part way: start clean
         trace_mark("forward")
-        with self._timed("forward"):
+        with self._timed("forward"), self.autocast.context():
             out = self.module(*inputs, **kwargs)
         self.scope.attach_outputs(out)  # a plain loss.backward() of these opens the backward
         return out
@@ -135,7 +135,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """DeepSpeed's ``engine.scale(loss)``: the loss times the fp16 loss scale, for a plain
         ``scale(loss).backward()`` (the engine still applies 1/GAS, to the gradients)."""
-        guards.check_loss(loss)
+        guards.check_loss(loss, "engine.scale(loss)")
         self._loss_scaled = True
         scale = self.loss_scaler.loss_scale
         return loss * scale if scale != 1.0 else loss

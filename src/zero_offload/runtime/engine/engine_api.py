@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from . import guards
+from .autocast import DEFAULT_SAFE_MODULES
 
 
 class LossScale(float):
@@ -54,8 +55,8 @@ class DeepSpeedEngineAPI:
             raise ValueError(
                 f"set_gradient_accumulation_boundary: is_boundary must be a bool, got {is_boundary!r}"
             )
-        if not self.window.managed:
-            raise guards.EngineUsageError(
+        if not self.window.managed:  # DeepSpeed asserts this: an AssertionError as well
+            raise guards.EngineAssertionError(
                 "set_gradient_accumulation_boundary() with managed_gradient_accumulation false: "
                 "the caller owns the boundary by calling step()"
             )
@@ -161,6 +162,23 @@ class DeepSpeedEngineAPI:
 
     def bfloat16_enabled(self) -> bool:
         return bool(self.config.bf16.enabled)
+
+    def managed_gradient_accumulation(self) -> bool:
+        """DeepSpeed's: whether the engine counts micro-steps (false: every step() updates)."""
+        return self.window.managed
+
+    def torch_autocast_enabled(self) -> bool:
+        return self.autocast.enabled
+
+    def torch_autocast_dtype(self) -> torch.dtype | None:
+        """DeepSpeed's: the configured autocast dtype (None when not given)."""
+        return self.config.torch_autocast.torch_dtype
+
+    def torch_autocast_lower_precision_safe_modules(self) -> list[str]:
+        names = self.config.torch_autocast.lower_precision_safe_modules
+        if names is None:
+            return [f"{c.__module__}.{c.__name__}" for c in DEFAULT_SAFE_MODULES]
+        return list(names)
 
     def gradient_clipping(self) -> float:
         return float(self.config.gradient_clipping)

@@ -90,21 +90,27 @@ def check_alive(destroyed: bool, what: str) -> None:
         )
 
 
-def check_loss(loss: object) -> torch.Tensor:
+class LossShapeError(ValueError, AssertionError):
+    """A loss that is not one element: DeepSpeed asserts it (an AssertionError); a ValueError
+    as well, as this project raised it before."""
+
+
+def check_loss(loss: object, api: str = "engine.backward(loss)") -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise TypeError(
-            f"engine.backward(loss): loss must be the scalar torch.Tensor your model's forward "
+            f"{api}: loss must be the scalar torch.Tensor your model's forward "
             f"returned (it carries the graph to differentiate), got {type(loss).__name__} "
             f"{loss!r}"
         )
     if loss.numel() != 1:
-        raise ValueError(
-            f"engine.backward(loss): loss must be a scalar (one element), got shape "
-            f"{tuple(loss.shape)}; reduce it first, e.g. loss.mean()"
+        raise LossShapeError(
+            f"{api}: loss must be a scalar tensor (one element), got shape "
+            f"{tuple(loss.shape)}; reduce it first, e.g. loss.mean(), or for a non-scalar "
+            "output call output.backward(grad)"
         )
     if not loss.requires_grad:
         raise ValueError(
-            "engine.backward(loss): loss does not require grad (computed under torch.no_grad(), "
+            f"{api}: loss does not require grad (computed under torch.no_grad(), "
             "detached, or from a model without trainable parameters)"
         )
     return loss
@@ -133,9 +139,9 @@ def second_backward_error() -> EngineUsageError:
 
 def unscaled_backward_error() -> EngineUsageError:
     return EngineUsageError(
-        "loss.backward() with fp16 enabled needs the loss scaled first: call "
-        "engine.scale(loss).backward() or engine.backward(loss). An unscaled fp16 backward "
-        "underflows small gradients to zero."
+        "Loss scaling is required for this configuration, but backward() was called directly "
+        "without scaling the loss: with fp16 enabled call engine.scale(loss).backward() or "
+        "engine.backward(loss). An unscaled fp16 backward underflows small gradients to zero."
     )
 
 

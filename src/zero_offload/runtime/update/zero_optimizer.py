@@ -40,6 +40,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         engine = self._engine()
         return bool(engine is not None and engine._step_overflowed())
 
+    def needs_scaler(self) -> bool:
+        """DeepSpeed's ``optimizer.needs_scaler()``: whether a plain ``loss.backward()`` must be
+        given a scaled loss (``engine.scale(loss)``): true with fp16, whose loss scale the
+        engine refuses to skip; false with bf16 or fp32."""
+        engine = self._engine()
+        return bool(engine is not None and engine._fp16)
+
     @property
     def parameter_offload(self):
         """DeepSpeed's ``optimizer.parameter_offload`` of a stage-3 engine, for TRL's generation
