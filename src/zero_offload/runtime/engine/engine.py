@@ -31,11 +31,13 @@ from .memory import expected_bytes
 from .memory_bounds import check_working_set, free_bytes
 from .memory_model import StepShape, predict
 from .model_shape import ModelShape
+from .offload_states import BACKWARD_NEEDS, EVERYTHING, FORWARD_NEEDS, GRADS_NEED, OffloadStatesAPI
+from .storage_move import StorageMover
 
 log = logging.getLogger("zero_offload")
 
 
-class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module):
+class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI, torch.nn.Module):
     def __init__(
         self,
         module: torch.nn.Module,
@@ -50,6 +52,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         model); ``client``: a client optimizer to run as itself instead of the built-in Adam.
         Built by ``assembly.assemble``, the only code that reads the config to build it."""
         super().__init__()
+        self._offloaded = StorageMover()  # the states offload_states() moved to the host
         assemble(
             self, module, config, param_groups, adamw, lr_scheduler, training_dataloader, client
         )
@@ -73,6 +76,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
     # ---- DeepSpeed API -------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         guards.check_alive(self.destroyed, "forward")
+        if self._offloaded:
+            self._check_states("forward", FORWARD_NEEDS)
         if self.scope.open and not in_backward():
             self.scope.abandon()  # the last backward raised part way: start clean
         with self._timed("forward"):
@@ -99,6 +104,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         return self._grad_norm
 
     def zero_grad(self) -> None:
+        if self._offloaded:
+            self._check_states("zero_grad", GRADS_NEED)
         for gs in self.grad_shards:
             gs.zero()
 
@@ -142,6 +149,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         """The start of every backward, through ``engine.backward`` (``ENGINE``, whose loss is
         already scaled) or a plain ``loss.backward()`` of the forward's output (``PLAIN``)."""
         guards.check_has_optimizer(self.optimizer, "backward")
+        if self._offloaded:
+            self._check_states("backward", BACKWARD_NEEDS)
         self.window.check_backward()
         factor = 1.0
         if driver == PLAIN:
@@ -169,6 +178,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         guards.check_alive(self.destroyed, "step")
         guards.check_has_optimizer(self.optimizer, "step")
         window = self.window
+        if self._offloaded and (not window.managed or self.is_gradient_accumulation_boundary()):
+            self._check_states("step", EVERYTHING)  # an update: it reads every state
         window.begin_step(self.global_steps)
         self._before_step_counts = (self.global_steps, self.skipped_steps)
         samples = self._micro_batch * self.world_size
@@ -310,6 +321,10 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         for part in parts:
             for k, v in part.items():
                 out[k] = out.get(k, 0) + v
+        for k, v in self._offloaded.moved_bytes().items():  # offload_states(): now on the host
+            out[k] = out.get(k, 0) - v
+            host = "host." + k.split(".", 1)[1]
+            out[host] = out.get(host, 0) + v
         for k, v in self.reducer.transient_peaks().items():
             out[f"peak.{k}"] = v
         if self.param_store is not None:
@@ -448,6 +463,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
     ):
         from ...checkpoint import save_checkpoint
 
+        if self._offloaded:
+            self._check_states("save_checkpoint", EVERYTHING)
         if not save_dir:  # DeepSpeed's check, before anything else
             raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         return save_checkpoint(
@@ -472,6 +489,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         """DeepSpeed's signature and argument order."""
         from ...checkpoint import load_checkpoint
 
+        if self._offloaded:
+            self._check_states("load_checkpoint", EVERYTHING)
         if custom_load_fn is not None:
             raise NotImplementedError(
                 "load_checkpoint(custom_load_fn=...): not supported; zero_offload checkpoints "
@@ -497,6 +516,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         """DeepSpeed's; ``max_shard_size`` (this project's): Hugging Face's sharded layout."""
         from ...checkpoint import save_16bit_model
 
+        if self._offloaded:
+            self._check_states("save_16bit_model", FORWARD_NEEDS)
         return save_16bit_model(
             self, save_dir, save_filename, exclude_frozen_parameters, max_shard_size
         )
