@@ -41,8 +41,9 @@ def _storages(engine) -> list[torch.Tensor]:
     return [t for t in out if t is not None]
 
 
-def _device_bytes(engine) -> int:
-    seen = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in _storages(engine)}
+def _device_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes the storages of ``tensors`` hold now (each storage once)."""
+    seen = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
     return sum(seen.values())
 
 
@@ -57,25 +58,51 @@ def _refused(call) -> str | None:
     return None
 
 
+def _module_loss(engine, x, y) -> float:
+    import zero_offload
+
+    with torch.no_grad(), zero_offload.zero.GatheredParameters(engine.module.parameters()):
+        return float(engine.module(x[:MICRO], y[:MICRO]))
+
+
 def _offload_cycle(engine, include, x, y) -> dict:
     """Offload ``include``, record what changed and which calls are refused, reload."""
-    before, dev_before = engine.memory_report(), _device_bytes(engine)
+    from zero_offload.utils import safe_get_full_fp32_param
+
+    tensors = _storages(engine)  # (stage 3 points the shard list at host copies meanwhile)
+    before, dev_before = engine.memory_report(), _device_bytes(tensors)
+    loss_before = _module_loss(engine, x, y)
     engine.offload_states(include=include)
-    after, dev_after = engine.memory_report(), _device_bytes(engine)
+    params = [p for p in engine.module.parameters() if p.numel() or hasattr(p, "ds_tensor")]
+    after, dev_after = engine.memory_report(), _device_bytes(tensors)
     engine.offload_states(include=include)  # again: nothing more to move
     facts = {
+        # (stage 3 also releases every gathered param: those entries are not storages moved)
         "moved": {
-            k: before.get(k, 0) - after.get(k, 0) for k in before if not k.startswith("peak")
+            k: before.get(k, 0) - after.get(k, 0)
+            for k in before
+            if not k.startswith("peak") and not k.endswith(("gathered_params", "persistent_params"))
         },
         "host_gain": sum(after.get(k, 0) - before.get(k, 0) for k in after if k.startswith("host")),
         "device_freed": dev_before - dev_after,
         "twice_same": engine.memory_report() == after,
         "states": {s.value for s in engine.offloaded_states()},
         "forward": _refused(lambda: engine(x[:MICRO], y[:MICRO])),
+        "fragment": _refused(lambda: safe_get_full_fp32_param(params[0])),
+        # the module itself reads the host copies (pointed at them as DeepSpeed does)
+        "module_loss_same": _module_loss(engine, x, y) == loss_before,
+        "no_empty_views": all(
+            (p.ds_tensor if hasattr(p, "ds_tensor") else p).untyped_storage().nbytes() > 0
+            or (p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() == 0
+            for p in params
+        ),
+        "grads_away": all(p.grad is None for p in params),
     }
     engine.reload_states()
     engine.reload_states()  # nothing offloaded: a no-op
-    facts["reloaded"] = engine.memory_report() == before and _device_bytes(engine) == dev_before
+    held = lambda r: {k: v for k, v in r.items() if not k.startswith("peak.")}  # noqa: E731
+    facts["reloaded"] = held(engine.memory_report()) == held(before)
+    facts["reloaded"] &= _device_bytes(_storages(engine)) == dev_before
     return facts
 
 
@@ -127,6 +154,8 @@ def _check_moved_all(cycle: dict) -> None:
     device_drop = sum(v for k, v in cycle["moved"].items() if k.startswith("device."))
     assert device_drop == cycle["device_freed"] == cycle["host_gain"]
     assert "lp_params" in cycle["forward"] and "reload_states" in cycle["forward"]
+    assert "reload_states" in cycle["fragment"]
+    assert cycle["module_loss_same"] and cycle["no_empty_views"] and cycle["grads_away"]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

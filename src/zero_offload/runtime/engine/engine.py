@@ -32,6 +32,7 @@ from .memory_bounds import check_working_set, free_bytes
 from .memory_model import StepShape, predict
 from .model_shape import ModelShape
 from .offload_states import BACKWARD_NEEDS, EVERYTHING, FORWARD_NEEDS, GRADS_NEED, OffloadStatesAPI
+from .param_rebind import ParamRebind
 from .storage_move import StorageMover
 
 log = logging.getLogger("zero_offload")
@@ -53,6 +54,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
         Built by ``assembly.assemble``, the only code that reads the config to build it."""
         super().__init__()
         self._offloaded = StorageMover()  # the states offload_states() moved to the host
+        self._rebound = ParamRebind()
         assemble(
             self, module, config, param_groups, adamw, lr_scheduler, training_dataloader, client
         )
@@ -77,7 +79,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
     def forward(self, *inputs, **kwargs):
         guards.check_alive(self.destroyed, "forward")
         if self._offloaded:
-            self._check_states("forward", FORWARD_NEEDS)
+            self._check_states("engine.forward()", FORWARD_NEEDS)
         if self.scope.open and not in_backward():
             self.scope.abandon()  # the last backward raised part way: start clean
         with self._timed("forward"):
@@ -105,7 +107,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
 
     def zero_grad(self) -> None:
         if self._offloaded:
-            self._check_states("zero_grad", GRADS_NEED)
+            self._check_states("engine.zero_grad()", GRADS_NEED)
         for gs in self.grad_shards:
             gs.zero()
 
@@ -150,7 +152,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
         already scaled) or a plain ``loss.backward()`` of the forward's output (``PLAIN``)."""
         guards.check_has_optimizer(self.optimizer, "backward")
         if self._offloaded:
-            self._check_states("backward", BACKWARD_NEEDS)
+            self._check_states("engine.backward()", BACKWARD_NEEDS)
         self.window.check_backward()
         factor = 1.0
         if driver == PLAIN:
@@ -179,7 +181,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
         guards.check_has_optimizer(self.optimizer, "step")
         window = self.window
         if self._offloaded and (not window.managed or self.is_gradient_accumulation_boundary()):
-            self._check_states("step", EVERYTHING)  # an update: it reads every state
+            self._check_states("engine.step()", EVERYTHING)  # an update: it reads every state
         window.begin_step(self.global_steps)
         self._before_step_counts = (self.global_steps, self.skipped_steps)
         samples = self._micro_batch * self.world_size
@@ -464,7 +466,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
         from ...checkpoint import save_checkpoint
 
         if self._offloaded:
-            self._check_states("save_checkpoint", EVERYTHING)
+            self._check_states("engine.save_checkpoint()", EVERYTHING)
         if not save_dir:  # DeepSpeed's check, before anything else
             raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         return save_checkpoint(
@@ -490,7 +492,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
         from ...checkpoint import load_checkpoint
 
         if self._offloaded:
-            self._check_states("load_checkpoint", EVERYTHING)
+            self._check_states("engine.load_checkpoint()", EVERYTHING)
         if custom_load_fn is not None:
             raise NotImplementedError(
                 "load_checkpoint(custom_load_fn=...): not supported; zero_offload checkpoints "
@@ -517,7 +519,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
         from ...checkpoint import save_16bit_model
 
         if self._offloaded:
-            self._check_states("save_16bit_model", FORWARD_NEEDS)
+            self._check_states("engine.save_16bit_model()", FORWARD_NEEDS)
         return save_16bit_model(
             self, save_dir, save_filename, exclude_frozen_parameters, max_shard_size
         )

@@ -28,6 +28,7 @@ import torch
 
 from ...config.zero import OFFLOAD_DEVICES, OffloadDeviceEnum
 from . import guards
+from .param_rebind import ParamRebind
 from .state_inventory import OffloadStateType, state_buffers
 from .storage_move import StorageMover
 
@@ -86,6 +87,7 @@ class OffloadStatesAPI:
     state is offloaded; the hot path tests only its truth value."""
 
     _offloaded: StorageMover
+    _rebound: ParamRebind  # the module's params pointed at the host copies meanwhile
 
     def offload_states(
         self,
@@ -116,6 +118,9 @@ class OffloadStatesAPI:
                 self._offloaded.offload(
                     buf.tensor, owners, buf.category, pin, non_blocking, buf.keep
                 )
+        self._rebound.rebind(self.module.parameters(), self._offloaded)
+        if self.param_store is not None:
+            self._rebound.rebind_list(self.param_store.shards, self._offloaded)
         if cuda:
             if not non_blocking:
                 torch.cuda.synchronize(self.device)
@@ -126,6 +131,7 @@ class OffloadStatesAPI:
         guards.check_alive(self.destroyed, "reload_states")
         self._check_offloadable()
         self._offloaded.reload(non_blocking)
+        self._rebound.restore()
         if self.device.type == "cuda" and non_blocking:
             torch.cuda.synchronize(self.device)  # as DeepSpeed: the states are usable on return
 
@@ -133,6 +139,12 @@ class OffloadStatesAPI:
         """The states whose device memory is in host memory now (a state sharing its storage
         with another, the fp32 master that is the params, counts as both)."""
         return self._offloaded.owners()
+
+    def require_loaded(self, call: str) -> None:
+        """Raise unless every state is on the device (for callers outside the engine that read
+        the shards: the tensor-fragment accessors)."""
+        if self._offloaded:
+            self._check_states(f"{call}()", frozenset(OffloadStateType))
 
     def _check_offloadable(self) -> None:
         """DeepSpeed's refusals: parameter offload, no optimizer; and stage 0, whose optimizer
@@ -153,11 +165,12 @@ class OffloadStatesAPI:
             )
 
     def _check_states(self, call: str, needs: frozenset) -> None:
-        """Raise if a state ``call`` reads is offloaded (the caller tests ``_offloaded`` first)."""
+        """Raise if a state ``call`` (as the message names it: "engine.forward()") reads is
+        offloaded (the caller tests ``_offloaded`` first)."""
         missing = needs & self._offloaded.owners()
         if missing:
             names = ", ".join(sorted(s.value for s in missing))
             raise guards.EngineUsageError(
-                f"engine.{call}(): {names} offloaded by engine.offload_states(); call "
+                f"{call}: {names} offloaded by engine.offload_states(); call "
                 "engine.reload_states() first"
             )

@@ -10,7 +10,8 @@ view then reads the same bits as before, at the same offsets.
 
 Invariants:
 - a storage is moved at most once (keyed by its storage object); a later request for it (the
-  fp32 master that *is* the params, say) only records that state as its owner too;
+  fp32 master that *is* the params, say) only records that state as its owner too, and a host
+  copy is never moved (the engine points some tensors at their copies while offloaded);
 - while moved, the storage holds zero bytes: any read of a view raises in torch instead of
   returning stale values (the engine's own calls check first and name the state to reload);
 - ``keep=False`` (scratch buffers such as the reduce buffers): no copy is made, and reload gives
@@ -43,6 +44,7 @@ def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
 class StorageMover:
     def __init__(self) -> None:
         self.moved: dict[int, MovedStorage] = {}  # storage key -> what was moved
+        self.copies: set[int] = set()  # storage keys of the host copies (never moved again)
 
     def __bool__(self) -> bool:
         return bool(self.moved)
@@ -63,12 +65,13 @@ class StorageMover:
             self.moved[key].owners |= owners
             return
         n = storage.nbytes()
-        if n == 0:
+        if n == 0 or key in self.copies:  # a view the engine points at a host copy meanwhile
             return
         host = None
         if keep:
             host = alloc_host(n, torch.uint8, pin)
             host.copy_(_bytes_view(storage), non_blocking=non_blocking)
+            self.copies.add(host.untyped_storage()._cdata)
         storage.resize_(0)
         self.moved[key] = MovedStorage(storage, n, host, category, set(owners))
 
@@ -79,6 +82,19 @@ class StorageMover:
             if m.host is not None:
                 _bytes_view(m.storage).copy_(m.host, non_blocking=non_blocking)
         self.moved.clear()
+        self.copies.clear()
+
+    def moved_storage(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage()._cdata in self.moved
+
+    def host_view(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t`` (a view of a moved storage) as the same view of its host copy; None when its
+        storage was not moved or had nothing to keep."""
+        m = self.moved.get(t.untyped_storage()._cdata)
+        if m is None or m.host is None:
+            return None
+        typed = m.host.view(t.dtype)
+        return typed.as_strided(t.size(), t.stride(), t.storage_offset())
 
     def owners(self) -> set:
         """Every state some moved storage belongs to (the fp32 master that is the params moves
