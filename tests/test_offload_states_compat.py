@@ -1,0 +1,64 @@
+"""DeepSpeed's names for the offload API and configs (``deepspeed.runtime.zero.offload_config``,
+``deepspeed.runtime.zero.offload_states``): the project's own enums and config models, with the
+same validation as inside a config file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parity import engine_config, global_step, make_model
+from pydantic import ValidationError
+
+
+def test_offload_config_models_are_the_projects():
+    from zero_offload.config.zero import OffloadOptimizerConfig, OffloadParamConfig
+    from zero_offload.deepspeed_compat.runtime.zero.offload_config import (
+        DeepSpeedZeroOffloadOptimizerConfig as Opt,
+    )
+    from zero_offload.deepspeed_compat.runtime.zero.offload_config import (
+        DeepSpeedZeroOffloadParamConfig as Param,
+    )
+    from zero_offload.deepspeed_compat.runtime.zero.offload_config import OffloadDeviceEnum
+
+    assert issubclass(Opt, OffloadOptimizerConfig) and issubclass(Param, OffloadParamConfig)
+    config = Opt(**{"ratio": 0.3})  # DeepSpeed's test_zero_offloadpp
+    assert config.ratio == 0.3 and config.device == "none" and config.pipeline is False
+    assert Opt(pipeline_write=True).pipeline is True
+    assert Opt(device=OffloadDeviceEnum.cpu).device == OffloadDeviceEnum.cpu == "cpu"
+    assert Param(device="cpu", pin_memory=False).pin_memory is False
+    with pytest.raises(ValidationError, match="ratio"):
+        Opt(ratio=1.5)
+    with pytest.raises(ValidationError, match=r'allowed: "none", "cpu", "nvme"; got "gpu"'):
+        Param(device="gpu")
+    with pytest.raises(ValidationError, match=r"required with device .nvme."):
+        Opt(device="nvme")  # the same rule as in a config file
+
+
+def test_enums_and_get_state_devices():
+    import zero_offload
+    from zero_offload.deepspeed_compat.runtime.zero.offload_config import (
+        OffloadDeviceEnum,
+        OffloadStateTypeEnum,
+    )
+    from zero_offload.deepspeed_compat.runtime.zero.offload_states import get_state_devices
+
+    assert [s.value for s in OffloadStateTypeEnum] == [
+        "optim_states",
+        "hp_params",
+        "lp_params",
+        "lp_grads",
+        "contiguous_grad_buffer",
+    ]
+    assert [d.value for d in OffloadDeviceEnum] == ["none", "cpu", "nvme"]
+    cfg = engine_config(2, False, 1, 2, 0.0, True, "bf16", 100)
+    engine, *_ = zero_offload.initialize(model=make_model(), config=cfg)
+    x = torch.randint(0, 32, (2, 5))
+    global_step(engine, x, x)
+    cpu = torch.device("cpu")
+    engine.offload_states(include=[OffloadStateTypeEnum.optim_states], device=OffloadDeviceEnum.cpu)
+    assert get_state_devices(engine, OffloadStateTypeEnum.optim_states) == {cpu}
+    assert get_state_devices(engine, OffloadStateTypeEnum.lp_params) == {engine.device}
+    engine.offload_states()
+    assert get_state_devices(engine, OffloadStateTypeEnum.contiguous_grad_buffer) == set()
+    engine.reload_states()
+    assert get_state_devices(engine, OffloadStateTypeEnum.hp_params) == {engine.device}
