@@ -285,3 +285,25 @@ def test_offload_param_is_refused_as_deepspeed_does():
     engine, *_ = zero_offload.initialize(model=make_model(), config=cfg)
     with pytest.raises(AssertionError, match="not supported for offloaded parameters"):
         engine.offload_states()
+
+
+def test_delayed_update_pending_while_offloaded():
+    """A host update still pending (delayed update) lands after reload exactly as without the
+    offload; eval() (which applies it, writing the params) is refused meanwhile; destroy()
+    reloads first."""
+    import zero_offload
+    from zero_offload.runtime.engine.guards import EngineUsageError
+
+    cfg = _cfg(2, offload=True, delayed_update=True, delayed_update_after=1)
+    got, ref = _both(cfg)
+    assert _same_run(got, ref)
+    for cycle in got["cycles"]:
+        _check_moved_all(cycle)
+    engine, *_ = zero_offload.initialize(model=make_model(), config=copy.deepcopy(cfg))
+    for x, y in batches(2, 1, GAS, MICRO):
+        global_step(engine, x, y)
+    engine.offload_states()
+    with pytest.raises(EngineUsageError, match="flush_delayed_update.*lp_params"):
+        engine.eval()
+    engine.destroy()
+    assert engine.offloaded_states() == set()

@@ -306,6 +306,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
 
     def flush_delayed_update(self) -> None:
         """With the delayed update: apply the pending host update now (before eval or saving)."""
+        if self._offloaded and self.placement.delayed:  # its upload writes the params
+            self._check_states("engine.flush_delayed_update()", FORWARD_NEEDS)
         for so in self.shard_opts:
             so.flush()
 
@@ -559,6 +561,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
         lays them out again). A collective at stage 3. The engine then refuses to run."""
         if self.destroyed:
             return
+        if self._offloaded:  # the pending update and stage 3's release read the states
+            self.reload_states()
         self.flush_delayed_update()
         if self.param_store is not None:
             self.param_store.release_to_init_form()
