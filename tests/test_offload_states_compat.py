@@ -62,3 +62,20 @@ def test_enums_and_get_state_devices():
     assert get_state_devices(engine, OffloadStateTypeEnum.contiguous_grad_buffer) == set()
     engine.reload_states()
     assert get_state_devices(engine, OffloadStateTypeEnum.hp_params) == {engine.device}
+
+
+def test_accelerator_memory_counters():
+    """DeepSpeed's tests read get_accelerator().memory_allocated() around offload_states: on
+    the CPU the process's resident bytes (DeepSpeed's CPU accelerator), peaks since a reset."""
+    from zero_offload.deepspeed_compat.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    acc.reset_peak_memory_stats()
+    now = acc.memory_allocated()
+    assert now > 0 and acc.memory_reserved() > 0
+    big = torch.ones(64 * 2**20, dtype=torch.uint8)  # pages written: resident
+    assert acc.memory_allocated() >= now + big.numel() // 2
+    assert acc.max_memory_allocated() >= acc.memory_allocated() - 4096
+    del big
+    assert acc.max_memory_reserved() >= acc.memory_reserved()
+    acc.reset_max_memory_allocated()
