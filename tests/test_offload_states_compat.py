@@ -79,3 +79,27 @@ def test_accelerator_memory_counters():
     del big
     assert acc.max_memory_reserved() >= acc.memory_reserved()
     acc.reset_max_memory_allocated()
+
+
+def test_get_state_devices_with_offload_optimizer():
+    """DeepSpeed's stage 3 with offload_optimizer: master, moments and the reduced gradients
+    are in host memory, where offload_states leaves them; the params come and go."""
+    import zero_offload
+    from zero_offload.deepspeed_compat.runtime.zero.offload_config import (
+        OffloadStateTypeEnum as S,
+    )
+    from zero_offload.deepspeed_compat.runtime.zero.offload_states import get_state_devices
+
+    zero = {"stage3_param_persistence_threshold": 0}
+    cfg = engine_config(3, True, 1, 2, 0.0, True, "bf16", 100, zero_extra=zero)
+    engine, *_ = zero_offload.initialize(model=make_model(), config=cfg)
+    x = torch.randint(0, 32, (2, 5))
+    global_step(engine, x, x)
+    cpu = torch.device("cpu")
+    engine.offload_states(include=[S.optim_states, S.hp_params, S.lp_grads])
+    assert engine.offloaded_states() == set()  # all three were on the host already
+    for state in (S.optim_states, S.hp_params, S.lp_grads):
+        assert get_state_devices(engine, state) == {cpu}
+    engine.offload_states()
+    assert S.lp_params in engine.offloaded_states()
+    engine.reload_states()

@@ -12,17 +12,21 @@ from ..._common import not_provided_getattr
 def get_state_devices(model, state: OffloadStateType) -> set[torch.device]:
     """The devices holding ``state`` of the engine ``model``: the host while it is offloaded
     (nothing for the reduce buffers, which are dropped, as DeepSpeed's), the device for what is
-    there, and the host for a state ``offload_optimizer`` keeps in host memory."""
+    there, and the host for what ``offload_optimizer`` keeps in host memory (a partial offload:
+    both)."""
     state = OffloadStateType(state)
     if state in model.offloaded_states():
         if state is OffloadStateType.contiguous_grad_buffer:
             return set()
         return {torch.device("cpu")}
     devices = {b.tensor.device for b in state_buffers(model, state)}
-    optimizer_side = state in (OffloadStateType.optim_states, OffloadStateType.hp_params)
-    if not devices and optimizer_side and model.placement.host_update:
+    if state in _HOST_SIDE and model.placement.host_update:  # (the whole state or a part)
         devices.add(torch.device("cpu"))
     return devices
+
+
+# The states offload_optimizer keeps in host memory: master, moments, the reduced gradients.
+_HOST_SIDE = (OffloadStateType.optim_states, OffloadStateType.hp_params, OffloadStateType.lp_grads)
 
 
 __all__ = ["get_state_devices"]
