@@ -307,3 +307,28 @@ def test_delayed_update_pending_while_offloaded():
         engine.eval()
     engine.destroy()
     assert engine.offloaded_states() == set()
+
+
+def test_stage3_edit_while_params_offloaded_lands_after_reload():
+    """Stage 3: a GatheredParameters edit while only the 16-bit params are away writes their
+    host copy (and the device master), and reload carries it back; with the master away the
+    edit is refused before anything is written."""
+    import zero_offload
+    from zero_offload.runtime.engine.guards import EngineUsageError
+    from zero_offload.utils import safe_get_full_fp32_param
+
+    model = make_model()
+    engine, *_ = zero_offload.initialize(model=model, config=_cfg(3))
+    global_step(engine, *batches(1, 1, GAS, MICRO)[0])
+    engine.offload_states(include=["lp_params"])
+    with zero_offload.zero.GatheredParameters([model.l1.weight], modifier_rank=0):
+        model.l1.weight.data.fill_(0.25)
+    engine.reload_states()
+    with zero_offload.zero.GatheredParameters([model.l1.weight]):
+        assert torch.all(model.l1.weight == 0.25)
+    assert torch.all(safe_get_full_fp32_param(model.l1.weight) == 0.25)
+    engine.offload_states(include=["hp_params"])
+    with pytest.raises(EngineUsageError, match="modifier_rank.*hp_params"):
+        with zero_offload.zero.GatheredParameters([model.l1.weight], modifier_rank=0):
+            pass
+    engine.reload_states()

@@ -31,7 +31,14 @@ from .memory import expected_bytes
 from .memory_bounds import check_working_set, free_bytes
 from .memory_model import StepShape, predict
 from .model_shape import ModelShape
-from .offload_states import BACKWARD_NEEDS, EVERYTHING, FORWARD_NEEDS, GRADS_NEED, OffloadStatesAPI
+from .offload_states import (
+    BACKWARD_NEEDS,
+    EVERYTHING,
+    FORWARD_NEEDS,
+    GRADS_NEED,
+    MASTER_NEEDED,
+    OffloadStatesAPI,
+)
 from .param_rebind import ParamRebind
 from .storage_move import StorageMover
 
@@ -303,6 +310,13 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
         if rollback is not None:
             error.add_note(f"restoring the params from the committed master failed too: {rollback}")
         raise error
+
+    def _before_param_edit(self) -> None:
+        """Stage 3, before a ``GatheredParameters(modifier_rank=...)`` block: its exit writes
+        the fp32 master shard too, which must be on the device; then the pending update."""
+        if self._offloaded:
+            self._check_states("GatheredParameters(modifier_rank=...)", MASTER_NEEDED)
+        self.flush_delayed_update()
 
     def flush_delayed_update(self) -> None:
         """With the delayed update: apply the pending host update now (before eval or saving)."""

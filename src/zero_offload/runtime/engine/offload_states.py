@@ -45,6 +45,7 @@ BACKWARD_NEEDS = frozenset(
     }
 )
 GRADS_NEED = frozenset({OffloadStateType.lp_grads})
+MASTER_NEEDED = frozenset({OffloadStateType.hp_params})
 EVERYTHING = frozenset(_ALL)
 
 
