@@ -103,3 +103,16 @@ def test_get_state_devices_with_offload_optimizer():
     engine.offload_states()
     assert S.lp_params in engine.offloaded_states()
     engine.reload_states()
+
+
+def test_the_optimizer_answers_for_the_engine():
+    """RLHF trainers call DeepSpeed's ZeRO optimizer's offload_states/reload_states."""
+    import zero_offload
+
+    engine, optimizer, *_ = zero_offload.initialize(
+        model=make_model(), config=engine_config(1, False, 1, 2, 0.0, True, "bf16", 100)
+    )
+    optimizer.offload_states(include=["optim_states"], non_blocking=True)
+    assert {s.value for s in engine.offloaded_states()} == {"optim_states"}
+    optimizer.reload_states()
+    assert engine.offloaded_states() == set()
