@@ -7,6 +7,7 @@ its reads and writes). Keys that would only tune what is not built are warnings.
 from __future__ import annotations
 
 import sys
+from enum import Enum
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
@@ -73,7 +74,17 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 OFFLOAD_DEVICES: tuple[str, ...] = ("none", "cpu", "nvme")
 
 
+class OffloadDeviceEnum(str, Enum):
+    """DeepSpeed's ``OffloadDeviceEnum``: the offload devices, as the config spells them."""
+
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
 def _offload_device(value: Any) -> Any:
+    if isinstance(value, OffloadDeviceEnum):  # DeepSpeed's enum, as its config models take it
+        value = value.value
     if not isinstance(value, str) or value not in OFFLOAD_DEVICES:
         allowed = ", ".join(json_repr(d) for d in OFFLOAD_DEVICES)
         raise ValueError(f"allowed: {allowed}; got {json_repr(value)}")

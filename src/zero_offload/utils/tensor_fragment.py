@@ -121,6 +121,7 @@ def _lookup(param: torch.Tensor, fn: str, local: bool = False) -> _Where | None:
     if engine is not None:
         if local and engine.stage != 3:
             raise _zero3_only(fn)
+        engine.require_loaded(fn)  # offload_states(): the shards are empty until reload
         return _locate(engine, ref[1], ref[2], param)
     ref = getattr(param, "_z3_store", None)
     store = ref() if ref is not None else None

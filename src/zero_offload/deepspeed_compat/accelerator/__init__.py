@@ -11,12 +11,13 @@ import torch
 
 from ...core import dist as _rt
 from .._common import DeepSpeedNotProvidedError, not_provided_getattr
+from .memory import MemoryCounters
 
 __all__ = ["get_accelerator"]
 __getattr__ = not_provided_getattr(__name__)
 
 
-class ZeroOffloadAccelerator:
+class ZeroOffloadAccelerator(MemoryCounters):
     """The parts of DeepSpeed's ``DeepSpeedAccelerator`` in use, over ``torch``."""
 
     @property

@@ -215,7 +215,7 @@ def build_reducer(e: ZeroOffloadEngine) -> None:
     )
     if e.param_store is not None:
         e.fetch_schedule = FetchSchedule(e.param_store, e.module, e.param_store.policy, e.scope)
-        e.param_store.settle = e.flush_delayed_update
+        e.param_store.settle = e._before_param_edit
     e.scope.on_end(e._backward_epilogue, lambda: None)  # after the components' ends
     if not e.window.managed:
         for gs in e.grad_shards:

@@ -32,11 +32,21 @@ from .memory import expected_bytes
 from .memory_bounds import check_working_set, free_bytes
 from .memory_model import StepShape, predict
 from .model_shape import ModelShape
+from .offload_states import (
+    BACKWARD_NEEDS,
+    EVERYTHING,
+    FORWARD_NEEDS,
+    GRADS_NEED,
+    MASTER_NEEDED,
+    OffloadStatesAPI,
+)
+from .param_rebind import ParamRebind
+from .storage_move import StorageMover
 
 log = logging.getLogger("zero_offload")
 
 
-class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module):
+class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI, torch.nn.Module):
     def __init__(
         self,
         module: torch.nn.Module,
@@ -51,6 +61,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         model); ``client``: a client optimizer to run as itself instead of the built-in Adam.
         Built by ``assembly.assemble``, the only code that reads the config to build it."""
         super().__init__()
+        self._offloaded = StorageMover()  # the states offload_states() moved to the host
+        self._rebound = ParamRebind()
         assemble(
             self, module, config, param_groups, adamw, lr_scheduler, training_dataloader, client
         )
@@ -74,6 +86,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
     # ---- DeepSpeed API -------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         guards.check_alive(self.destroyed, "forward")
+        if self._offloaded:
+            self._check_states("engine.forward()", FORWARD_NEEDS)
         if self.scope.open and not in_backward():
             self.scope.abandon()  # the last backward raised part way: start clean
         trace_mark("forward")
@@ -101,6 +115,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         return self._grad_norm
 
     def zero_grad(self) -> None:
+        if self._offloaded:
+            self._check_states("engine.zero_grad()", GRADS_NEED)
         for gs in self.grad_shards:
             gs.zero()
 
@@ -144,6 +160,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         """The start of every backward, through ``engine.backward`` (``ENGINE``, whose loss is
         already scaled) or a plain ``loss.backward()`` of the forward's output (``PLAIN``)."""
         guards.check_has_optimizer(self.optimizer, "backward")
+        if self._offloaded:
+            self._check_states("engine.backward()", BACKWARD_NEEDS)
         self.window.check_backward()
         trace_mark("backward")
         factor = 1.0
@@ -172,6 +190,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         guards.check_alive(self.destroyed, "step")
         guards.check_has_optimizer(self.optimizer, "step")
         window = self.window
+        if self._offloaded and (not window.managed or self.is_gradient_accumulation_boundary()):
+            self._check_states("engine.step()", EVERYTHING)  # an update: it reads every state
         window.begin_step(self.global_steps)
         trace_mark("step")
         self._before_step_counts = (self.global_steps, self.skipped_steps)
@@ -296,8 +316,17 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
             error.add_note(f"restoring the params from the committed master failed too: {rollback}")
         raise error
 
+    def _before_param_edit(self) -> None:
+        """Stage 3, before a ``GatheredParameters(modifier_rank=...)`` block: its exit writes
+        the fp32 master shard too, which must be on the device; then the pending update."""
+        if self._offloaded:
+            self._check_states("GatheredParameters(modifier_rank=...)", MASTER_NEEDED)
+        self.flush_delayed_update()
+
     def flush_delayed_update(self) -> None:
         """With the delayed update: apply the pending host update now (before eval or saving)."""
+        if self._offloaded and self.placement.delayed:  # its upload writes the params
+            self._check_states("engine.flush_delayed_update()", FORWARD_NEEDS)
         for so in self.shard_opts:
             so.flush()
 
@@ -315,6 +344,10 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         for part in parts:
             for k, v in part.items():
                 out[k] = out.get(k, 0) + v
+        for k, v in self._offloaded.moved_bytes().items():  # offload_states(): now on the host
+            out[k] = out.get(k, 0) - v
+            host = "host." + k.split(".", 1)[1]
+            out[host] = out.get(host, 0) + v
         for k, v in self.reducer.transient_peaks().items():
             out[f"peak.{k}"] = v
         if self.param_store is not None:
@@ -453,6 +486,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
     ):
         from ...checkpoint import save_checkpoint
 
+        if self._offloaded:
+            self._check_states("engine.save_checkpoint()", EVERYTHING)
         if not save_dir:  # DeepSpeed's check, before anything else
             raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         return save_checkpoint(
@@ -477,6 +512,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         """DeepSpeed's signature and argument order."""
         from ...checkpoint import load_checkpoint
 
+        if self._offloaded:
+            self._check_states("engine.load_checkpoint()", EVERYTHING)
         if custom_load_fn is not None:
             raise NotImplementedError(
                 "load_checkpoint(custom_load_fn=...): not supported; zero_offload checkpoints "
@@ -502,6 +539,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         """DeepSpeed's; ``max_shard_size`` (this project's): Hugging Face's sharded layout."""
         from ...checkpoint import save_16bit_model
 
+        if self._offloaded:
+            self._check_states("engine.save_16bit_model()", FORWARD_NEEDS)
         return save_16bit_model(
             self, save_dir, save_filename, exclude_frozen_parameters, max_shard_size
         )
@@ -541,6 +580,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, torch.nn.Module)
         lays them out again). A collective at stage 3. The engine then refuses to run."""
         if self.destroyed:
             return
+        if self._offloaded:  # the pending update and stage 3's release read the states
+            self.reload_states()
         self.flush_delayed_update()
         if self.param_store is not None:
             self.param_store.release_to_init_form()

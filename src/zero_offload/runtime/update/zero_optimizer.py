@@ -73,6 +73,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
         lambda self, v: setattr(self.parameter_offload, "backward_hooks", v),
     )
 
+    def offload_states(
+        self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False
+    ) -> None:
+        """DeepSpeed's ZeRO optimizers have it too (RLHF trainers call it on
+        ``engine.optimizer``): the engine's ``offload_states``."""
+        self._live_engine("offload_states").offload_states(
+            include, device, pin_memory, non_blocking
+        )
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """The engine's ``reload_states``."""
+        self._live_engine("reload_states").reload_states(non_blocking)
+
+    def _live_engine(self, call: str):
+        engine = self._engine()
+        if engine is None:
+            raise RuntimeError(f"optimizer.{call}(): the engine this optimizer belongs to is gone")
+        return engine
+
     def _register_deepspeed_module(self, module) -> None:
         self.parameter_offload._register_deepspeed_module(module)
 

@@ -1,24 +1,13 @@
-"""``deepspeed.runtime.zero.offload_config``: the offload device enum and the two offload
-sections, as this project's config models (the same keys, defaults and checks)."""
+"""``deepspeed.runtime.zero.offload_config``: DeepSpeed's offload enums and the config models of
+``offload_optimizer`` and ``offload_param``, as the project's own (same fields, defaults,
+validation and errors as inside a config file)."""
 
-from __future__ import annotations
-
-from enum import Enum
-
-from ....config.zero import OffloadOptimizerConfig, OffloadParamConfig
+from ....config.zero import OffloadDeviceEnum, OffloadOptimizerConfig, OffloadParamConfig
+from ....runtime.engine.state_inventory import OffloadStateType as OffloadStateTypeEnum
 from ..._common import not_provided_getattr
 
-
-class OffloadDeviceEnum(str, Enum):
-    """DeepSpeed's offload devices: a member is its JSON string (``"cpu"``), so it can be
-    written into a config dict as the device."""
-
-    none = "none"
-    cpu = "cpu"
-    nvme = "nvme"
-
-
-# DeepSpeed's class names for the same sections (isinstance checks on a validated config hold).
+# DeepSpeed's class names for the same sections (isinstance checks on a validated config hold;
+# ``pipeline`` is the model's own derived property, ``ratio`` one of its fields).
 DeepSpeedZeroOffloadOptimizerConfig = OffloadOptimizerConfig
 DeepSpeedZeroOffloadParamConfig = OffloadParamConfig
 
@@ -26,5 +15,6 @@ __all__ = [
     "DeepSpeedZeroOffloadOptimizerConfig",
     "DeepSpeedZeroOffloadParamConfig",
     "OffloadDeviceEnum",
+    "OffloadStateTypeEnum",
 ]
 __getattr__ = not_provided_getattr(__name__)
