@@ -413,13 +413,20 @@ def test_preflight_returns_the_resolved_path(tmp_path: Path, monkeypatch) -> Non
     assert check_nvme_path(OPT_PATH, tmp_path, 1) == tmp_path.resolve()  # a PathLike
 
 
-def test_preflight_missing_path(tmp_path: Path) -> None:
-    missing = tmp_path / "nope"
+def test_preflight_creates_a_missing_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nope" / "deeper"  # created with its parents, as DeepSpeed does
+    assert check_nvme_path(OPT_PATH, missing, 0) == missing.resolve()
+    assert missing.is_dir() and os.listdir(missing) == []
+
+
+def test_preflight_a_path_that_cannot_be_created(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    missing = tmp_path / "file" / "swap"  # a parent that is a file: mkdir fails
     with pytest.raises(ConfigError) as info:
         check_nvme_path(OPT_PATH, missing, 0)
     text = str(info.value)
-    assert text.startswith(f'{OPT_PATH}: "{missing}" does not exist')
-    assert "nvme_path must be an existing, writable local directory" in text
+    assert text.startswith(f'{OPT_PATH}: "{missing}" does not exist and could not be created')
+    assert "nvme_path must be a writable local directory" in text
 
 
 def test_preflight_a_file_is_not_a_directory(tmp_path: Path) -> None:

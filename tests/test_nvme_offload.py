@@ -392,9 +392,10 @@ def test_bad_nvme_settings_fail_before_the_first_step(tmp_path):
         micro=2,
         clip=0.0,
         overlap=False,
-        nvme_path=str(tmp_path / "no"),
+        nvme_path=str(tmp_path / "file" / "no"),
     )
-    with pytest.raises(ConfigError, match=r"offload_optimizer\.nvme_path.*does not exist"):
+    (tmp_path / "file").write_text("x")  # a parent that is a file: the path cannot be created
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.nvme_path.*could not be created"):
         zero_offload.initialize(model=make_model(), config=cfg)
     (tmp_path / "ok").mkdir()
     with pytest.raises(ConfigError, match=r"offload_param\.buffer_size"):
@@ -467,7 +468,7 @@ def _preflight_on_two_ranks(root: str) -> list:
     import zero_offload
     from zero_offload.core import dist
 
-    path = Path(root) / ("ok" if dist.rank() == 0 else "missing")
+    path = Path(root) / ("ok" if dist.rank() == 0 else "file/missing")  # rank 1's: uncreatable
     cfg = engine_config(
         stage=2, offload="nvme", gas=1, micro=2, clip=0.0, overlap=False, nvme_path=str(path)
     )
@@ -483,6 +484,7 @@ def _preflight_on_two_ranks(root: str) -> list:
 
 def test_preflight_failure_on_one_rank_raises_on_every_rank(tmp_path):
     (tmp_path / "ok").mkdir()
+    (tmp_path / "file").write_text("x")
     r0, r1 = run_ranks(2, _preflight_on_two_ranks, str(tmp_path))
     assert r0 is not None and "other rank" in r0, r0
     assert r1 is not None and "does not exist" in r1, r1

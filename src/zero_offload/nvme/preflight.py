@@ -3,6 +3,7 @@ its key at start-up, not an I/O error in the middle of a step."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -12,6 +13,7 @@ from ..config.errors import ConfigError, json_repr
 from .reclaim import Reclaimed, reclaim_dead_runs
 
 GIB = 1 << 30
+log = logging.getLogger("zero_offload")
 
 
 def _gib(nbytes: int) -> str:
@@ -23,7 +25,8 @@ def check_nvme_path(key: str, path: str | os.PathLike[str], need_bytes: int) -> 
 
     Invariants on return (at the time of the call):
 
-    - ``path`` exists and is a directory (symlinks followed);
+    - ``path`` exists and is a directory (symlinks followed); a missing one is created with its
+      parents, as DeepSpeed's swappers create their folders (one log line names it);
     - this process can create and remove a file in it (a uniquely named probe file, so ranks
       checking one directory at once do not collide; it is removed before returning);
     - the swap folders of dead runs of this host under it were removed first
@@ -41,7 +44,7 @@ def check_nvme_path(key: str, path: str | os.PathLike[str], need_bytes: int) -> 
         raise ValueError(f"check_nvme_path: need_bytes must be an int >= 0, got {need_bytes!r}")
     given = os.fspath(path)
     where = f"{key}: {json_repr(given)}"
-    fix = f"{key.rsplit('.', 1)[-1]} must be an existing, writable local directory"
+    fix = f"{key.rsplit('.', 1)[-1]} must be a writable local directory"
     if not given:
         raise ConfigError(f"{key}: empty path; {fix}")
     try:
@@ -51,7 +54,14 @@ def check_nvme_path(key: str, path: str | os.PathLike[str], need_bytes: int) -> 
     except OSError as exc:  # e.g. a parent directory this process may not search
         raise ConfigError(f"{where} cannot be inspected ({exc.strerror or exc}); {fix}") from None
     if not exists:
-        raise ConfigError(f"{where} does not exist; {fix} (create it first)")
+        try:
+            resolved.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(
+                f"{where} does not exist and could not be created ({exc.strerror or exc}); {fix}"
+            ) from None
+        log.info("%s: created the folder %s", key, resolved)
+        is_dir = True
     if not is_dir:
         raise ConfigError(f"{where} is not a directory; {fix}")
     try:
