@@ -20,6 +20,9 @@ device part ``(1 - r)`` of the shard (rounded as ``placement.twin_split`` cuts i
 fp32 training with the optimizer and the params on the device keeps no master copy: the fp32
 params (stage 3: the param shard) are the master, so the 12 becomes 8 (the moments).
 
+Muon (device, stages 0-2): its groups keep one momentum buffer instead of Adam's two moments,
+so their 12 becomes 8 (fp32: 4); the aux AdamW group is an Adam group.
+
 Stages 2 and 3 also hold grad bucket buffers (at most ``reduce_bucket_size`` each, two kept for
 the run; none on one rank whose grad shard is on the device, where the hooks fill it directly),
 which are not part of the formula; with offload and gradient accumulation the grad
@@ -60,13 +63,15 @@ def expected_bytes(
     ratio: float = 1.0,
     accum_dtype: torch.dtype | None = None,
     alias_master: bool | None = None,
+    muon_numel: int = 0,
 ) -> dict[str, int]:
     """Model-state bytes per rank by category (``device.*`` / ``host.*``). ``offload`` is
     optimizer offload; ``offload_param`` (stage 3 only) puts the 16-bit param shard on the host;
     ``ratio`` (stage 3 with offload) is the host's share of the optimizer state;
     ``accum_dtype`` is the grad shards' dtype (None: ``dtype``).
     ``alias_master``: the fp32 params are the master shard (no ``master_shard`` bytes); default:
-    fp32 with the optimizer and the params on the device (``core/alias_state.py``)."""
+    fp32 with the optimizer and the params on the device (``core/alias_state.py``).
+    ``muon_numel``: the part of ``numel`` in Muon groups (state: a momentum, 4 bytes, device)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
     if offload_param and stage != 3:
@@ -97,7 +102,8 @@ def expected_bytes(
         if n or where == ("host" if offload else "device"):
             if not (alias_master and where == "device"):  # fp32 params are the master themselves
                 out[f"{where}.master_shard"] = n * 4
-            out[f"{where}.optimizer_state"] = n * 8
+            muon = muon_numel // (1 if stage == 0 else world_size) * (where == "device")
+            out[f"{where}.optimizer_state"] = n * 8 - muon * 4
     if offload:
         out["host.grad_shard"] = (shard - cut) * a * (2 if delayed else 1)
         if b < 4 and not offload_param:

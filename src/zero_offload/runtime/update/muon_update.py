@@ -2,8 +2,8 @@
 ``use_muon`` true), on the device at stages 0-2.
 
 Muon's step needs each param's whole matrix, but its momentum is elementwise. So the momentum
-buffer is sharded exactly like Adam's ``exp_avg`` (it *is* the shard state's ``exp_avg``; the
-checkpoint saves and reslices it as one) and the step is:
+buffer is sharded exactly like Adam's ``exp_avg`` (it answers as the shard state's ``exp_avg``,
+``momentum_state.py``; the checkpoint saves and reslices it as one) and the step is:
 
 1. on this rank's grad shard (unscale x clip applied first, as ``clip_grad_norm_`` before a
    torch optimizer's step): momentum <- lerp(momentum, g, 1 - beta) and the Nesterov
@@ -15,8 +15,8 @@ checkpoint saves and reslices it as one) and the step is:
 4. this rank's slice of the result applied to its master shard:
    p <- p * (1 - lr * weight_decay) - lr * O.
 
-Invariants: ``exp_avg_sq`` is allocated by the shard state but unused (zeros); the full buffer
-of step 2 lives only during the step (the working set: 4 bytes per element of the group).
+Invariant: the full buffer of step 2 lives only during the step (the working set: 4 bytes per
+element of the group's flat buffer, plus Newton-Schulz's temporaries of one matrix).
 """
 
 from __future__ import annotations
