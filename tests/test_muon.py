@@ -244,7 +244,18 @@ def test_deepspeed_initialize_marks_params_by_deepspeeds_rule() -> None:
         ({"zero_optimization": {"stage": 3}}, 'zero_optimization.stage: optimizer "Muon"'),
         (
             {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
-            'zero_optimization.offload_optimizer.device: "cpu" with optimizer "Muon"',
+            'zero_optimization.offload_optimizer.device: "cpu" with optimizer "Muon": '
+            "Muon with reduce scatter does not support optimizer offload",  # DeepSpeed's words
+        ),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 1,
+                    "reduce_scatter": False,
+                    "offload_optimizer": {"device": "cpu"},
+                }
+            },
+            'offload_optimizer.device: "cpu" with optimizer "Muon": the Newton-Schulz',
         ),
         ({"optimizer": {"type": "muon", "params": {"ns_method": "svd"}}}, "ns_method: allowed"),
         ({"optimizer": {"type": "Muon", "params": {"momentum": 1.5}}}, "momentum: must be <"),

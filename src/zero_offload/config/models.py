@@ -358,11 +358,14 @@ def _muon_rules(zc) -> None:
             "partitioned and its whole matrix never reduced in one place: use stage 2",
         )
     if zc.offload:
+        # DeepSpeed's own words where it refuses the same (reduce_scatter on), then why here
+        words = "Muon with reduce scatter does not support optimizer offload; "
+        deepspeed = words if zc.reduce_scatter else ""
         raise rule_error(
             "zero_optimization.offload_optimizer.device",
-            f'{json_repr(zc.offload_device)} with optimizer "Muon": the Newton-Schulz step runs on '
-            'the device over whole matrices and Muon\'s state stays there; use "none" (or an '
-            "Adam/AdamW optimizer to offload)",
+            f'{json_repr(zc.offload_device)} with optimizer "Muon": {deepspeed}the Newton-Schulz '
+            "step runs on the device over whole matrices and Muon's state stays there; use "
+            '"none" (or an Adam/AdamW optimizer to offload)',
         )
 
 
