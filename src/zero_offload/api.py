@@ -255,8 +255,9 @@ def _param_groups(
             return [], True, None
         src = list(model_parameters) if model_parameters is not None else list(model.parameters())
         if cfg.optimizer.muon:
-            raw, defaults, adamw = muon_param_groups(src, cfg.optimizer.params), {}, True
-            return _checked_groups(model, raw, defaults, None, None, adamw)
+            hyper = cfg.optimizer.params
+            raw = muon_param_groups(src, hyper.muon_group(), hyper.aux_group())
+            return _checked_groups(model, raw, {}, None, None, True)
         p = cfg.optimizer.params
         adamw = cfg.optimizer.adamw
         defaults = {

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from ...config.muon_params import MuonParams
-
 MISSING_FLAG = (
     "Muon optimizer is used, but the use_muon attribute is NOT configured for some of the "
     "model parameters, please set by `param.use_muon = True / False` for all params"
@@ -27,10 +25,11 @@ def default_flags(model: torch.nn.Module) -> None:
             p.use_muon = p.ndim >= 2 and "embed" not in lowered and "lm_head" not in lowered
 
 
-def muon_param_groups(params: list, hyper: MuonParams) -> list[dict]:
+def muon_param_groups(params: list, muon_hyper: dict, aux_hyper: dict) -> list[dict]:
     """``params``: tensors, or param-group dicts (their params are taken, their other keys
-    dropped, as DeepSpeed flattens them). The Muon group first, then the aux group; a group
-    with no trainable param is left out."""
+    dropped, as DeepSpeed flattens them); ``muon_hyper`` / ``aux_hyper``: each group's
+    hyperparameters (``MuonParams.muon_group()`` / ``aux_group()``). The Muon group first, then
+    the aux group; a group with no trainable param is left out."""
     flat: list[torch.Tensor] = []
     for item in params:
         flat.extend(_params_of(item) if isinstance(item, dict) else [item])
@@ -47,9 +46,9 @@ def muon_param_groups(params: list, hyper: MuonParams) -> list[dict]:
             )
     groups = []
     if muon:
-        groups.append({**hyper.muon_group(), "params": muon})
+        groups.append({**muon_hyper, "params": muon})
     if aux:
-        groups.append({**hyper.aux_group(), "params": aux})
+        groups.append({**aux_hyper, "params": aux})
     return groups
 
 
