@@ -126,15 +126,23 @@ TABLE_CASES = (
 
 
 def per_param_table(
-    numel: int, world_size: int, dtype: torch.dtype = torch.float16, ratio: float = 1.0
+    numel: int,
+    world_size: int,
+    dtype: torch.dtype = torch.float16,
+    ratio: float = 1.0,
+    muon_share: float = 0.0,
 ) -> list[dict]:
     """Every stage with and without offload (and, at stage 3, parameter offload), for
-    ``zero-offload estimate``; ``ratio``: the stage-3 offload rows' partial offload."""
+    ``zero-offload estimate``; ``ratio``: the stage-3 offload rows' partial offload;
+    ``muon_share``: the params' share in a Muon group (then only stages 0-2, no offload)."""
     rows = []
+    muon = round(numel * muon_share)
     for stage, offload, offload_param in TABLE_CASES:
+        if muon and (stage == 3 or offload):
+            continue  # Muon runs on the device at stages 0-2 only
         r = ratio if stage == 3 else 1.0
         e = expected_bytes(numel, dtype, stage, world_size, offload, offload_param=offload_param,
-                           ratio=r)  # fmt: skip
+                           ratio=r, muon_numel=muon)  # fmt: skip
         dev = sum(v for k, v in e.items() if k.startswith("device."))
         host = sum(v for k, v in e.items() if k.startswith("host."))
         rows.append(
