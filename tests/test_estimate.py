@@ -44,6 +44,18 @@ def test_gpt2_model_size(capsys):
     assert "1.5" in out.splitlines()[0]  # ~1.56B params (GPT-2 1.5B)
 
 
+def test_muon_share_keeps_one_momentum_for_its_params(capsys):
+    """``--muon-share``: the Muon group's params keep master + momentum (8 bytes), the aux
+    AdamW's master + two moments (12); only stages 0-2 without offload are shown."""
+    assert main(["estimate", "--params", "1e9", "--gpus", "4", "--muon-share", "0.9"]) == 0
+    out = capsys.readouterr().out
+    rows = {tuple(line.split()[:2]): line.split()[2:] for line in out.splitlines()[2:5]}
+    assert set(rows) == {("0", "none"), ("1", "none"), ("2", "none")}
+    assert rows[("0", "none")][2] == "8.40"  # 0.9 * 8 + 0.1 * 12
+    assert rows[("1", "none")][2] == "2.10"  # ... over 4 ranks
+    assert "Muon (0.9 of the params) + AdamW" in out
+
+
 def test_formula_per_param():
     n = 1000
     assert sum(expected_bytes(n, __import__("torch").float16, 0, 4, False).values()) == 16 * n

@@ -12,6 +12,7 @@ import torch
 
 from .core import dist
 from .runtime.engine.engine import ZeroOffloadEngine
+from .runtime.update.muon_groups import default_flags, muon_param_groups
 
 log = logging.getLogger("zero_offload")
 
@@ -58,7 +59,8 @@ def initialize(
 @dataclass(frozen=True)
 class EngineRequest:
     """What the caller hands ``initialize``; ``deepspeed_rules`` applies DeepSpeed's
-    ``zero_force_ds_cpu_optimizer`` refusal (``deepspeed.initialize`` sets it)."""
+    ``zero_force_ds_cpu_optimizer`` refusal and its Muon ``use_muon`` marking
+    (``deepspeed.initialize`` sets it)."""
 
     args: Any = None
     model: torch.nn.Module | None = None
@@ -91,6 +93,8 @@ def build_engine(
     optimizer = _client_optimizer(optimizer, model, model_parameters, cfg)
     if request.deepspeed_rules and optimizer is not None:
         _refuse_like_deepspeed(optimizer, cfg)
+    if request.deepspeed_rules and cfg.optimizer is not None and cfg.optimizer.muon:
+        default_flags(model)  # DeepSpeed's set_optimizer_flags
     groups, adamw, client = _param_groups(model, model_parameters, optimizer, cfg)
     if client is not None:
         _check_client(client, cfg)
@@ -249,6 +253,11 @@ def _param_groups(
         if cfg.optimizer is None:
             log.info("initialize: no optimizer given or configured: an engine for forward only")
             return [], True, None
+        src = list(model_parameters) if model_parameters is not None else list(model.parameters())
+        if cfg.optimizer.muon:
+            hyper = cfg.optimizer.params
+            raw = muon_param_groups(src, hyper.muon_group(), hyper.aux_group())
+            return _checked_groups(model, raw, {}, None, None, True)
         p = cfg.optimizer.params
         adamw = cfg.optimizer.adamw
         defaults = {
@@ -258,8 +267,12 @@ def _param_groups(
             "weight_decay": p.weight_decay,
             "bias_correction": p.bias_correction,
         }
-        src = list(model_parameters) if model_parameters is not None else list(model.parameters())
         raw = src if src and isinstance(src[0], dict) else [{"params": src}]
+    return _checked_groups(model, raw, defaults, client_opt, generic, adamw)
+
+
+def _checked_groups(model, raw, defaults, client_opt, generic, adamw: bool = True):
+    """Each group's trainable params, every one the model's and in one group only."""
     owned = {id(p) for p in model.parameters()}
     seen: set[int] = set()
     groups = []

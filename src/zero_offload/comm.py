@@ -21,6 +21,7 @@ ReduceOp = _dist.ReduceOp
 __all__ = [
     "ReduceOp",
     "all_gather",
+    "all_gather_into_tensor",
     "all_reduce",
     "barrier",
     "broadcast",
@@ -118,6 +119,18 @@ def all_gather(
         tensor_list[0].copy_(tensor)
         return None
     return _dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False
+):
+    """Every rank's ``tensor`` into ``output_tensor`` (world size times its elements), in rank
+    order. Both are taken as 1-d (gloo refuses a 0-d input that NCCL takes)."""
+    if not is_initialized():
+        output_tensor.copy_(tensor.reshape(output_tensor.shape))
+        return None
+    out, inp = output_tensor.view(-1), tensor.reshape(-1)
+    return _dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
 
 
 def destroy_process_group(group=None) -> None:

@@ -161,9 +161,12 @@ def _write_rank_file(engine, stage: Path, groups: list) -> dict:
 
 def _state_entry(name: str, so, kind: str, gi: int) -> Entry:
     """One kind of a group's optimizer state: the tensor, or streamed chunk by chunk from an
-    NVMe state (host memory: one chunk at a time); either is refused when not finite."""
+    NVMe state or an aliased master of several slices (host memory: one chunk at a time);
+    either is refused when not finite."""
     state = so.state
-    if hasattr(state, kind):
+    # An aliased master over a sharded flat buffer is one slice per bucket, no one tensor
+    # (``master`` None): read it chunk by chunk through the home, as an NVMe state is.
+    if getattr(state, kind, None) is not None:
         check_tensor(so.group, so.segs, kind, gi, getattr(state, kind))
         return Entry.of(name, getattr(state, kind))
     pieces = lambda: (state.read(kind, lo, hi) for lo, hi in so.chunks)  # noqa: E731

@@ -70,6 +70,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="offload_optimizer.ratio of the stage-3 offload rows: the host's share of the "
         "optimizer state, the rest on the device (partial offload; default 1.0)",
     )
+    p.add_argument(
+        "--muon-share",
+        type=_ratio,
+        default=0.0,
+        help='optimizer "Muon": the share of the params in its Muon group (the hidden '
+        "matrices; the rest is its AdamW aux group), whose state is one momentum, not Adam's "
+        "two moments; only the rows Muon runs (stages 0-2, no offload). Default 0: Adam",
+    )
     estimate_step.add_arguments(p)
 
 
@@ -150,15 +158,18 @@ def _run(args: argparse.Namespace) -> int:
     else:
         raise SystemExit("estimate: give --params N or --model gpt2 (with its size flags)")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    muon = args.muon_share
+    optimizer = f"Muon ({muon:g} of the params) + AdamW" if muon else "Adam"
     print(
-        f"model-state memory for {what}, {args.dtype} training with Adam, {args.gpus} rank(s); "
+        f"model-state memory for {what}, {args.dtype} training with {optimizer}, "
+        f"{args.gpus} rank(s); "
         "GB = 1e9 bytes; activations and bucket buffers not included"
     )
     print(
         f"{'stage':>5} {'offload':>7} {'per device GB':>14} {'host per rank GB':>17} "
         f"{'optimizer state per rank GB':>28} {'offload_param':>13}"
     )
-    for row in per_param_table(numel, args.gpus, dtype, args.ratio):
+    for row in per_param_table(numel, args.gpus, dtype, args.ratio, muon_share=muon):
         if args.stage is not None and row["stage"] != args.stage:
             continue
         # offload is offload_optimizer; offload_param exists at stage 3 only ("-" below it).
@@ -168,10 +179,11 @@ def _run(args: argparse.Namespace) -> int:
             f"{row['device'] / 1e9:>14.2f} {row['host'] / 1e9:>17.2f} "
             f"{row['optimizer_state'] / 1e9:>28.2f} {params:>13}"
         )
-    print(
-        "stage 3 also holds the gathered params of the modules running now "
-        "(at most stage3_max_live_parameters), not included above"
-    )
+    if not muon:  # Muon has no stage-3 rows
+        print(
+            "stage 3 also holds the gathered params of the modules running now "
+            "(at most stage3_max_live_parameters), not included above"
+        )
     if shape is not None:
         print()
         estimate_step.print_step_table(args, shape, dtype_bytes)

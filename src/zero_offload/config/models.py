@@ -111,7 +111,7 @@ class ZeroOffloadConfig(Section):
     )
     optimizer: OptimizerConfig | None = Field(
         None,
-        description="The built-in optimizer (Adam or AdamW). Null: none, unless a client "
+        description="The built-in optimizer (Adam, AdamW or Muon). Null: none, unless a client "
         "optimizer is passed to initialize() (which wins over this block, with a warning).",
     )
     scheduler: AnySchedulerConfig | None = Field(
@@ -240,6 +240,8 @@ class ZeroOffloadConfig(Section):
                 "bf16.enabled", "fp16.enabled and bf16.enabled are both true; pick one"
             )
         stage = self.zero_optimization.stage
+        if self.optimizer is not None and self.optimizer.muon:
+            _muon_rules(self.zero_optimization)
         if self.gradient_allreduce_op == "sum" and stage == 3:
             raise rule_error("gradient_allreduce_op", '"sum" is not supported with ZeRO stage 3')
         training = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(self.dtype, "fp32")
@@ -349,6 +351,27 @@ class ZeroOffloadConfig(Section):
         """Every setting, resolved, as plain JSON values (for logs and checkpoint metadata).
         ``load_config(cfg.to_dict(), cfg.world_size)`` gives an equal config."""
         return self.model_dump(mode="json")
+
+
+def _muon_rules(zc) -> None:
+    """Muon runs on the device over the whole reduced gradient of each matrix at stages 0-2
+    (``runtime/update/muon_update.py``); what it is not built for is refused by key."""
+    if zc.stage == 3:
+        raise rule_error(
+            "zero_optimization.stage",
+            'optimizer "Muon" is built for ZeRO stages 0, 1 and 2; at stage 3 each param is '
+            "partitioned and its whole matrix never reduced in one place: use stage 2",
+        )
+    if zc.offload:
+        # DeepSpeed's own words where it refuses the same (reduce_scatter on), then why here
+        words = "Muon with reduce scatter does not support optimizer offload; "
+        deepspeed = words if zc.reduce_scatter else ""
+        raise rule_error(
+            "zero_optimization.offload_optimizer.device",
+            f'{json_repr(zc.offload_device)} with optimizer "Muon": {deepspeed}the Newton-Schulz '
+            "step runs on the device over whole matrices and Muon's state stays there; use "
+            '"none" (or an Adam/AdamW optimizer to offload)',
+        )
 
 
 def _merged(base: dict[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:

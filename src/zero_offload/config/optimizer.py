@@ -1,24 +1,27 @@
-"""``optimizer`` section: Adam and AdamW only, the optimizers ZeRO-Offload's host kernel runs."""
+"""``optimizer`` section: Adam and AdamW (the optimizers ZeRO-Offload's host kernel runs) and
+Muon with its AdamW aux group (``muon_params.py``), on the device."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from .errors import json_repr
 from .fields import Bool, Float, Section
+from .muon_params import MuonParams
 
-SUPPORTED_OPTIMIZERS = ("Adam", "AdamW")
+SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "Muon")
 
 Beta = Annotated[Float, Field(ge=0.0, lt=1.0)]
 
 
 class AdamParams(Section):
-    """``optimizer.params``. DeepSpeed's ``adam_w_mode`` defaults to true, so ``"type": "Adam"``
+    """``optimizer.params`` of Adam and AdamW. DeepSpeed's ``adam_w_mode`` defaults to true, so ``"type": "Adam"``
     is decoupled weight decay (AdamW) unless ``adam_w_mode`` is false. ``torch_adam`` only picks
     an implementation in DeepSpeed; here it is accepted and changes nothing."""
 
+    PICKED_BY: ClassVar[str] = '"type": "Adam" | "AdamW"'
     NOT_IMPLEMENTED: ClassVar[frozenset[str]] = frozenset(
         {"set_grad_none", "fp32_optimizer_states"}
     )
@@ -77,23 +80,36 @@ class AdamParams(Section):
         return value
 
 
+class _MuonInput(dict):
+    """A Muon config's ``params`` object on its way to ``MuonParams`` (the discriminator's
+    mark: the params object itself does not say which optimizer it belongs to)."""
+
+
+def _params_kind(value: Any) -> str:
+    return "muon" if isinstance(value, _MuonInput | MuonParams) else "adam"
+
+
 def canonical_optimizer_type(value: Any) -> str | None:
-    """DeepSpeed matches optimizer names case-insensitively; None when not Adam/AdamW."""
+    """DeepSpeed matches optimizer names case-insensitively; None when not supported."""
     if not isinstance(value, str):
         return None
     return {name.lower(): name for name in SUPPORTED_OPTIMIZERS}.get(value.lower())
 
 
 class OptimizerConfig(Section):
-    """``{"type": "Adam" | "AdamW", "params": {...}}``."""
+    """``{"type": "Adam" | "AdamW" | "Muon", "params": {...}}``."""
 
     NOT_IMPLEMENTED: ClassVar[frozenset[str]] = frozenset({"legacy_fusion"})
 
-    type: Literal["Adam", "AdamW"] = Field(
-        description='"Adam" or "AdamW", matched case-insensitively, the optimizers the host '
-        "kernel runs. Required.",
+    type: Literal["Adam", "AdamW", "Muon"] = Field(
+        description='"Adam" or "AdamW" (the optimizers the host kernel runs), or "Muon" (with an '
+        "AdamW aux group for the params whose use_muon is false; device only, stages 0-2), "
+        "matched case-insensitively. Required.",
     )
-    params: AdamParams = Field(
+    params: Annotated[
+        Annotated[AdamParams, Tag("adam")] | Annotated[MuonParams, Tag("muon")],
+        Discriminator(_params_kind),
+    ] = Field(
         default_factory=AdamParams,
         description="The optimizer's hyperparameters.",
     )
@@ -103,8 +119,15 @@ class OptimizerConfig(Section):
     def _drop_foreign_params(cls, data: Any) -> Any:
         # Params of an unsupported optimizer (Lamb's, SGD's) are not Adam's: report the type
         # alone rather than every one of its keys as unknown.
-        if isinstance(data, dict) and canonical_optimizer_type(data.get("type")) is None:
+        if not isinstance(data, dict):
+            return data
+        kind = canonical_optimizer_type(data.get("type"))
+        if kind is None:
             return {k: v for k, v in data.items() if k != "params"}
+        if kind == "Muon":  # Muon's params (or none: its defaults), marked for the union
+            params = data.get("params", {})
+            if isinstance(params, dict):
+                return {**data, "params": _MuonInput(params)}
         return data
 
     @field_validator("type", mode="before")
@@ -120,11 +143,19 @@ class OptimizerConfig(Section):
 
     @classmethod
     def nested_section(cls, key: str, raw: dict[str, Any]) -> type[Section] | None:
-        if key == "params" and canonical_optimizer_type(raw.get("type")) is None:
-            return None
+        if key == "params":
+            kind = canonical_optimizer_type(raw.get("type"))
+            return None if kind is None else MuonParams if kind == "Muon" else AdamParams
         return super().nested_section(key, raw)
 
     @property
+    def muon(self) -> bool:
+        return self.type == "Muon"
+
+    @property
     def adamw(self) -> bool:
-        """Decoupled weight decay, as DeepSpeed decides it: type AdamW, or adam_w_mode."""
+        """Decoupled weight decay, as DeepSpeed decides it: type AdamW, or adam_w_mode (Muon's
+        aux group is AdamW)."""
+        if isinstance(self.params, MuonParams):
+            return True
         return self.type == "AdamW" or self.params.adam_w_mode

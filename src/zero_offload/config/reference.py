@@ -79,7 +79,10 @@ def section_docs(
 
 
 def _union_tag(model: type[Section]) -> str:
-    """``"type": "WarmupLR"`` for a union member told apart by its Literal ``type``."""
+    """``"type": "WarmupLR"`` for a union member told apart by its Literal ``type`` (or, for
+    a member without one, such as the optimizer's params, its ``PICKED_BY``)."""
+    if "type" not in model.model_fields:
+        return str(getattr(model, "PICKED_BY", ""))
     values = typing.get_args(model.model_fields["type"].annotation)
     return f'"type": {json.dumps(values[0])}'
 

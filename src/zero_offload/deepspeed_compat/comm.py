@@ -13,6 +13,7 @@ import torch.distributed as _dist
 from ..comm import (  # noqa: F401
     ReduceOp,
     all_gather,
+    all_gather_into_tensor,
     all_reduce,
     barrier,
     broadcast,

@@ -137,14 +137,16 @@ def _lookup(param: torch.Tensor, fn: str, local: bool = False) -> _Where | None:
 def _state_tensor(engine, gi: int, key: str, fn: str) -> torch.Tensor:
     """This rank's shard of optimizer state ``key``: Adam's moments, or with a client optimizer
     (runtime/update/client_update.py) its own state over the master shard. As DeepSpeed: any state
-    tensor shaped like the master shard has a key ("step" has none)."""
+    tensor shaped like the master shard has a key ("step" has none). A Muon group's state is
+    its ``"momentum_buffer"`` (DeepSpeed's key; the shard state's ``exp_avg``)."""
     so = engine.opt_groups[gi].optimizer
     client = getattr(so, "client", None)
-    if client is None:
+    if client is None:  # the user's key -> the shard state's kind (Muon: its momentum buffer)
+        kinds = getattr(so, "STATE_KEYS", {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"})
         return (
-            _state_source(so.state, key)
-            if key in ("exp_avg", "exp_avg_sq")
-            else _no_key(fn, key, ["exp_avg", "exp_avg_sq"], False)
+            _state_source(so.state, kinds[key])
+            if key in kinds
+            else _no_key(fn, key, list(kinds), False)
         )
     state = client.optimizer.state.get(client.param, {})
     found = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == so.master.shape}

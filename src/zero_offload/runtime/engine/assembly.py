@@ -31,6 +31,7 @@ from ..stage3.memory_efficient_linear import attach as attach_linear
 from ..stage3.param_store import ParamStore, ShardHome, Stage3Policy
 from ..stage3.partition_units import move_buffers, unit_ids, unit_layout
 from ..update.group import OptimizerGroup, build_shard_optimizer
+from ..update.momentum_state import MomentumState
 from ..update.param_home import FlatHome, ParamHome
 from ..update.placement import Placement, run_name
 from ..update.shard_optimizer import UpdatePolicy
@@ -290,8 +291,19 @@ def _param_home(e: ZeroOffloadEngine, g: FlatGroup, gi: int, sharded: bool) -> P
 
 def _states(e, groups, homes, sharded: bool, client) -> list[ShardState]:
     """Each group's optimizer state: the params themselves as the master where that holds
-    (fp32 on the device, ``alias_state``), else a master of its own where the placement says."""
-    aliases = [alias_state(g, h, sharded, e.placement, client) for g, h in zip(groups, homes)]
+    (fp32 on the device, ``alias_state``), else a master of its own where the placement says;
+    a Muon group's is that master with one momentum buffer instead of Adam's moments."""
+    muon = {g.index for g in groups if g.hyper.get("use_muon")}
+    adam = client is None
+    aliases = [
+        alias_state(g, h, sharded, e.placement, client, adam and g.index not in muon)
+        for g, h in zip(groups, homes)
+    ]
     rest = [g for g, a in zip(groups, aliases) if a is None]
-    built = iter(build_states(rest, sharded, e.placement, e.aio, client is None))
-    return [a if a is not None else next(built) for a in aliases]
+    built: dict[int, ShardState] = {}
+    for is_muon in (False, True):  # Adam's moments (unless a client's), or none for Muon
+        part = [g for g in rest if (g.index in muon) == is_muon]
+        made = build_states(part, sharded, e.placement, e.aio, adam and not is_muon)
+        built.update(zip([g.index for g in part], made))
+    states = [a if a is not None else built[g.index] for g, a in zip(groups, aliases)]
+    return [MomentumState(s) if g.index in muon else s for g, s in zip(groups, states)]

@@ -417,6 +417,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
             ratio=self.placement.ratio,
             accum_dtype=self.grad_accum_dtype,
             alias_master=all(so.aliased for so in self.shard_opts) if self.shard_opts else None,
+            muon_numel=sum(g.layout.total for g in self.groups if g.hyper.get("use_muon")),
         )
         persistent = self.param_store.persistent_bytes() if self.param_store is not None else 0
         if persistent:  # stage 3: gathered from the first step on (DeepSpeed's persistent params)

@@ -20,6 +20,9 @@ device part ``(1 - r)`` of the shard (rounded as ``placement.twin_split`` cuts i
 fp32 training with the optimizer and the params on the device keeps no master copy: the fp32
 params (stage 3: the param shard) are the master, so the 12 becomes 8 (the moments).
 
+Muon (device, stages 0-2): its groups keep one momentum buffer instead of Adam's two moments,
+so their 12 becomes 8 (fp32: 4); the aux AdamW group is an Adam group.
+
 Stages 2 and 3 also hold grad bucket buffers (at most ``reduce_bucket_size`` each, two kept for
 the run; none on one rank whose grad shard is on the device, where the hooks fill it directly),
 which are not part of the formula; with offload and gradient accumulation the grad
@@ -60,13 +63,15 @@ def expected_bytes(
     ratio: float = 1.0,
     accum_dtype: torch.dtype | None = None,
     alias_master: bool | None = None,
+    muon_numel: int = 0,
 ) -> dict[str, int]:
     """Model-state bytes per rank by category (``device.*`` / ``host.*``). ``offload`` is
     optimizer offload; ``offload_param`` (stage 3 only) puts the 16-bit param shard on the host;
     ``ratio`` (stage 3 with offload) is the host's share of the optimizer state;
     ``accum_dtype`` is the grad shards' dtype (None: ``dtype``).
     ``alias_master``: the fp32 params are the master shard (no ``master_shard`` bytes); default:
-    fp32 with the optimizer and the params on the device (``core/alias_state.py``)."""
+    fp32 with the optimizer and the params on the device (``core/alias_state.py``).
+    ``muon_numel``: the part of ``numel`` in Muon groups (state: a momentum, 4 bytes, device)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
     if offload_param and stage != 3:
@@ -97,7 +102,8 @@ def expected_bytes(
         if n or where == ("host" if offload else "device"):
             if not (alias_master and where == "device"):  # fp32 params are the master themselves
                 out[f"{where}.master_shard"] = n * 4
-            out[f"{where}.optimizer_state"] = n * 8
+            muon = muon_numel // (1 if stage == 0 else world_size) * (where == "device")
+            out[f"{where}.optimizer_state"] = n * 8 - muon * 4
     if offload:
         out["host.grad_shard"] = (shard - cut) * a * (2 if delayed else 1)
         if b < 4 and not offload_param:
@@ -120,15 +126,23 @@ TABLE_CASES = (
 
 
 def per_param_table(
-    numel: int, world_size: int, dtype: torch.dtype = torch.float16, ratio: float = 1.0
+    numel: int,
+    world_size: int,
+    dtype: torch.dtype = torch.float16,
+    ratio: float = 1.0,
+    muon_share: float = 0.0,
 ) -> list[dict]:
     """Every stage with and without offload (and, at stage 3, parameter offload), for
-    ``zero-offload estimate``; ``ratio``: the stage-3 offload rows' partial offload."""
+    ``zero-offload estimate``; ``ratio``: the stage-3 offload rows' partial offload;
+    ``muon_share``: the params' share in a Muon group (then only stages 0-2, no offload)."""
     rows = []
+    muon = round(numel * muon_share)
     for stage, offload, offload_param in TABLE_CASES:
+        if muon and (stage == 3 or offload):
+            continue  # Muon runs on the device at stages 0-2 only
         r = ratio if stage == 3 else 1.0
         e = expected_bytes(numel, dtype, stage, world_size, offload, offload_param=offload_param,
-                           ratio=r)  # fmt: skip
+                           ratio=r, muon_numel=muon)  # fmt: skip
         dev = sum(v for k, v in e.items() if k.startswith("device."))
         host = sum(v for k, v in e.items() if k.startswith("host."))
         rows.append(

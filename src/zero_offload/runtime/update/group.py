@@ -18,6 +18,7 @@ from ...core.streams import Streams
 from ..reduce.grad_shard import GradShard
 from .device_update import DeviceUpdate
 from .host_update import HostUpdate
+from .muon_update import MuonUpdate
 from .nvme_update import NvmeUpdate
 from .param_home import ParamHome
 from .placement import Placement
@@ -53,10 +54,13 @@ def build_shard_optimizer(
     executor: concurrent.futures.Executor | None = None,
     client: torch.optim.Optimizer | None = None,
 ) -> ShardOptimizer:
-    """The update path of ``policy.placement.optimizer``; ``executor``: the delayed update's
-    worker (host placement only)."""
+    """The update path of ``policy.placement.optimizer`` (a Muon group's: ``MuonUpdate``);
+    ``executor``: the delayed update's worker (host placement only)."""
     args = (group, grads, home, state, policy, streams)
     where = policy.placement.optimizer
+    if group.hyper.get("use_muon"):  # the config refuses Muon with an offloaded optimizer
+        assert where == "device" and client is None, "Muon runs on the device"
+        return MuonUpdate(*args)
     if where == "device":
         return DeviceUpdate(*args, client=client)
     if policy.placement.twin:

@@ -82,16 +82,19 @@ def alias_state(
     sharded: bool,
     placement: Placement,
     client: object | None,
+    moments: bool | None = None,
 ) -> AliasState | None:
     """fp32 params with the optimizer on the device: the master shard is the param home's own
     values (``alias_state.py``), or None where it cannot be: a 16-bit dtype, an offloaded
     optimizer or param shard, or a client optimizer (which steps one tensor) over a sharded flat
-    buffer whose partition is not one contiguous range."""
+    buffer whose partition is not one contiguous range. ``moments``: allocate Adam's moments
+    (default: unless a client optimizer keeps its own state)."""
     if group.dtype != torch.float32 or placement.optimizer != "device" or home.where != "device":
         return None
     if client is not None and home.shard_tensor() is None:
         return None
-    return AliasState(home, group.segments(sharded), group.shard_numel(sharded), client is None)
+    moments = client is None if moments is None else moments
+    return AliasState(home, group.segments(sharded), group.shard_numel(sharded), moments)
 
 
 def build_nvme_params(placement: Placement, aio: AioEngine | None) -> NvmeParams | None:
