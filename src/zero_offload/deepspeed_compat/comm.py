@@ -13,7 +13,6 @@ import torch.distributed as _dist
 from ..comm import (  # noqa: F401
     ReduceOp,
     all_gather,
-    all_gather_into_tensor,
     all_reduce,
     barrier,
     broadcast,
@@ -24,6 +23,7 @@ from ..comm import (  # noqa: F401
     is_available,
     is_initialized,
 )
+from ..comm import all_gather_into_tensor as _all_gather_into_tensor
 from ..comm import init_distributed as _init_distributed
 from ..core import dist as _rt
 from ._common import not_provided_getattr
@@ -82,7 +82,7 @@ def get_global_rank(group=None, group_rank: int = 0) -> int:
 
 
 def all_gather_into_tensor(output_tensor, tensor, group=None, async_op: bool = False, **_):
-    return _dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
+    return _all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(
