@@ -456,7 +456,8 @@ def test_bad_path_leaves_a_stage3_model_untouched(tmp_path):
         stage=3, offload="nvme", offload_param="nvme", gas=1, micro=2, clip=0.0, overlap=False,
         nvme_path=str(tmp_path / "ok"), zero_extra=S3,
     )  # fmt: skip
-    cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(tmp_path / "missing")
+    (tmp_path / "file").write_text("x")  # a parent that is a file: the path cannot be created
+    cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(tmp_path / "file" / "missing")
     with pytest.raises(ConfigError, match=r"offload_optimizer\.nvme_path"):
         zero_offload.initialize(model=model, config=cfg)
     for n, p in model.named_parameters():

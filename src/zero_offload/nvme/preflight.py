@@ -54,13 +54,7 @@ def check_nvme_path(key: str, path: str | os.PathLike[str], need_bytes: int) -> 
     except OSError as exc:  # e.g. a parent directory this process may not search
         raise ConfigError(f"{where} cannot be inspected ({exc.strerror or exc}); {fix}") from None
     if not exists:
-        try:
-            resolved.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(
-                f"{where} does not exist and could not be created ({exc.strerror or exc}); {fix}"
-            ) from None
-        log.info("%s: created the folder %s", key, resolved)
+        _create(resolved, key, where, fix)
         is_dir = True
     if not is_dir:
         raise ConfigError(f"{where} is not a directory; {fix}")
@@ -87,6 +81,17 @@ def check_nvme_path(key: str, path: str | os.PathLike[str], need_bytes: int) -> 
             + _leftovers(reclaimed)
         )
     return resolved
+
+
+def _create(path: Path, key: str, where: str, fix: str) -> None:
+    """A missing ``nvme_path`` is created with its parents (DeepSpeed's swappers create theirs)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"{where} does not exist and could not be created ({exc.strerror or exc}); {fix}"
+        ) from None
+    log.info("%s: created the folder %s", key, path)
 
 
 def _leftovers(reclaimed: Reclaimed) -> str:
