@@ -25,8 +25,7 @@ def check_nvme_path(key: str, path: str | os.PathLike[str], need_bytes: int) -> 
 
     Invariants on return (at the time of the call):
 
-    - ``path`` exists and is a directory (symlinks followed); a missing one is created with its
-      parents, as DeepSpeed's swappers create their folders (one log line names it);
+    - ``path`` is a directory (symlinks followed), created with its parents when missing;
     - this process can create and remove a file in it (a uniquely named probe file, so ranks
       checking one directory at once do not collide; it is removed before returning);
     - the swap folders of dead runs of this host under it were removed first
