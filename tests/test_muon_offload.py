@@ -49,7 +49,7 @@ def test_offloaded_muon_16bit_tracks_reference(dtype: str, ns: str, tol: float) 
         assert err < tol, f"{n}: {float(err):.2e} of its move"
 
 
-@pytest.mark.parametrize("offload_saved", [True, False])
+@pytest.mark.parametrize("offload_saved", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_offloaded_muon_checkpoint_resumes_and_loads_across_offload(
     tmp_path, offload_saved: bool
 ) -> None:

@@ -38,7 +38,9 @@ class MuonSteps:
     # The state the fragment API names (DeepSpeed's key) -> the shard state's kind.
     STATE_KEYS = {"momentum_buffer": "exp_avg"}
 
-    def _muon_step(self, factor: float, grads: list[torch.Tensor], masters: list[torch.Tensor]):
+    def _muon_step(
+        self, factor: float, grads: list[torch.Tensor], masters: list[torch.Tensor]
+    ) -> None:
         h = self.group.hyper
         lr, wd = float(h["lr"]), float(h["weight_decay"])
         full = self._lookahead(grads, factor, float(h["momentum"]))
