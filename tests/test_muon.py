@@ -28,7 +28,9 @@ def _model():
     return model
 
 
-def _config(stage: int, dtype: str = "fp32", ns: str = "standard", world: int = 2) -> dict:
+def _config(
+    stage: int, dtype: str = "fp32", ns: str = "standard", world: int = 2, offload: bool = False
+) -> dict:
     cfg = {  # the global batch is 2 * GAS * MICRO samples at every world size
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GAS * 2 // world,
@@ -53,6 +55,9 @@ def _config(stage: int, dtype: str = "fp32", ns: str = "standard", world: int = 
         cfg["bf16"] = {"enabled": True}
     if dtype == "fp16":  # dynamic loss scaling: the factor unscales before the momentum
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    if offload:  # the state in host memory; reduce_scatter off, as DeepSpeed requires with it
+        zc = cfg["zero_optimization"]
+        zc.update(offload_optimizer={"device": "cpu"}, reduce_scatter=False)
     return cfg
 
 
@@ -75,13 +80,15 @@ def _reference() -> tuple[dict, dict]:
     return init, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _train(stage: int, dtype: str, ns: str, world: int) -> dict:
+def _train(stage: int, dtype: str, ns: str, world: int, offload: bool = False) -> dict:
     from zero_offload.core import dist
     from zero_offload.utils import safe_get_full_fp32_param
 
-    engine = zero_offload.initialize(model=_model(), config=_config(stage, dtype, ns, world))[0]
+    cfg = _config(stage, dtype, ns, world, offload)
+    engine = zero_offload.initialize(model=_model(), config=cfg)[0]
     kinds = {type(g.optimizer).__name__ for g in engine.opt_groups}
-    assert kinds == {"MuonUpdate", "DeviceUpdate"}, kinds  # the Muon path is the one tested
+    want = {"HostMuonUpdate", "HostUpdate"} if offload else {"MuonUpdate", "DeviceUpdate"}
+    assert kinds == want, kinds  # the Muon path is the one tested
     for x, y in batches(STEPS, 2, GAS, MICRO):  # the reference's global batches
         global_step(engine, x, y, world, dist.rank())
     named = engine.module.named_parameters()
@@ -146,14 +153,15 @@ def _state(engine) -> dict:
     return out
 
 
-def _save_and_resume(root: str, stage: int) -> tuple[dict, dict, dict]:
+def _save_and_resume(root: str, stage: int, offload: bool = False) -> tuple[dict, dict, dict]:
     """(state at the save, after one more step straight on, after a fresh engine loaded the
     save and took the same step); 2 ranks."""
     from zero_offload.core import dist
 
     world, rank = dist.world_size(), dist.rank()
     steps = batches(3, 2, GAS, MICRO)
-    engine = zero_offload.initialize(model=_model(), config=_config(stage, world=world))[0]
+    cfg = _config(stage, world=world, offload=offload)
+    engine = zero_offload.initialize(model=_model(), config=cfg)[0]
     for x, y in steps[:2]:
         global_step(engine, x, y, world, rank)
     engine.save_checkpoint(root, tag="t")
@@ -161,7 +169,7 @@ def _save_and_resume(root: str, stage: int) -> tuple[dict, dict, dict]:
     global_step(engine, *steps[2], world, rank)
     straight = _state(engine)
     engine.destroy()
-    fresh = zero_offload.initialize(model=_model(), config=_config(stage, world=world))[0]
+    fresh = zero_offload.initialize(model=_model(), config=cfg)[0]
     fresh.load_checkpoint(root, tag="t")
     global_step(fresh, *steps[2], world, rank)
     resumed = _state(fresh)
@@ -169,10 +177,10 @@ def _save_and_resume(root: str, stage: int) -> tuple[dict, dict, dict]:
     return saved, straight, resumed
 
 
-def _load_only(root: str, stage: int) -> dict:
+def _load_only(root: str, stage: int, offload: bool = False) -> dict:
     from zero_offload.core import dist
 
-    cfg = _config(stage, world=dist.world_size())
+    cfg = _config(stage, world=dist.world_size(), offload=offload)
     engine = zero_offload.initialize(model=_model(), config=cfg)[0]
     engine.load_checkpoint(root, tag="t")
     out = _state(engine)
@@ -244,18 +252,29 @@ def test_deepspeed_initialize_marks_params_by_deepspeeds_rule() -> None:
         ({"zero_optimization": {"stage": 3}}, 'zero_optimization.stage: optimizer "Muon"'),
         (
             {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
-            'zero_optimization.offload_optimizer.device: "cpu" with optimizer "Muon": '
-            "Muon with reduce scatter does not support optimizer offload",  # DeepSpeed's words
-        ),
+            'zero_optimization.reduce_scatter: true with offload_optimizer.device "cpu" and '
+            'optimizer "Muon": Muon with reduce scatter does not support optimizer offload',
+        ),  # DeepSpeed's words, as its TestMuonRejectsReduceScatter expects
         (
             {
                 "zero_optimization": {
                     "stage": 1,
                     "reduce_scatter": False,
-                    "offload_optimizer": {"device": "cpu"},
+                    "offload_optimizer": {"device": "nvme", "nvme_path": "/nonexistent"},
                 }
             },
-            'offload_optimizer.device: "cpu" with optimizer "Muon": the Newton-Schulz',
+            'offload_optimizer.device: "nvme" with optimizer "Muon": its state is offloaded to '
+            "host memory only",
+        ),
+        (
+            {
+                "zero_optimization": {
+                    "stage": 2,
+                    "reduce_scatter": False,
+                    "offload_optimizer": {"device": "cpu", "delayed_update": True},
+                }
+            },
+            'offload_optimizer.delayed_update: true with optimizer "Muon"',
         ),
         ({"optimizer": {"type": "muon", "params": {"ns_method": "svd"}}}, "ns_method: allowed"),
         ({"optimizer": {"type": "Muon", "params": {"momentum": 1.5}}}, "momentum: must be <"),
@@ -285,10 +304,10 @@ def test_muon_config_splits_keys_as_deepspeed() -> None:
     assert "momentum" not in aux and "betas" not in muon
 
 
-def _memory(stage: int, dtype: str) -> dict:
+def _memory(stage: int, dtype: str, offload: bool = False) -> dict:
     from zero_offload.core import dist
 
-    cfg = _config(stage, dtype, world=dist.world_size())
+    cfg = _config(stage, dtype, world=dist.world_size(), offload=offload)
     engine = zero_offload.initialize(model=_model(), config=cfg)[0]
     global_step(engine, *batches(1, 2, GAS, MICRO)[0], dist.world_size(), dist.rank())
     have = {k: v for k, v in engine.memory_report().items() if not k.startswith("peak.")}

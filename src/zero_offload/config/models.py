@@ -354,23 +354,39 @@ class ZeroOffloadConfig(Section):
 
 
 def _muon_rules(zc) -> None:
-    """Muon runs on the device over the whole reduced gradient of each matrix at stages 0-2
-    (``runtime/update/muon_update.py``); what it is not built for is refused by key."""
+    """Muon runs over the whole reduced gradient of each matrix at stages 0-2, its state on the
+    device or, with ``offload_optimizer`` "cpu", in host memory (``runtime/update/
+    muon_update.py``); what it is not built for is refused by key."""
     if zc.stage == 3:
         raise rule_error(
             "zero_optimization.stage",
             'optimizer "Muon" is built for ZeRO stages 0, 1 and 2; at stage 3 each param is '
             "partitioned and its whole matrix never reduced in one place: use stage 2",
         )
-    if zc.offload:
-        # DeepSpeed's own words where it refuses the same (reduce_scatter on), then why here
-        words = "Muon with reduce scatter does not support optimizer offload; "
-        deepspeed = words if zc.reduce_scatter else ""
+    if not zc.offload:
+        return
+    device = json_repr(zc.offload_device)
+    if zc.offload_device != "cpu":
         raise rule_error(
             "zero_optimization.offload_optimizer.device",
-            f'{json_repr(zc.offload_device)} with optimizer "Muon": {deepspeed}the Newton-Schulz '
-            "step runs on the device over whole matrices and Muon's state stays there; use "
-            '"none" (or an Adam/AdamW optimizer to offload)',
+            f'{device} with optimizer "Muon": its state is offloaded to host memory only; use '
+            '"cpu" or "none"',
+        )
+    if zc.reduce_scatter:
+        # DeepSpeed refuses this combination (TestMuonRejectsReduceScatter matches its words);
+        # the same config is refused here, though this project's Muon does not depend on it.
+        raise rule_error(
+            "zero_optimization.reduce_scatter",
+            f'true with offload_optimizer.device {device} and optimizer "Muon": Muon with '
+            "reduce scatter does not support optimizer offload (DeepSpeed's rule, kept so a "
+            "config behaves as it does there); set reduce_scatter false, or "
+            'offload_optimizer.device "none"',
+        )
+    if zc.offload_optimizer.delayed_update:
+        raise rule_error(
+            "zero_optimization.offload_optimizer.delayed_update",
+            'true with optimizer "Muon": its step all-gathers the look-ahead of every matrix, '
+            "a collective that cannot run behind the next forward; set it false",
         )
 
 

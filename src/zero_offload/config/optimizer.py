@@ -1,5 +1,5 @@
 """``optimizer`` section: Adam and AdamW (the optimizers ZeRO-Offload's host kernel runs) and
-Muon with its AdamW aux group (``muon_params.py``), on the device."""
+Muon with its AdamW aux group (``muon_params.py``), at stages 0-2."""
 
 from __future__ import annotations
 
@@ -103,7 +103,8 @@ class OptimizerConfig(Section):
 
     type: Literal["Adam", "AdamW", "Muon"] = Field(
         description='"Adam" or "AdamW" (the optimizers the host kernel runs), or "Muon" (with an '
-        "AdamW aux group for the params whose use_muon is false; device only, stages 0-2), "
+        "AdamW aux group for the params whose use_muon is false; stages 0-2, its state on the "
+        'device or, with offload_optimizer "cpu", on the host), '
         "matched case-insensitively. Required.",
     )
     params: Annotated[

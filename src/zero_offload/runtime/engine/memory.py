@@ -20,8 +20,9 @@ device part ``(1 - r)`` of the shard (rounded as ``placement.twin_split`` cuts i
 fp32 training with the optimizer and the params on the device keeps no master copy: the fp32
 params (stage 3: the param shard) are the master, so the 12 becomes 8 (the moments).
 
-Muon (device, stages 0-2): its groups keep one momentum buffer instead of Adam's two moments,
-so their 12 becomes 8 (fp32: 4); the aux AdamW group is an Adam group.
+Muon (stages 0-2, the state on the device or, with offload, on the host): its groups keep one
+momentum buffer instead of Adam's two moments, so their 12 becomes 8 (fp32 on the device: 4);
+the aux AdamW group is an Adam group.
 
 Stages 2 and 3 also hold grad bucket buffers (at most ``reduce_bucket_size`` each, two kept for
 the run; none on one rank whose grad shard is on the device, where the hooks fill it directly),
@@ -71,7 +72,8 @@ def expected_bytes(
     ``accum_dtype`` is the grad shards' dtype (None: ``dtype``).
     ``alias_master``: the fp32 params are the master shard (no ``master_shard`` bytes); default:
     fp32 with the optimizer and the params on the device (``core/alias_state.py``).
-    ``muon_numel``: the part of ``numel`` in Muon groups (state: a momentum, 4 bytes, device)."""
+    ``muon_numel``: the part of ``numel`` in Muon groups (state: a momentum, 4 bytes, where
+    the optimizer state is)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
     if offload_param and stage != 3:
@@ -102,7 +104,9 @@ def expected_bytes(
         if n or where == ("host" if offload else "device"):
             if not (alias_master and where == "device"):  # fp32 params are the master themselves
                 out[f"{where}.master_shard"] = n * 4
-            muon = muon_numel // (1 if stage == 0 else world_size) * (where == "device")
+            # Muon (never split by a twin): its state is wherever the whole optimizer's is
+            held = where == ("host" if offload else "device")
+            muon = muon_numel // (1 if stage == 0 else world_size) * held
             out[f"{where}.optimizer_state"] = n * 8 - muon * 4
     if offload:
         out["host.grad_shard"] = (shard - cut) * a * (2 if delayed else 1)
@@ -134,12 +138,12 @@ def per_param_table(
 ) -> list[dict]:
     """Every stage with and without offload (and, at stage 3, parameter offload), for
     ``zero-offload estimate``; ``ratio``: the stage-3 offload rows' partial offload;
-    ``muon_share``: the params' share in a Muon group (then only stages 0-2, no offload)."""
+    ``muon_share``: the params' share in a Muon group (then only stages 0-2)."""
     rows = []
     muon = round(numel * muon_share)
     for stage, offload, offload_param in TABLE_CASES:
-        if muon and (stage == 3 or offload):
-            continue  # Muon runs on the device at stages 0-2 only
+        if muon and stage == 3:
+            continue  # Muon runs at stages 0-2 only
         r = ratio if stage == 3 else 1.0
         e = expected_bytes(numel, dtype, stage, world_size, offload, offload_param=offload_param,
                            ratio=r, muon_numel=muon)  # fmt: skip

@@ -17,6 +17,7 @@ from ...core.shard_state import ShardState
 from ...core.streams import Streams
 from ..reduce.grad_shard import GradShard
 from .device_update import DeviceUpdate
+from .host_muon_update import HostMuonUpdate
 from .host_update import HostUpdate
 from .muon_update import MuonUpdate
 from .nvme_update import NvmeUpdate
@@ -54,13 +55,14 @@ def build_shard_optimizer(
     executor: concurrent.futures.Executor | None = None,
     client: torch.optim.Optimizer | None = None,
 ) -> ShardOptimizer:
-    """The update path of ``policy.placement.optimizer`` (a Muon group's: ``MuonUpdate``);
+    """The update path of ``policy.placement.optimizer`` (a Muon group's: ``MuonUpdate``, or
+    ``HostMuonUpdate`` with the state on the host);
     ``executor``: the delayed update's worker (host placement only)."""
     args = (group, grads, home, state, policy, streams)
     where = policy.placement.optimizer
-    if group.hyper.get("use_muon"):  # the config refuses Muon with an offloaded optimizer
-        assert where == "device" and client is None, "Muon runs on the device"
-        return MuonUpdate(*args)
+    if group.hyper.get("use_muon"):  # the config refuses Muon on NVMe, delayed or twin
+        assert client is None and where != "nvme" and not policy.placement.twin
+        return HostMuonUpdate(*args) if where == "host" else MuonUpdate(*args)
     if where == "device":
         return DeviceUpdate(*args, client=client)
     if policy.placement.twin:

@@ -69,6 +69,12 @@ class HostUpdate(ShardOptimizer):
         grad = self.grads.host_grad()
         grads = [grad[s.shard_start : s.shard_start + s.numel] for s in self.segs]
         self.client.step([(s.shard_start, g) for s, g in zip(self.segs, grads)], factor)
+        self._write_home()
+
+    def _write_home(self) -> None:
+        """The param home becomes the master's values after an update that ran outside the
+        host kernel (a client optimizer's, Muon's): cast into staging, uploaded chunk by
+        chunk."""
         if self._uploaded is not None:  # the previous async uploads still read staging
             self._uploaded.synchronize()
         self.streams.wait(self.streams.h2d, None)
