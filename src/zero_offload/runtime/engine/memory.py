@@ -51,6 +51,15 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def _check_placement(stage: int, offload: bool, offload_param: bool) -> None:
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
+    if offload_param and stage != 3:
+        raise ValueError(f"offload_param needs stage 3, got stage {stage}")
+    if offload and stage == 0:
+        raise ValueError("offload needs stage 1, 2 or 3, got stage 0")
+
+
 def expected_bytes(
     numel: int,
     dtype: torch.dtype,
@@ -74,12 +83,7 @@ def expected_bytes(
     fp32 with the optimizer and the params on the device (``core/alias_state.py``).
     ``muon_numel``: the part of ``numel`` in Muon groups (state: a momentum, 4 bytes, where
     the optimizer state is)."""
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
-    if offload_param and stage != 3:
-        raise ValueError(f"offload_param needs stage 3, got stage {stage}")
-    if offload and stage == 0:
-        raise ValueError("offload needs stage 1, 2 or 3, got stage 0")
+    _check_placement(stage, offload, offload_param)
     b = dtype_bytes(dtype)
     a = b if accum_dtype is None else dtype_bytes(accum_dtype)  # grad shards, device and host
     shard = numel if stage == 0 else numel // world_size
