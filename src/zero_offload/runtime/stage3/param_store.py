@@ -321,7 +321,14 @@ class ParamStore:
         for s in slots:
             self.release(s.index, force=True)
         g = self.groups[gi]
-        own = torch.cat([self._read_own(s, cache=False).to(self.device) for s in slots])
+        own = torch.empty(
+            sum(s.bucket.slice_numel for s in slots), dtype=g.dtype, device=self.device
+        )
+        at = 0
+        for s in slots:  # each slot's own slice straight into the send buffer (one copy)
+            n = s.bucket.slice_numel
+            own[at : at + n].copy_(self._read_own(s, cache=False))
+            at += n
         out = torch.empty(self.world * own.numel(), dtype=g.dtype, device=self.device)
         dist.all_gather(out, own, what=f"stage-3 gather of group {gi}'s persistent params")
         ranks, at = out.view(self.world, -1), 0  # row r: rank r's slices, slot after slot

@@ -77,12 +77,23 @@ class MuonSteps:
     def _orthogonalize(self, full: torch.Tensor, ns_method: str) -> None:
         """Step 3, in place in ``full``: each param this rank owns a piece of becomes its
         orthogonalized update; the others are left (this rank reads none of them)."""
-        layout = self.group.layout
-        for p, off, n in zip(self.group.params, layout.offsets, layout.numels):
-            if not any(s.flat_start < off + n and off < s.flat_start + s.numel for s in self.segs):
-                continue
+        for shape, off, n in self._owned():
             view = full[off : off + n]
-            view.copy_(orthogonalized(view.view(p.shape), ns_method).reshape(-1))
+            view.copy_(orthogonalized(view.view(shape), ns_method).reshape(-1))
+
+    def _owned(self) -> list[tuple[torch.Size, int, int]]:
+        """(shape, flat offset, numel) of each param this rank owns a piece of, found once: the
+        partition is fixed for the run (no params x segments scan per step)."""
+        owned = getattr(self, "_muon_owned", None)
+        if owned is None:
+            layout = self.group.layout
+            owned = [
+                (p.shape, off, n)
+                for p, off, n in zip(self.group.params, layout.offsets, layout.numels)
+                if any(s.flat_start < off + n and off < s.flat_start + s.numel for s in self.segs)
+            ]
+            self._muon_owned = owned
+        return owned
 
 
 class MuonUpdate(MuonSteps, ShardOptimizer):
