@@ -162,7 +162,10 @@ def train_child(args) -> None:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend=_ds_compat.backend(), verbose=False)
-        with deepspeed.zero.Init(config_dict_or_path=cfg, dtype=dt):
+        # The dtype comes from the config (bf16 enabled or not): DeepSpeed 0.19.8's Init
+        # ignores a ``dtype`` passed with a config on an accelerator without fp16 (a CPU) and
+        # builds bf16 params, which an fp32 input then fails to multiply.
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
             model = torch.nn.Sequential(*[Residual(d) for _ in range(layers)])
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(), config=cfg

@@ -1,11 +1,13 @@
-"""fp32 params with the optimizer on the device: the master shard is the params themselves.
+"""fp32 params with the optimizer beside them: the master shard is the params themselves.
 
 Every stage: no master is allocated (no ``device.master_shard`` in the report, and the engine's
 expected memory agrees), the update's master views are views of the params' own storage (the flat
 buffer at stages 0-2, the device param shard at stage 3), training matches plain PyTorch AdamW,
 and a checkpoint saves and restores the aliased master exactly. On two ranks a stage-1/2
 partition is one slice per bucket: the master has no single tensor and is read through the flat
-buffer's slices. 16-bit params and an offloaded optimizer keep a master of their own."""
+buffer's slices. Stage 3 with both offloads "cpu": the host param shard is the master, updated in
+place by the host kernel (no ``host.master_shard``), bitwise the run with a master of its own.
+16-bit params and an optimizer away from the params keep a master of their own."""
 
 from __future__ import annotations
 
@@ -56,14 +58,22 @@ def _alias_facts(engine) -> list[dict]:
     return out
 
 
-def train(stage: int, dtype: str = "fp32", offload: bool = False, bucket: int = 100) -> dict:
+def train(
+    stage: int,
+    dtype: str = "fp32",
+    offload: bool = False,
+    bucket: int = 100,
+    offload_param: bool = False,
+) -> dict:
     import zero_offload
     from zero_offload.core import dist
     from zero_offload.utils import safe_get_full_fp32_param
 
     world, rank = dist.world_size(), dist.rank()
     zero = {"stage3_param_persistence_threshold": 0} if stage == 3 else None
-    cfg = engine_config(stage, offload, 1, MICRO, 0.5, True, dtype, bucket, zero_extra=zero)
+    cfg = engine_config(
+        stage, offload, 1, MICRO, 0.5, True, dtype, bucket, offload_param, zero_extra=zero
+    )
     model = make_model()
     engine, *_ = zero_offload.initialize(model=model, config=copy.deepcopy(cfg))
     assert_partitioned_if_asked(model, cfg)
@@ -89,6 +99,7 @@ def _check_aliased(r: dict, tensor: bool) -> None:
     # (a frozen param's stage-3 shard is outside the optimizer's formula)
     have = {k: v for k, v in r["report"].items() if not k.startswith("peak.") and "frozen" not in k}
     assert "device.master_shard" not in have  # no master allocation of its own
+    assert "host.master_shard" not in have
     assert have == r["want"]
     # the module computes with the updated master: they are one and the same values
     assert all(torch.equal(r["params"][n], r["module"][n]) for n in r["params"])
@@ -115,13 +126,42 @@ def test_own_master_where_no_alias(dtype, offload):
     assert r["report"][f"{where}.master_shard"] > 0
 
 
+@pytest.mark.parametrize("offload_param", [False, True])
+def test_fp32_master_at_stage3_offload(offload_param):
+    """Stage 3 with offload_optimizer "cpu": the host param shard is the master where the
+    params are offloaded too; a device param shard keeps the host master of its own."""
+    r = train(3, offload=True, offload_param=offload_param)
+    if offload_param:
+        _check_aliased(r, tensor=True)
+        assert r["report"]["host.optimizer_state"] > 0
+    else:
+        assert not any(f["aliased"] for f in r["facts"])
+        assert r["report"]["host.master_shard"] > 0
+    _check_reference(r, 1)
+
+
+def test_host_alias_is_bitwise_the_own_master(monkeypatch):
+    """The in-place host update computes exactly what a master of its own computed."""
+    from zero_offload.runtime.engine import assembly
+
+    aliased = train(3, offload=True, offload_param=True)
+    monkeypatch.setattr(assembly, "alias_state", lambda *a, **k: None)
+    own = train(3, offload=True, offload_param=True)
+    assert not any(f["aliased"] for f in own["facts"]) and own["report"]["host.master_shard"]
+    assert all(f["aliased"] for f in aliased["facts"])
+    for n in own["params"]:
+        assert torch.equal(aliased["params"][n], own["params"][n]), n
+
+
 def _world2() -> dict:
-    return {stage: train(stage) for stage in (1, 2, 3)}
+    out: dict = {stage: train(stage) for stage in (1, 2, 3)}
+    out["3+offload"] = train(3, offload=True, offload_param=True)
+    return out
 
 
 def test_fp32_master_is_the_params_world2():
     out = run_ranks(2, _world2)
     for stage, r in out.items():
         # stages 1/2: one slice per bucket (several buckets here), no single tensor
-        _check_aliased(r, tensor=stage == 3)
+        _check_aliased(r, tensor=stage in (3, "3+offload"))
         _check_reference(r, 2)

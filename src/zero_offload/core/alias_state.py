@@ -1,11 +1,12 @@
-"""The shard state of fp32 training with the optimizer on the device: no master copy.
+"""The shard state of fp32 training with the optimizer beside the params: no master copy.
 
-When the model params are fp32 and the master shard would live on the same device, a separate
+When the model params are fp32 and the master shard would live in the same memory, a separate
 master is a second copy of the same numbers: the update writes the master, then copies it into
 the params. ``AliasState`` instead takes the param home's own fp32 values as the master (stages
-0-2: this rank's slices of the flat buffer; stage 3: the device param shard), so the update
-writes the params in place and only the Adam moments are allocated (12 -> 8 bytes/param of
-optimizer-side state; DeepSpeed keeps a cloned fp32 partition here).
+0-2: this rank's slices of the flat buffer; stage 3: the param shard, on the device, or in host
+memory with both offloads, where the host kernel updates it in place), so the update writes the
+params in place and only the Adam moments are allocated (12 -> 8 bytes/param of optimizer-side
+state; DeepSpeed keeps a cloned fp32 partition here).
 
 Invariants:
 - the master IS the home's values: ``read``/``write`` of "master" go through the home, and
@@ -32,7 +33,7 @@ class AliasState:
     def __init__(self, home, segments: tuple[Segment, ...], numel: int, moments: bool) -> None:
         """``home``: the param home (``read``/``write`` in shard coordinates, ``shard_views``
         and ``shard_tensor``); ``segments``: the shard optimizer's segments."""
-        self.home, self.numel, self.where = home, numel, "device"
+        self.home, self.numel, self.where = home, numel, home.where  # "device" or "host"
         self._views = home.shard_views(segments)
         self.master: torch.Tensor | None = home.shard_tensor()
         device = self._views[0].device if self._views else torch.device("cpu")
@@ -79,4 +80,5 @@ class AliasState:
 
     def nbytes(self) -> dict[str, int]:
         """No ``master_shard``: it is the params, counted once under their own name."""
-        return {"device.optimizer_state": (self.exp_avg.numel() + self.exp_avg_sq.numel()) * 4}
+        moments = (self.exp_avg.numel() + self.exp_avg_sq.numel()) * 4
+        return {f"{self.where}.optimizer_state": moments}

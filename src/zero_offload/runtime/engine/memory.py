@@ -80,7 +80,9 @@ def expected_bytes(
     ``ratio`` (stage 3 with offload) is the host's share of the optimizer state;
     ``accum_dtype`` is the grad shards' dtype (None: ``dtype``).
     ``alias_master``: the fp32 params are the master shard (no ``master_shard`` bytes); default:
-    fp32 with the optimizer and the params on the device (``core/alias_state.py``).
+    fp32 with the optimizer and the params in one memory (``core/alias_state.py``): both on the
+    device, or at stage 3 both in host memory (whole offload, no delayed update; the offloads
+    here are "cpu": a caller with NVMe passes False).
     ``muon_numel``: the part of ``numel`` in Muon groups (state: a momentum, 4 bytes, where
     the optimizer state is)."""
     _check_placement(stage, offload, offload_param)
@@ -103,10 +105,12 @@ def expected_bytes(
     elif cut:
         out["device.grad_shard"] = cut * a
     if alias_master is None:
-        alias_master = b == 4 and not offload and not offload_param
+        both_host = stage == 3 and offload and offload_param and cut == 0 and not delayed
+        alias_master = b == 4 and (offload == offload_param) and (not offload or both_host)
+    home = "host" if offload_param else "device"
     for where, n in (("device", cut), ("host", shard - cut)):
         if n or where == ("host" if offload else "device"):
-            if not (alias_master and where == "device"):  # fp32 params are the master themselves
+            if not (alias_master and where == home):  # fp32 params are the master themselves
                 out[f"{where}.master_shard"] = n * 4
             # Muon (never split by a twin): its state is wherever the whole optimizer's is
             held = where == ("host" if offload else "device")

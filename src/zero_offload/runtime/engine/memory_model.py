@@ -113,6 +113,16 @@ class ZeroPlan:
         )
 
 
+def _aliased(plan: ZeroPlan) -> bool:
+    """fp32 params are their own master where the optimizer state sits beside them in memory
+    (``state_build.alias_state``): both on the device, or at stage 3 both in host memory."""
+    if plan.dtype_bytes != 4 or plan.optimizer != plan.params:
+        return False
+    return plan.optimizer == "device" or (
+        plan.optimizer == "host" and plan.stage == 3 and plan.ratio >= 1.0 and not plan.delayed
+    )
+
+
 def states(numel: int, plan: ZeroPlan, shape: ModelShape | None = None) -> dict[str, int]:
     """What ``initialize`` keeps per rank (``device.*``, ``host.*``, ``nvme.*``) for ``numel``
     params (an engine's padded total, or the model's count)."""
@@ -123,7 +133,7 @@ def states(numel: int, plan: ZeroPlan, shape: ModelShape | None = None) -> dict[
     out = expected_bytes(numel, dtype, plan.stage, plan.world, plan.optimizer != "device",
                          plan.gas, plan.delayed, offload_param=plan.params != "device",
                          ratio=plan.ratio if plan.optimizer == "host" else 1.0,
-                         accum_dtype=accum)  # fmt: skip
+                         accum_dtype=accum, alias_master=_aliased(plan))  # fmt: skip
     shard = numel // plan.world if plan.stage else numel
     if plan.optimizer == "nvme":
         out["nvme.master_shard"] = out.pop("host.master_shard")

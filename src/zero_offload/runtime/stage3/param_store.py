@@ -570,12 +570,12 @@ class ShardHome:
 
     def shard_views(self, segs) -> list[torch.Tensor]:
         shard = self.shard_tensor()
-        assert shard is not None, "a device param shard only"
+        assert shard is not None, "a param shard in device or host memory only"
         return [shard[s.shard_start : s.shard_start + s.numel] for s in segs]
 
     def shard_tensor(self) -> torch.Tensor | None:
-        """The device param shard: stored contiguously in shard order."""
-        return self.store.shards[self.gi] if self.where == "device" else None
+        """The param shard in device or host memory: stored contiguously in shard order."""
+        return self.store.shards[self.gi] if self.where in ("device", "host") else None
 
     def prepare_write(self) -> None:
         self.store.quiesce()

@@ -3,7 +3,8 @@ kernel, one pass per element (16-bit grad in -> fp32 state updated -> 16-bit par
 staging buffer), run chunk by chunk so chunk k travels host-to-device while chunk k+1 computes.
 
 When the home is the host param shard (stage 3 with offload_param "cpu"), the kernel writes the
-16-bit output there in place and nothing is uploaded.
+16-bit output there in place and nothing is uploaded; with fp32 params that shard is the master
+itself (``AliasState``), which the kernel updates in place.
 
 Delayed update: ``launch`` starts the host pass of step t on a worker thread and returns; the next
 ``launch`` (or ``flush``) joins it and uploads its params, so forward and backward of step t+1
@@ -170,7 +171,7 @@ class HostUpdate(ShardOptimizer):
     def _upload(self, lo: int, hi: int, master: torch.Tensor) -> None:
         """Shard range ``[lo, hi)`` to the param home: from staging (16-bit), or from
         ``master``, that range of the fp32 master."""
-        if self.staging_is_home:  # the kernel wrote the home itself
+        if self.staging_is_home or self.aliased:  # the kernel wrote the home itself
             return
         src = master if self.staging is None else self._staged(lo, hi)
         st = self.streams

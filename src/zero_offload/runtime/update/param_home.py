@@ -48,12 +48,14 @@ class ParamHome(Protocol):
     def finish_write(self) -> None: ...
 
     def shard_views(self, segs) -> list[torch.Tensor]:
-        """Views of the home's own storage, one per segment of ``segs`` (device homes only)."""
+        """Views of the home's own storage, one per segment of ``segs`` (homes in device or host
+        memory only)."""
         ...
 
     def shard_tensor(self) -> torch.Tensor | None:
         """The whole shard as one view of the home's storage, where it is stored contiguously in
-        shard order; None otherwise (a device home's values the update may write in place)."""
+        shard order; None otherwise (a home in device or host memory, whose values the update may write
+        in place)."""
         ...
 
     def prepare_write(self) -> None:

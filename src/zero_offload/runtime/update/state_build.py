@@ -84,17 +84,29 @@ def alias_state(
     client: object | None,
     moments: bool | None = None,
 ) -> AliasState | None:
-    """fp32 params with the optimizer on the device: the master shard is the param home's own
-    values (``alias_state.py``), or None where it cannot be: a 16-bit dtype, an offloaded
-    optimizer or param shard, or a client optimizer (which steps one tensor) over a sharded flat
-    buffer whose partition is not one contiguous range. ``moments``: allocate Adam's moments
+    """fp32 params whose master would sit beside them: the master shard is the param home's
+    own values (``alias_state.py``). Two placements hold that: the optimizer and the params on
+    the device, or (stage 3) both in host memory (``offload_optimizer`` and ``offload_param``
+    "cpu"), where the host kernel then updates the param shard in place. None where it cannot
+    be: a 16-bit dtype, the optimizer and the params in different places, NVMe, a partial
+    offload (a twin's two parts), the delayed update (its worker writes while the next forward
+    reads the home), or a client optimizer (which steps one tensor) over a sharded flat buffer
+    whose partition is not one contiguous range. ``moments``: allocate Adam's moments
     (default: unless a client optimizer keeps its own state)."""
-    if group.dtype != torch.float32 or placement.optimizer != "device" or home.where != "device":
+    if group.dtype != torch.float32 or not _beside(placement, home.where):
         return None
     if client is not None and home.shard_tensor() is None:
         return None
     moments = client is None if moments is None else moments
     return AliasState(home, group.segments(sharded), group.shard_numel(sharded), moments)
+
+
+def _beside(placement: Placement, home_where: str) -> bool:
+    """The optimizer state would live where the param home is, in memory, updated in place."""
+    if placement.optimizer == "device":
+        return home_where == "device"
+    host = placement.optimizer == "host" and not placement.twin and not placement.delayed
+    return host and home_where == "host"
 
 
 def build_nvme_params(placement: Placement, aio: AioEngine | None) -> NvmeParams | None:
