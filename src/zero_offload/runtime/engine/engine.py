@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from ...core import dist
+from ...core import dist, host_heap
 from ...core.flat_group import FlatGroup
 from ...nvme.errors import NvmeSwapError
 from ...nvme.trace import mark as trace_mark
@@ -67,6 +67,10 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
             self, module, config, param_groups, adamw, lr_scheduler, training_dataloader, client
         )
         check_working_set(self._working_set_bounds(), free_bytes(self.device), self.device.type)
+        # Loading and partitioning the model freed its full copies: malloc's heap gives the
+        # pages back here once, and what it holds free from now on is a named term.
+        host_heap.release()
+        self._heap = host_heap.HeapPeak()
         if self.global_rank == 0:
             self._log_memory()
 
@@ -182,6 +186,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
 
     def _backward_epilogue(self) -> None:
         self.window.end_backward()
+        self._heap.sample()  # the module's gathered params and gradients were freed by now
 
     def step(self) -> None:
         """Update at the accumulation boundary; always advances the micro-step counter.
@@ -219,6 +224,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
                     raise
         self.micro_steps += 1
         self.global_samples += samples
+        self._heap.sample()
         trace_mark("step_end")
 
     # ---- the update ----------------------------------------------------------------------------
@@ -353,12 +359,15 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
         if self.param_store is not None:
             esize = self.dtype.itemsize
             out["peak.device.gathered_params"] = self.param_store.peak_live * esize
+        if host_heap.free_bytes() is not None:  # freed host memory malloc keeps for reuse
+            out["peak.host.allocator_free"] = self._heap.peak
         return out
 
     def reset_peak_memory(self) -> None:
         """Start the ``peak.*`` entries of ``memory_report()`` again from what is held now (the
         first backward, before the reduction order is learned, can exceed a later step's)."""
         self.reducer.bufs.reset_peak()
+        self._heap.reset()
         if self.param_store is not None:
             self.param_store.peak_live = self.param_store.live
             if self.param_store.nvme is not None:
