@@ -89,8 +89,13 @@ def test_train_writes_metrics_plot_and_config(tmp_path: Path, capsys) -> None:
     result = json.loads((out / "run.json").read_text())
     assert result["steps"] == 6 and result["world_size"] == 1
     assert math.isfinite(result["heldout_loss"]) and result["heldout_loss"] < math.log(256)
+    # the memory by term: the host states of stage 2 + offload, the step's peaks beside them
+    memory = result["memory"]
+    assert memory["host.optimizer_state"] > 0 and memory["host.master_shard"] > 0
+    assert any(k.startswith("peak.") for k in memory)
     printed = capsys.readouterr().out
     assert str(out) in printed and "held-out" in printed
+    assert "memory (MiB): " in printed and "host.optimizer_state" in printed
 
 
 def test_train_stage3_config_with_both_offloads(tmp_path: Path) -> None:

@@ -535,6 +535,7 @@ def _summarize(
         "tokens_per_s": tokens_per_s,
         "model_tflops": tflops,
         "exported": [os.path.relpath(p, folder.path) for p in exported],
+        "memory": engine.memory_report(),  # this rank's states and the steps' peaks, by term
     }
     folder.write_json("run.json", results)
     folder.plot_loss(heldout)
@@ -543,8 +544,22 @@ def _summarize(
         f"loss {results['first_loss']:.3f} -> {results['final_loss']:.3f} "
         f"(held-out {heldout:.3f}) in {elapsed:.0f} s, {tokens_per_s:.0f} tokens/s{flops_text}"
     )
+    print(_memory_line(results["memory"]))
     written = folder.files() + results["exported"]
     print(f"wrote {', '.join(written)} in {folder.path}")
+
+
+def _memory_line(report: dict[str, int]) -> str:
+    """Rank 0's bytes by term (MiB), the steps' peaks after the states, and the process's
+    peak resident size on Linux (what the terms add up to, with the import's baseline)."""
+    terms = sorted(report.items(), key=lambda kv: (kv[0].startswith("peak."), kv[0]))
+    text = "memory (MiB): " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in terms)
+    try:
+        with open("/proc/self/status") as f:
+            hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        return text + f"; peak resident {hwm / 1024:.1f}"
+    except (OSError, StopIteration):
+        return text
 
 
 def evaluate(engine, dataset, micro_batch: int, max_batches: int) -> float:
