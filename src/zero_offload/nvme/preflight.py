@@ -52,6 +52,10 @@ def check_nvme_path(key: str, path: str | os.PathLike[str], need_bytes: int) -> 
         exists = is_dir or resolved.exists()
     except OSError as exc:  # e.g. a parent directory this process may not search
         raise ConfigError(f"{where} cannot be inspected ({exc.strerror or exc}); {fix}") from None
+    except RuntimeError:  # pathlib's "Symlink loop from ..." (Python < 3.13)
+        raise ConfigError(
+            f"{where} is a symlink loop (it never reaches a directory); {fix}"
+        ) from None
     if not exists:
         _create(resolved, key, where, fix)
         is_dir = True
