@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from .format import CheckpointError, CheckpointNotFoundError
+from .meta_checks import check_digest_schema
 
 BLOCK_SIZE = 64 << 20
 CHUNK_BYTES = 16 << 20  # unit of device -> host staging and of each write
@@ -291,16 +292,6 @@ def touched_blocks(ranges: Iterable[tuple[int, int]], block_size: int) -> set[in
         if hi > lo:
             out.update(range(lo // block_size, (hi - 1) // block_size + 1))
     return out
-
-
-def check_digest_schema(path: Path, digest: dict) -> None:
-    try:
-        size, bs, blocks = int(digest["size"]), int(digest["block_size"]), digest["block_sha256"]
-        ok = bs > 0 and isinstance(blocks, list) and len(blocks) == max(1, -(-size // bs))
-    except (KeyError, TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise CheckpointError(f"meta.json: the digest recorded for {path.name} is malformed")
 
 
 def verify(
