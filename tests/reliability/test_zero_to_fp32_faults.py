@@ -217,3 +217,19 @@ def test_the_command_stops_with_one_line(saved, tmp_path):
         "trusted)"
     ]
     assert not (tmp_path / "out" / "pytorch_model.bin").exists()
+
+
+def test_the_shared_checks_import_the_standard_library_only():
+    import ast
+
+    from zero_offload.checkpoint import meta_checks
+
+    tree = ast.parse(Path(meta_checks.__file__).read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "meta_checks.py must not import the package"
+            names.add(node.module.split(".")[0])
+    assert names <= set(sys.stdlib_module_names) | {"__future__"}, names
