@@ -35,3 +35,32 @@ def test_inf_gradient_still_says_inf(caplog):
     caplog.set_level(logging.WARNING, logger="zero_offload")
     _skip_with(eng, float("inf"))
     assert "gradients are not finite (inf/NaN)" in caplog.records[-1].message
+
+
+def _two_rank_skip() -> list[str]:
+    import torch.distributed as tdist
+
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logging.getLogger("zero_offload").addHandler(Keep(logging.WARNING))
+    eng = h.engine(2, False, "fp32")
+    p = eng.module.a.weight
+    if tdist.get_rank() == 1:  # the last element: in rank 1's half of a.weight's bucket
+        p.register_hook(
+            lambda g: g.flatten().index_fill(0, g.new_tensor([63]).long(), 1e20).view_as(g)
+        )
+    eng.backward(eng(h.batch().to(eng.dtype)))
+    eng.step()
+    return [m for m in messages if "skipped" in m]
+
+
+@pytest.mark.slow
+def test_the_cause_is_combined_over_ranks():
+    from distributed import run_ranks
+
+    msgs = run_ranks(2, _two_rank_skip)
+    assert len(msgs) == 1 and "largest |g| is 5e+19" in msgs[0], msgs  # averaged over 2 ranks
