@@ -67,8 +67,8 @@ class OverflowMonitor:
                 else "(no loss scale to lower: static scale, bf16 or fp32)"
             )
             raise OverflowStopError(
-                f"stopping at step {step}: {self.consecutive} consecutive steps skipped for "
-                f"non-finite gradients {why}. The model or data produces inf/NaN; lower the "
-                "learning rate, check the inputs, or raise max_consecutive_overflows (0: never "
-                "stop)."
+                f"stopping at step {step}: {self.consecutive} consecutive steps skipped for a "
+                f"gradient norm that is not finite (last: {cause}) {why}. The model or data "
+                "produces inf/NaN or gradients too large for float32; lower the learning rate, "
+                "check the inputs, or raise max_consecutive_overflows (0: never stop)."
             )
