@@ -20,7 +20,11 @@ def _is_deepspeed(name: str) -> bool:
 
 def patch_pip_show(module) -> None:
     """Wrap ``pip._internal.commands.show.search_packages_info`` (looked up as a module global
-    when the command runs). A pip whose ``_PackageInfo`` lacks the fields used is left alone."""
+    when the command runs). A pip whose ``_PackageInfo`` lacks the fields used is left alone.
+
+    The wrapper takes whatever arguments the wrapped function takes (pip 23 passes only the
+    query, later pips also ``include_files``) and passes them on unchanged; if the opt-in's own
+    answer cannot be built, pip answers ``deepspeed`` itself: the opt-in never breaks pip."""
     orig = getattr(module, "search_packages_info", None)
     info_type = getattr(module, "_PackageInfo", None)
     fields = set(getattr(info_type, "_fields", ()))
@@ -29,13 +33,19 @@ def patch_pip_show(module) -> None:
     if getattr(orig, "_zero_offload", False):
         return
 
-    def search_packages_info(query, include_files, *args, **kwargs):
+    def search_packages_info(query, *args, **kwargs):
         ours = [q for q in query if _is_deepspeed(q)]
         rest = [q for q in query if not _is_deepspeed(q)]
         if rest:
-            yield from orig(rest, include_files, *args, **kwargs)
+            yield from orig(rest, *args, **kwargs)
         if ours:
-            yield _compat_info(info_type, fields, include_files)
+            include_files = kwargs.get("include_files", args[0] if args else True)
+            try:
+                info = _compat_info(info_type, fields, bool(include_files))
+            except Exception:  # pip's own answer rather than a broken command
+                yield from orig(ours, *args, **kwargs)
+                return
+            yield info
 
     search_packages_info._zero_offload = True
     module.search_packages_info = search_packages_info

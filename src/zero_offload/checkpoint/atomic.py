@@ -24,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from .format import LATEST_FILE, CheckpointError, CheckpointNotFoundError, check_tag, read_text
+from .format import LATEST_FILE, CheckpointNotFoundError
+from .meta_checks import latest_tag
 
 PAUSE_ENV = "ZERO_OFFLOAD_CHECKPOINT_PAUSE"
 PAUSE_POINTS = ("after_shards", "before_publish", "replaced", "before_latest")
@@ -116,13 +117,7 @@ def read_latest(root: Path) -> str | None:
     path = root / LATEST_FILE
     if not path.exists():
         return None
-    tag = read_text(path).strip()
-    if not tag:
-        raise CheckpointError(f"{path}: file is empty; expected the name of a checkpoint tag")
-    try:  # ``latest`` may only name an entry of this folder (no "..", "/", absolute paths)
-        check_tag(tag)
-    except CheckpointError as e:
-        raise CheckpointError(f"{path}: {e}; the file is damaged or was edited") from None
+    tag = latest_tag(path)
     return tag
 
 

@@ -5,7 +5,6 @@ unpickled)."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -17,24 +16,19 @@ import torch
 from ..core.layout import FlatLayout, layout_from_buckets
 from . import atomic
 from .format import (
-    FORMAT,
-    LAYOUT_FIELDS,
-    LAYOUT_KEY,
     META_FILE,
     RANK_META_KEY,
-    READABLE_VERSIONS,
     SHARD_KINDS,
     CheckpointError,
     CheckpointNotFoundError,
-    check_meta_digest,
     check_tag,
-    layout_digests,
     read_json,
     require,
     shard_tensor,
 )
+from .meta_checks import check_digest_schema, check_group, check_meta, check_rank_layout
 from .reslice import Piece, SourceIndex, shard_pieces, source_segments
-from .tensor_file import Header, check_digest_schema, read_header, verify
+from .tensor_file import Header, read_header, verify
 
 log = logging.getLogger("zero_offload")
 
@@ -78,22 +72,8 @@ class CheckpointReader:
         self.path = Path(path)
         self.meta = read_json(self.path / META_FILE)
         where = str(self.path / META_FILE)
-        if not isinstance(self.meta, dict) or self.meta.get("format") != FORMAT:
-            raise CheckpointError(
-                f"{where}: not a zero_offload checkpoint (format {FORMAT!r} expected)"
-            )
-        version = require(self.meta, "format_version", where)
-        if version not in READABLE_VERSIONS:
-            raise CheckpointError(
-                f"{where}: format_version {version} is not supported (this version reads "
-                f"{', '.join(map(str, READABLE_VERSIONS))})"
-            )
-        if version >= 2:
-            check_meta_digest(self.meta, where)
-        else:
+        if check_meta(self.meta, where) < 2:
             log.warning("%s: format_version 1 has no checksum of its own metadata", where)
-        for key in ("world_size", "files", "model", "groups", "counters", "ranks"):
-            require(self.meta, key, where)
         self._headers: dict[str, Header] = {}
         self._layout_checked: set[str] = set()
         self._handles: dict[str, object] = {}
@@ -190,28 +170,8 @@ class CheckpointReader:
         checked). Call after ``verify`` has checked ``name``'s header."""
         if name in self._layout_checked:
             return
-        try:
-            info = json.loads(self.header(name).metadata.get(RANK_META_KEY, "{}"))
-        except ValueError as e:
-            raise CheckpointError(f"{self.path / name}: rank metadata is not JSON ({e})") from None
-        recorded = info.get(LAYOUT_KEY) if isinstance(info, dict) else None
-        if recorded is not None:
-            described = layout_digests(self.meta["groups"])
-            if not isinstance(recorded, list) or len(recorded) != len(described):
-                raise CheckpointError(
-                    f"{self.path / META_FILE} groups: {len(described)} param groups, but "
-                    f"{self.path / name} was written with "
-                    f"{len(recorded) if isinstance(recorded, list) else 'no'} groups"
-                )
-            for gi, (got, want) in enumerate(zip(recorded, described)):
-                for key in LAYOUT_FIELDS:
-                    if not isinstance(got, dict) or got.get(key) != want[key]:
-                        raise CheckpointError(
-                            f"{self.path / META_FILE} groups[{gi}].{key}: not the one "
-                            f"{self.path / name} was written under (the metadata was edited "
-                            "and re-sealed, or belongs to other rank files); refusing to read "
-                            "the shards at the wrong offsets"
-                        )
+        rank_meta = self.header(name).metadata.get(RANK_META_KEY)
+        check_rank_layout(rank_meta, self.meta["groups"], self.path / META_FILE, self.path / name)
         self._layout_checked.add(name)
 
     def verify(self, name: str, ranges: Iterable[tuple[int, int]] | None) -> None:
@@ -267,42 +227,9 @@ class CheckpointReader:
         out = []
         for gi, g in enumerate(self.meta["groups"]):
             w = f"{where} groups[{gi}]"
-            try:
-                names = [str(n) for n in require(g, "names", w)]
-                shapes = [tuple(int(d) for d in s) for s in require(g, "shapes", w)]
-                numels = [int(n) for n in require(g, "numels", w)]
-                buckets = [[int(i) for i in b] for b in require(g, "bucket_params", w)]
-                world = int(require(g, "layout_world_size", w))
-                align = int(require(g, "align", w))
-                sharded = bool(require(g, "sharded", w))
-            except (TypeError, ValueError, IndexError) as e:
-                raise CheckpointError(f"{w}: malformed ({e})") from None
-            if (
-                len(names) != len(shapes)
-                or len(names) != len(numels)
-                or any(_numel(s) != n for s, n in zip(shapes, numels))
-                or any(d < 0 for s in shapes for d in s)
-            ):
-                raise CheckpointError(f"{w}: names, shapes and numels disagree")
-            if world < 1 or align < 1:
-                raise CheckpointError(
-                    f"{w}: layout_world_size and align must be >= 1, got {world} and {align}"
-                )
-            if any(not b for b in buckets) or [i for b in buckets for i in b] != list(
-                range(len(numels))
-            ):
-                shown = str(buckets) if len(str(buckets)) <= 80 else str(buckets)[:77] + "..."
-                raise CheckpointError(
-                    f"{w}.bucket_params: {shown} must split params 0..{len(numels) - 1} into "
-                    "non-empty buckets of consecutive params, in order (as every layout is "
-                    "built); the metadata was edited or damaged"
-                )
-            layout = layout_from_buckets(numels, buckets, world, align)
-            files = list(rank_files[: layout.world_size]) if sharded else [rank_files[0]]
-            if len(files) != (layout.world_size if sharded else 1):
-                raise CheckpointError(
-                    f"{w}: {layout.world_size} shards but {len(rank_files)} rank files listed"
-                )
+            f = check_group(g, w, rank_files)
+            layout = layout_from_buckets(f.numels, f.buckets, f.world, f.align)
+            names, shapes, sharded, files = f.names, f.shapes, f.sharded, f.files
             out.append(
                 GroupMeta(
                     gi,

@@ -39,6 +39,7 @@ from .format import (
     writing,
 )
 from .module_state import alias_map, frozen_param_names, module_state, param_names
+from .script_source import recovery_script_source
 from .tensor_file import Entry, write_file
 
 log = logging.getLogger("zero_offload")
@@ -229,7 +230,7 @@ RECOVERY_SCRIPT = "zero_to_fp32.py"
 def _write_recovery_script(root: Path) -> None:
     """``<save_dir>/zero_to_fp32.py``, replaced atomically (before the new tag is published, so a
     failure here publishes nothing) and executable."""
-    source = Path(__file__).with_name("zero_to_fp32_script.py").read_bytes()
+    source = recovery_script_source()
     path = root / RECOVERY_SCRIPT
     atomic.write_bytes_atomic(path, source)
     os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)

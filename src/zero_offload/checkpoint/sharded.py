@@ -41,7 +41,7 @@ import torch
 
 from . import atomic, export_publish, folder_swap
 from .format import CheckpointError
-from .tensor_file import CHUNK_BYTES, dtype_name
+from .tensor_file import CHUNK_BYTES, byte_chunks, dtype_name
 
 WEIGHTS_NAME = "model.safetensors"
 # transformers 5's ``save_pretrained(max_shard_size="50GB")`` (huggingface_hub's own helper
@@ -166,15 +166,6 @@ def _header(specs: Sequence[Spec], metadata: dict[str, str] | None) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _chunks(t: torch.Tensor, chunk_bytes: int) -> Iterator[memoryview]:
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    for lo in range(0, flat.numel(), chunk_bytes):
-        piece = flat[lo : lo + chunk_bytes]
-        if piece.device.type != "cpu":
-            piece = piece.cpu()  # one chunk of host memory at a time
-        yield memoryview(piece.numpy())
-
-
 @dataclass
 class ExportResult:
     out_dir: Path
@@ -267,7 +258,7 @@ class ShardWriter:
             self._open(k)
         path = self.stage_dir / self.names[k]
         with _naming(path, "write"):
-            for mv in _chunks(tensor, self.chunk_bytes):
+            for mv in byte_chunks(tensor, self.chunk_bytes):
                 self._files[k].write(mv)
         self._pos += 1
         self._left[k] -= 1

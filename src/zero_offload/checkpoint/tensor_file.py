@@ -14,6 +14,7 @@ that reads only some slices (an elastic resume) verifies only the blocks it touc
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from .format import CheckpointError, CheckpointNotFoundError
+from .meta_checks import check_digest_schema
 
 BLOCK_SIZE = 64 << 20
 CHUNK_BYTES = 16 << 20  # unit of device -> host staging and of each write
@@ -130,13 +132,27 @@ class _BlockHasher:
         }
 
 
-def _chunks(t: torch.Tensor, chunk_bytes: int) -> Iterator[memoryview]:
+def byte_chunks(t: torch.Tensor, chunk_bytes: int) -> Iterator[memoryview]:
+    """``t``'s bytes, ``chunk_bytes`` at a time (a device tensor: one chunk of host memory at a
+    time). Each view keeps its chunk alive while it is used (a digest may run later)."""
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
     for lo in range(0, flat.numel(), chunk_bytes):
         piece = flat[lo : lo + chunk_bytes]
         if piece.device.type != "cpu":
-            piece = piece.cpu()  # one chunk of host memory at a time
-        yield memoryview(piece.numpy())
+            piece = piece.cpu()
+        yield host_bytes(piece)
+
+
+def host_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host uint8 tensor, without ``numpy()``: a numpy view marks the
+    tensor's storage not resizable for the rest of the process, and ``offload_states`` frees an
+    engine buffer by resizing its storage (a save of the engine's own buffers must not stop
+    that). The view holds ``t``, so the bytes outlive the caller's reference."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    raw = (ctypes.c_char * t.numel()).from_address(t.data_ptr())
+    raw._tensor = t  # keeps the storage alive as long as the view
+    return memoryview(raw).cast("B")
 
 
 def _header(entries: Sequence[Entry], metadata: dict[str, str] | None) -> bytes:
@@ -187,7 +203,7 @@ def write_file(
                         f"{tuple(piece.shape)}, announced as {e.dtype} {e.shape}"
                     )
                 written += piece.numel() * piece.element_size()
-                for mv in _chunks(piece, chunk_bytes):
+                for mv in byte_chunks(piece, chunk_bytes):
                     emit(mv)
             if written != e.nbytes:
                 raise CheckpointError(
@@ -276,16 +292,6 @@ def touched_blocks(ranges: Iterable[tuple[int, int]], block_size: int) -> set[in
         if hi > lo:
             out.update(range(lo // block_size, (hi - 1) // block_size + 1))
     return out
-
-
-def check_digest_schema(path: Path, digest: dict) -> None:
-    try:
-        size, bs, blocks = int(digest["size"]), int(digest["block_size"]), digest["block_sha256"]
-        ok = bs > 0 and isinstance(blocks, list) and len(blocks) == max(1, -(-size // bs))
-    except (KeyError, TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise CheckpointError(f"meta.json: the digest recorded for {path.name} is malformed")
 
 
 def verify(

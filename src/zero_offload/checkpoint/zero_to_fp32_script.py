@@ -15,8 +15,10 @@ pass ``--max_shard_size`` (``pytorch_model-00001-of-0000n.bin`` ... and
 ``pytorch_model.bin.index.json``). Every key of the module's state dict is written: trainable
 params as their fp32 master weights (assembled from every rank's shard), frozen params and
 buffers as saved (floating ones in fp32); a tied weight under each of its names. Each file read is
-checked against the SHA-256 digests ``meta.json`` records. The format is described in the
-project's docs/checkpoints.md.
+checked against the SHA-256 digests ``meta.json`` records, and ``meta.json`` itself as the
+library checks it (its own digest, the layout the rank files were written under, a tag that is one
+entry of the folder): a checkpoint the library would refuse stops here with one line naming the
+file and the problem. The format is described in the project's docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -26,12 +28,29 @@ import hashlib
 import json
 import os
 import re
+import sys
 import uuid
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+# BEGIN SHARED CHECKS: a save writes the text of the library's meta_checks.py here
+from .meta_checks import (
+    RANK_META_KEY,
+    CheckpointError,
+    CheckpointNotFoundError,
+    check_digest_schema,
+    check_group,
+    check_meta,
+    check_rank_layout,
+    check_tag,
+    latest_tag,
+    read_json,
+)
+
+# END SHARED CHECKS
 
 META, MODEL, LATEST = "meta.json", "model.safetensors", "latest"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -46,17 +65,24 @@ def _tag_dir(checkpoint_dir, tag: str | None) -> Path:
         return root
     if tag is None:
         if not (root / LATEST).is_file():
-            raise FileNotFoundError(f"{root / LATEST}: file is missing; pass -t TAG")
-        tag = (root / LATEST).read_text(encoding="utf-8").strip()
+            raise CheckpointNotFoundError(f"{root / LATEST}: file is missing; pass -t TAG")
+        tag = latest_tag(root / LATEST)  # one entry of this folder, as the library requires
+    check_tag(str(tag))
     for path in (root / tag, root / f".{tag}.replaced"):
         if (path / META).is_file():
             return path
-    raise FileNotFoundError(f"{root / tag}: no checkpoint with tag {tag!r} ({META} missing)")
+    raise CheckpointNotFoundError(f"{root / tag}: no checkpoint with tag {tag!r} ({META} missing)")
 
 
 def _verify(folder: Path, meta: dict, name: str) -> None:
     """``name`` has the size and SHA-256 (of its blocks' digests) that meta.json records."""
-    entry = meta["files"][name]
+    files = meta["files"]
+    if not isinstance(files, dict) or name not in files:
+        raise CheckpointError(f"{folder / META}: no digest recorded for {name}")
+    entry = files[name]
+    check_digest_schema(folder / name, entry)
+    if not (folder / name).is_file():
+        raise CheckpointNotFoundError(f"{folder / name}: file is missing")
     raw_digests = []
     with open(folder / name, "rb") as f:
         size = 0
@@ -67,7 +93,7 @@ def _verify(folder: Path, meta: dict, name: str) -> None:
         size != int(entry["size"])
         or hashlib.sha256(b"".join(raw_digests)).hexdigest() != entry["sha256"]
     ):
-        raise ValueError(f"{folder / name}: checksum mismatch (the file is damaged)")
+        raise CheckpointError(f"{folder / name}: checksum mismatch (the file is damaged)")
 
 
 def _layout(group: dict) -> tuple[list[int], list[tuple[int, int, int, list[int]]]]:
@@ -110,37 +136,74 @@ def _pieces(group: dict, rank_files: list[str]) -> dict[str, list[tuple[str, int
 
 
 class _Reader:
-    """Lazily produced fp32 tensors of a checkpoint's state dict, by key."""
+    """Lazily produced fp32 tensors of a checkpoint's state dict, by key. meta.json is checked
+    as the library checks it before anything in it is used; each file before it is read."""
 
     def __init__(self, folder: Path, exclude_frozen: bool) -> None:
         self.folder = folder
-        self.meta = json.loads((folder / META).read_text(encoding="utf-8"))
-        if self.meta.get("format") != "zero_offload.checkpoint":
-            raise ValueError(f"{folder / META}: not a zero_offload checkpoint")
+        where = folder / META
+        self.meta = read_json(where)
+        if check_meta(self.meta, str(where)) < 2:
+            print(f"warning: {where}: format_version 1 has no checksum of its own metadata")
         model = self.meta["model"]
         self.aliases = dict(model.get("aliases", {}))
         frozen = set(model.get("frozen", []))
-        self.keys = [k for k in model["keys"] if not (exclude_frozen and k in frozen)]
+        self.keys = [k for k in model.get("keys", []) if not (exclude_frozen and k in frozen)]
         self.trainable: dict[str, tuple[int, list, list]] = {}
-        rank_files = self.meta["ranks"]["files"]
+        ranks = self.meta["ranks"]
+        if not isinstance(ranks, dict) or "files" not in ranks:
+            raise CheckpointError(f"{where} ranks: required key 'files' is missing")
+        self.shard_numel: list[int] = []
         for gi, group in enumerate(self.meta["groups"]):
-            shapes = dict(zip(group["names"], group["shapes"]))
-            for name, reads in _pieces(group, rank_files).items():
+            fields = check_group(group, f"{where} groups[{gi}]", ranks["files"])
+            _, buckets = _layout(group)
+            total = sum(b[1] for b in buckets)
+            self.shard_numel.append(total // fields.world if fields.sharded else total)
+            shapes = dict(zip(fields.names, fields.shapes))
+            for name, reads in _pieces(group, ranks["files"]).items():
                 self.trainable[name] = (gi, reads, shapes[name])
         self.verified: set[str] = set()
+        self.shards_checked: set[tuple[str, int]] = set()
 
     def _open(self, name: str):
         if name not in self.verified:
             _verify(self.folder, self.meta, name)
+            if name != MODEL:  # a rank file: written under the layout meta.json describes?
+                with safe_open(str(self.folder / name), framework="pt") as f:
+                    rank_meta = (f.metadata() or {}).get(RANK_META_KEY)
+                groups = self.meta["groups"]
+                check_rank_layout(rank_meta, groups, self.folder / META, self.folder / name)
             self.verified.add(name)
         return safe_open(str(self.folder / name), framework="pt")
+
+    def _model_tensor(self, f, target: str):
+        if target not in f.keys():
+            raise CheckpointError(f"{self.folder / MODEL}: tensor {target!r} is missing")
+        return f.get_slice(target)
+
+    def _master(self, f, file: str, gi: int):
+        """Group ``gi``'s master shard in rank file ``file``, of the size meta.json implies."""
+        tensor, want = f"group{gi}.master", self.shard_numel[gi]
+        if (file, gi) not in self.shards_checked:
+            got = f.get_slice(tensor) if tensor in f.keys() else None
+            if got is None:
+                raise CheckpointError(f"{self.folder / file}: tensor {tensor!r} is missing")
+            if got.get_dtype() != "F32" or list(got.get_shape()) != [want]:
+                raise CheckpointError(
+                    f"{self.folder / file}: tensor {tensor!r} is {got.get_dtype()} "
+                    f"{list(got.get_shape())}, but {self.folder / META} groups[{gi}] (numels, "
+                    f"bucket_params, align, layout_world_size, sharded) describes F32 [{want}]: "
+                    "the layout in meta.json is not the one this file was written under"
+                )
+            self.shards_checked.add((file, gi))
+        return f.get_slice(tensor)
 
     def spec(self, key: str) -> tuple[torch.dtype, list[int]]:
         target = self.aliases.get(key, key)
         if target in self.trainable:
             return torch.float32, list(self.trainable[target][2])
         with self._open(MODEL) as f:
-            t = f.get_slice(target)
+            t = self._model_tensor(f, target)
             dtype = getattr(torch, _ST_DTYPES.get(t.get_dtype(), "float32"))
             return (torch.float32 if dtype.is_floating_point else dtype), t.get_shape()
 
@@ -148,13 +211,14 @@ class _Reader:
         target = self.aliases.get(key, key)
         if target not in self.trainable:
             with self._open(MODEL) as f:
+                self._model_tensor(f, target)  # named when missing
                 t = f.get_tensor(target)
             return t.float() if t.is_floating_point() else t
         gi, reads, shape = self.trainable[target]
         out = torch.empty(_numel(shape), dtype=torch.float32)
         for file, pos, lo, n in reads:
             with self._open(file) as f:
-                out[lo : lo + n] = f.get_slice(f"group{gi}.master")[pos : pos + n]
+                out[lo : lo + n] = self._master(f, file, gi)[pos : pos + n]
         return out.view(shape)
 
 
@@ -297,14 +361,17 @@ def main(argv=None) -> None:
     parser.add_argument("--exclude_frozen_parameters", action="store_true")
     parser.add_argument("-d", "--debug", action="store_true", help="accepted, as DeepSpeed's")
     args = parser.parse_args(argv)
-    files = convert_zero_checkpoint_to_fp32_state_dict(
-        args.checkpoint_dir,
-        args.output_dir,
-        max_shard_size=args.max_shard_size,
-        safe_serialization=args.safe_serialization,
-        tag=args.tag,
-        exclude_frozen_parameters=args.exclude_frozen_parameters,
-    )
+    try:
+        files = convert_zero_checkpoint_to_fp32_state_dict(
+            args.checkpoint_dir,
+            args.output_dir,
+            max_shard_size=args.max_shard_size,
+            safe_serialization=args.safe_serialization,
+            tag=args.tag,
+            exclude_frozen_parameters=args.exclude_frozen_parameters,
+        )
+    except CheckpointError as e:  # one line naming the file and the problem, no traceback
+        sys.exit(f"zero_to_fp32.py: error: {e}")
     for path in files:
         print(f"wrote {path}")
 

@@ -46,12 +46,7 @@ def check_nvme_path(key: str, path: str | os.PathLike[str], need_bytes: int) -> 
     fix = f"{key.rsplit('.', 1)[-1]} must be a writable local directory"
     if not given:
         raise ConfigError(f"{key}: empty path; {fix}")
-    try:
-        resolved = Path(given).resolve()
-        is_dir = resolved.is_dir()
-        exists = is_dir or resolved.exists()
-    except OSError as exc:  # e.g. a parent directory this process may not search
-        raise ConfigError(f"{where} cannot be inspected ({exc.strerror or exc}); {fix}") from None
+    resolved, is_dir, exists = _inspect(given, where, fix)
     if not exists:
         _create(resolved, key, where, fix)
         is_dir = True
@@ -80,6 +75,20 @@ def check_nvme_path(key: str, path: str | os.PathLike[str], need_bytes: int) -> 
             + _leftovers(reclaimed)
         )
     return resolved
+
+
+def _inspect(given: str, where: str, fix: str) -> tuple[Path, bool, bool]:
+    """``given`` resolved (symlinks followed), whether it is a directory, whether it exists."""
+    try:
+        resolved = Path(given).resolve()
+        is_dir = resolved.is_dir()
+        return resolved, is_dir, is_dir or resolved.exists()
+    except OSError as exc:  # e.g. a parent directory this process may not search
+        raise ConfigError(f"{where} cannot be inspected ({exc.strerror or exc}); {fix}") from None
+    except RuntimeError:  # pathlib's "Symlink loop from ..." (Python < 3.13)
+        raise ConfigError(
+            f"{where} is a symlink loop (it never reaches a directory); {fix}"
+        ) from None
 
 
 def _create(path: Path, key: str, where: str, fix: str) -> None:

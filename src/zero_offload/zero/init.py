@@ -214,7 +214,7 @@ class Init:
     def __enter__(self) -> Init:
         if not self.enabled:
             return self
-        self._touch = TouchMode(self.touch_budget)
+        self._touch = TouchMode(self.touch_budget, lambda: self._building)
         self._patch_apply_and_to_empty()
         for cls in [torch.nn.Module, *_all_subclasses(torch.nn.Module)]:
             self._wrap(cls)

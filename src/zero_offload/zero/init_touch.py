@@ -17,22 +17,29 @@ re-partitioned (rank 0's values broadcast, each rank keeps its chunk):
   gathered at a time, as for Hugging Face's ``_init_weights``);
 - a param whose storage *escaped* as a plain tensor (``p.data``, ``p.view(...)``, ``p[0]``,
   ``p.detach()``), which later writes may go through: when the constructor that touched it
-  returns, after each ``apply`` callback, or when the gathered elements would pass the budget
-  (``stage3_max_live_parameters``; oldest first);
+  returns (a child built inside that constructor re-partitions only what it touched itself), or
+  after each ``apply`` callback. Never earlier, whatever the budget: a constructor that holds
+  six layers' ``.data`` and then writes them must not lose a write;
 - everything when the context exits.
+
+The budget (``stage3_max_live_parameters``) bounds the gathered elements by re-partitioning the
+oldest touched params that did not escape; escaped ones are counted in it but kept, and a build
+that held more than the budget that way is reported once (one warning with the peak) when the
+context exits.
 
 Invariants: every rank runs the same constructor code, so every rank touches the same params in
 the same order (the gathers and broadcasts pair up); a tensor that escaped from a touched param
-(``w = p.data``) stays valid until that param is re-partitioned, after which writes to it are
-lost (as writes to any param's old ``.data``); our own partitioning code runs with the mode
-suspended (``TouchMode.suspended``).
+(``w = p.data``) stays valid until the constructor that touched the param returns, after which
+writes to it are lost (as writes to any param's old ``.data``); our own partitioning code runs
+with the mode suspended (``TouchMode.suspended``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -40,6 +47,8 @@ from torch.overrides import TorchFunctionMode
 from ..core import dist
 from ..core.status import ZeroParamStatus
 from ..runtime.stage3.init_partition import full_value, partition_at_init, write_back
+
+log = logging.getLogger("zero_offload")
 
 # Ops and properties whose result does not depend on a param's values or shape: they do not
 # gather (``register_parameter`` reads ``grad_fn``; ``requires_grad_`` marks frozen params).
@@ -130,12 +139,17 @@ def _shares_storage(out: torch.Tensor, p: torch.Tensor) -> bool:
 class TouchMode(TorchFunctionMode):
     """Gathers a partitioned param on first use during construction; see the module docstring."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, depth: Callable[[], int] = lambda: 0) -> None:
+        """``depth()``: how many constructors (or ``apply`` callbacks) are running now; a param
+        is kept gathered until the one running when it was touched ends."""
         super().__init__()
         self.budget = max(1, int(budget))
+        self.depth = depth
         self.touched: OrderedDict[int, torch.nn.Parameter] = OrderedDict()
         self.escaped: set[int] = set()  # touched params whose storage is held as a plain tensor
+        self.level: dict[int, int] = {}  # touched param -> depth() when it was touched
         self.live = 0
+        self.peak_over_budget = 0  # most elements held at once past the budget (escaped ones)
         self.suspended = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -153,7 +167,7 @@ class TouchMode(TorchFunctionMode):
             self._settle(keep=used)
         replaced = name == "data" and getattr(func, "__name__", "") == "__set__"
         for p in found:
-            self.touch(p, gather=not (replaced and p is args[0]))
+            self.touch(p, gather=not (replaced and p is args[0]), keep=used)
         out = func(*args, **kwargs)
         if used and isinstance(out, torch.Tensor) and not isinstance(out, torch.nn.Parameter):
             for i in used:
@@ -167,7 +181,7 @@ class TouchMode(TorchFunctionMode):
         if done:
             with self.quiet(), torch.no_grad():
                 for i in done:
-                    self._repartition(self.touched.pop(i))
+                    self._pop(i)
 
     @contextlib.contextmanager
     def quiet(self) -> Iterator[None]:
@@ -178,27 +192,49 @@ class TouchMode(TorchFunctionMode):
         finally:
             self.suspended -= 1
 
-    def touch(self, p: torch.nn.Parameter, gather: bool = True) -> None:
+    def touch(
+        self, p: torch.nn.Parameter, gather: bool = True, keep: set[int] | frozenset = frozenset()
+    ) -> None:
         """Bind ``p``'s full value (``gather``), or only mark it touched when the op is
-        ``p.data = new`` (the old value is replaced anyway)."""
+        ``p.data = new`` (the old value is replaced anyway). Room under the budget is made by
+        re-partitioning the oldest touched params that neither escaped nor are in ``keep``
+        (the running op's)."""
         with self.quiet(), torch.no_grad():
-            while self.touched and self.live + p.ds_numel > self.budget:
-                self._pop_oldest()
+            for i in [i for i in self.touched if i not in self.escaped and i not in keep]:
+                if self.live + p.ds_numel <= self.budget:
+                    break
+                self._pop(i)
             if gather:
                 p.data = full_value(p).clone()
             p.ds_status = ZeroParamStatus.AVAILABLE
             self.touched[id(p)] = p
+            self.level[id(p)] = self.depth()
             self.live += p.ds_numel
+            if self.live > self.budget:
+                self.peak_over_budget = max(self.peak_over_budget, self.live)
 
     def flush(self) -> None:
-        """Re-partition every touched param (rank 0's values win)."""
+        """Re-partition (rank 0's values win) every param touched since the constructor or
+        ``apply`` callback running now began; all of them once none runs (the context exits)."""
+        depth = self.depth()
         with self.quiet(), torch.no_grad():
-            while self.touched:
-                self._pop_oldest()
+            for i in [i for i in self.touched if self.level[i] >= depth]:
+                self._pop(i)
+        if depth == 0 and self.peak_over_budget:
+            log.warning(
+                "zero.Init: constructors held up to %d param elements gathered at once, past "
+                "zero_optimization.stage3_max_live_parameters (%d): params whose storage they "
+                "kept as plain tensors (p.data, views) stay gathered until the constructor ends, "
+                "so that no write through them is lost",
+                self.peak_over_budget,
+                self.budget,
+            )
+            self.peak_over_budget = 0
 
-    def _pop_oldest(self) -> None:
-        i, p = self.touched.popitem(last=False)
+    def _pop(self, i: int) -> None:
+        p = self.touched.pop(i)
         self.escaped.discard(i)
+        self.level.pop(i, None)
         self._repartition(p)
 
     def _repartition(self, p: torch.nn.Parameter) -> None:

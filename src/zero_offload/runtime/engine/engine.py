@@ -40,6 +40,7 @@ from .offload_states import (
     MASTER_NEEDED,
     OffloadStatesAPI,
 )
+from .overflow_cause import overflow_cause
 from .param_rebind import ParamRebind
 from .storage_move import StorageMover
 
@@ -236,7 +237,9 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
         norm = math.sqrt(float(sumsq)) / scale  # the step's one host sync
         overflow = not math.isfinite(norm)
         self._grad_norm = None if overflow else norm
+        cause = None
         if overflow:
+            cause = overflow_cause(self.grad_shards, scale, self.stage >= 1)
             self.skipped_steps += 1
             if self.placement.delayed:
                 for so in self.shard_opts:
@@ -264,7 +267,9 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
         self.loss_scaler.update_scale(overflow)
         self.zero_grad()
         self.global_steps += 1
-        self._overflows.after_step(overflow, scale, self.loss_scaler.loss_scale, self.global_steps)
+        self._overflows.after_step(
+            overflow, scale, self.loss_scaler.loss_scale, self.global_steps, cause
+        )
         every = self._print_every
         if self.global_rank == 0 and every and self.global_steps % every == 0:
             self._log_step(overflow, every)

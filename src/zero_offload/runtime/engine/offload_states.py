@@ -30,7 +30,7 @@ from ...config.zero import OFFLOAD_DEVICES, OffloadDeviceEnum
 from . import guards
 from .param_rebind import ParamRebind
 from .state_inventory import OffloadStateType, state_buffers
-from .storage_move import StorageMover
+from .storage_move import StorageMover, check_movable
 
 log = logging.getLogger("zero_offload")
 
@@ -107,18 +107,19 @@ class OffloadStatesAPI:
             return
         if where == "nvme":
             raise ValueError("NVMe offload is not supported for offloading states.")
+        plan = [(state, buf) for state in states for buf in state_buffers(self, state)]
+        for state, buf in plan:  # every refusal before anything moves
+            where = f" ({buf.category})" if buf.category else ""
+            check_movable(buf.tensor, f"offload_states(): {state.value}{where}")
         cuda = self.device.type == "cuda"
         if cuda:  # reductions, host copies and gathers queued on side streams read these
             torch.cuda.synchronize(self.device)
         if self.param_store is not None:
             self.param_store.empty_cache()
         pin = bool(pin_memory) and cuda
-        for state in states:
-            for buf in state_buffers(self, state):
-                owners = {state, *buf.also}
-                self._offloaded.offload(
-                    buf.tensor, owners, buf.category, pin, non_blocking, buf.keep
-                )
+        for state, buf in plan:
+            owners = {state, *buf.also}
+            self._offloaded.offload(buf.tensor, owners, buf.category, pin, non_blocking, buf.keep)
         self._rebound.rebind(self.module.parameters(), self._offloaded)
         if self.param_store is not None:
             self._rebound.rebind_list(self.param_store.shards, self._offloaded)

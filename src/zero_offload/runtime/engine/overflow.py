@@ -32,8 +32,17 @@ class OverflowMonitor:
         self._last_warn = -float("inf")
         self._unreported = 0
 
-    def after_step(self, overflow: bool, scale_before: float, scale_after: float, step: int):
-        """Record one step's outcome (``step`` is the 1-based step just taken)."""
+    def after_step(
+        self,
+        overflow: bool,
+        scale_before: float,
+        scale_after: float,
+        step: int,
+        cause: str | None = None,
+    ) -> None:
+        """Record one step's outcome (``step`` is the 1-based step just taken); ``cause``:
+        what the gradients held (``overflow_cause``), for the report."""
+        cause = cause or "gradients are not finite (inf/NaN)"
         if not overflow:
             self.consecutive = 0
             return
@@ -48,9 +57,7 @@ class OverflowMonitor:
                 else ""
             )
             scale = f"; loss scale {scale_before:g} -> {scale_after:g}" if self.dynamic else ""
-            log.warning(
-                "step %d skipped: gradients are not finite (inf/NaN)%s%s", step, scale, more
-            )
+            log.warning("step %d skipped: %s%s%s", step, cause, scale, more)
             self._last_warn, self._unreported = now, 0
         if self.limit and self.consecutive >= self.limit:
             why = (
@@ -60,8 +67,8 @@ class OverflowMonitor:
                 else "(no loss scale to lower: static scale, bf16 or fp32)"
             )
             raise OverflowStopError(
-                f"stopping at step {step}: {self.consecutive} consecutive steps skipped for "
-                f"non-finite gradients {why}. The model or data produces inf/NaN; lower the "
-                "learning rate, check the inputs, or raise max_consecutive_overflows (0: never "
-                "stop)."
+                f"stopping at step {step}: {self.consecutive} consecutive steps skipped for a "
+                f"gradient norm that is not finite (last: {cause}) {why}. The model or data "
+                "produces inf/NaN or gradients too large for float32; lower the learning rate, "
+                "check the inputs, or raise max_consecutive_overflows (0: never stop)."
             )

@@ -62,7 +62,8 @@ def _optim_states(e: ZeroOffloadEngine) -> Iterator[StateBuffer]:
         parts = _device_parts(og.optimizer.state)
         for part in parts:
             for t in (part.exp_avg, part.exp_avg_sq):
-                yield StateBuffer(t, "device.optimizer_state")
+                if t is not None:  # Muon's momentum state has no second moment
+                    yield StateBuffer(t, "device.optimizer_state")
         client = og.optimizer.client
         if client is not None and parts:  # it runs where the master lives: on the device
             for v in client.optimizer.state[client.param].values():

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...core.streams import alloc_host
+from .guards import EngineUsageError
 
 
 @dataclass
@@ -39,6 +40,16 @@ class MovedStorage:
 def _bytes_view(storage: torch.UntypedStorage) -> torch.Tensor:
     """The storage as one uint8 tensor over all its bytes."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def check_movable(t: torch.Tensor, what: str) -> None:
+    """Raise, naming ``what``, if ``t``'s storage cannot be resized to zero and back: a numpy
+    array or a DLPack capsule made from it, or memory torch does not own, fixes its size."""
+    if not t.untyped_storage().resizable():
+        raise EngineUsageError(
+            f"{what}: its storage cannot be resized (a numpy() or DLPack view of it, or memory "
+            "torch does not own, keeps it fixed), so it cannot be offloaded; nothing was moved"
+        )
 
 
 class StorageMover:
