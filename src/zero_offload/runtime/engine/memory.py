@@ -105,8 +105,7 @@ def expected_bytes(
     elif cut:
         out["device.grad_shard"] = cut * a
     if alias_master is None:
-        both_host = stage == 3 and offload and offload_param and cut == 0 and not delayed
-        alias_master = b == 4 and (offload == offload_param) and (not offload or both_host)
+        alias_master = b == 4 and _beside(stage, offload, offload_param, cut, delayed)
     home = "host" if offload_param else "device"
     for where, n in (("device", cut), ("host", shard - cut)):
         if n or where == ("host" if offload else "device"):
@@ -121,6 +120,14 @@ def expected_bytes(
         if b < 4 and not offload_param:
             out["host.param_staging"] = (shard - cut) * b
     return out
+
+
+def _beside(stage: int, offload: bool, offload_param: bool, cut: int, delayed: bool) -> bool:
+    """The optimizer state sits beside the params in one memory ("cpu" offloads): both on the
+    device, or at stage 3 both in host memory, whole, without the delayed update."""
+    if not offload:
+        return not offload_param
+    return stage == 3 and offload_param and cut == 0 and not delayed
 
 
 # (stage, offload, offload_param) rows of the estimate table.
