@@ -6,7 +6,6 @@ policies). The components receive typed parts of it, never the config.
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 import weakref
 from typing import TYPE_CHECKING
@@ -31,6 +30,7 @@ from ..stage3.memory_efficient_linear import attach as attach_linear
 from ..stage3.param_store import ParamStore, ShardHome, Stage3Policy
 from ..stage3.partition_units import move_buffers, unit_ids, unit_layout
 from ..update.group import OptimizerGroup, build_shard_optimizer
+from ..update.host_worker import HostWorker
 from ..update.momentum_state import MomentumState
 from ..update.param_home import FlatHome, ParamHome
 from ..update.placement import Placement, run_name
@@ -129,11 +129,7 @@ def prepare_module(e: ZeroOffloadEngine) -> None:
         cast_buffers_(module, DTYPES[buffer_dtype])
     synchronize_start(module, e.config)  # before any layout
     e.streams = Streams(e.device)
-    e._executor = (
-        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zero-offload-host-update")
-        if e.placement.delayed
-        else None
-    )
+    e._executor = HostWorker(e.device, e.placement.threads) if e.placement.delayed else None
 
 
 def build_groups(
