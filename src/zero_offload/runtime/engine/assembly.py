@@ -43,6 +43,7 @@ from .loss_scaler import build_loss_scaler
 from .memory_model import ZeroPlan
 from .module_cast import cast_buffers_, cast_params_
 from .overflow import OverflowMonitor
+from .pin_warning import unpinned_keys, warn_unpinned
 from .window import Window
 
 if TYPE_CHECKING:
@@ -96,6 +97,7 @@ def read_settings(e: ZeroOffloadEngine, module, config, lr_scheduler, training_d
     e.stage = zc.stage
     e.zero_plan = ZeroPlan.from_config(config, e.world_size)  # expected_memory's input
     e.placement = Placement.from_config(config, e.device, e.global_rank, run_name())
+    warn_unpinned(e.device, unpinned_keys(zc))
     nvme = e.placement.nvme
     e.aio = AioEngine(nvme.aio) if nvme is not None else None
     # managed false: backward() only accumulates; each step() ends the window and updates.
