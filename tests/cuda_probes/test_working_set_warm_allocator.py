@@ -13,7 +13,7 @@ pytestmark = [
 ]
 
 MIB = 1 << 20
-MARGIN = 64 * MIB  # left free at the driver: less than the reduce buffers below
+MARGIN = 256 * MIB  # left free at the driver: under half the reduce buffers below (512 MiB)
 
 
 def test_initialize_after_a_freed_block_does_not_raise():
@@ -27,7 +27,7 @@ def test_initialize_after_a_freed_block_does_not_raise():
     driver_free = torch.cuda.mem_get_info()[0]
     assert driver_free < 2 * MARGIN
     assert free_bytes(torch.device("cuda", 0)) > free // 2
-    model = torch.nn.Sequential(torch.nn.Linear(8192, 8192, bias=False))
+    model = torch.nn.Sequential(torch.nn.Linear(8192, 16384, bias=False))
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "bf16": {"enabled": True},
