@@ -72,3 +72,14 @@ def test_pinned_finalizer_syncs_and_unregisters_on_its_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
     streams._unregister(4096, 1)
     assert log == [("sync", 1), ("enter", 1), ("unregister", 4096), ("exit", 1)]
+
+
+def test_release_pinned_cache_uses_what_torch_has(monkeypatch):
+    calls = []
+    monkeypatch.setattr(
+        torch._C, "_accelerator_emptyHostCache", lambda: calls.append(1), raising=False
+    )
+    assert streams.release_pinned_cache() and calls == [1]
+    monkeypatch.delattr(torch._C, "_accelerator_emptyHostCache", raising=False)
+    monkeypatch.delattr(torch._C, "_host_emptyCache", raising=False)
+    assert not streams.release_pinned_cache()  # an older torch: nothing to call, no error

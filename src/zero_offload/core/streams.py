@@ -131,6 +131,20 @@ def _cuda_clear_error():
     return fn
 
 
+def release_pinned_cache() -> bool:
+    """Give the caching host allocator's unused pinned blocks back to the system (it keeps
+    every freed block, rounded up to a power of two, for reuse); whether this torch can. For
+    after set-up: ``zero.Init``'s pinned chunks, once the stage-3 store has copied them into its
+    own shard, would otherwise stay pinned for the whole run."""
+    fn = getattr(torch._C, "_accelerator_emptyHostCache", None) or getattr(
+        torch._C, "_host_emptyCache", None
+    )
+    if fn is None:
+        return False
+    fn()
+    return True
+
+
 _warned = False
 
 

@@ -40,7 +40,7 @@ from ...core.flat_group import FlatGroup
 from ...core.labels import FETCH, label
 from ...core.shard_state import ShardState
 from ...core.status import ZeroParamStatus
-from ...core.streams import Streams, alloc_host
+from ...core.streams import Streams, alloc_host, release_pinned_cache
 from ...nvme.param_shard import NvmeParams, NvmeParamShard
 from .init_partition import InitShard, full_value, next_ds_id
 
@@ -113,6 +113,10 @@ class Slot:
 
 
 class ParamStore:
+    # CUDA: event after the last persistent gather's copies out of a host shard (queued
+    # without blocking the host); ``quiesce`` waits for it before the shard is rewritten.
+    _persistent_read = None
+
     def __init__(
         self,
         groups: list[FlatGroup],
@@ -166,13 +170,12 @@ class ParamStore:
                 ids.append(slot.index)
                 self.slots.append(slot)
             self.group_slots.append(ids)
+        if device.type == "cuda":  # zero.Init's pinned chunks were copied in and dropped
+            release_pinned_cache()
         self.live = 0
         self.peak_live = 0
         self.pinned: collections.Counter = collections.Counter()
         self.schedule = None  # the FetchSchedule acting on this store, once built
-        # CUDA: event after the last persistent gather's copies out of a host shard (queued
-        # without blocking the host); ``quiesce`` waits for it before the shard is rewritten.
-        self._persistent_read = None
 
     # ---- construction --------------------------------------------------------------------------
     def _partition(self, g: FlatGroup) -> None:
