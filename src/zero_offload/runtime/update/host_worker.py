@@ -35,22 +35,13 @@ def _bind(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
-class HostWorker:
+class HostWorker(concurrent.futures.ThreadPoolExecutor):
     """One thread, bound to ``device`` before it runs anything; ``threads`` is the kernel
     thread count a host pass on it uses."""
 
     def __init__(self, device: torch.device, configured_threads: int | None) -> None:
+        super().__init__(
+            1, thread_name_prefix="zero-offload-host-update", initializer=_bind, initargs=(device,)
+        )
         self.device = device
         self.threads = worker_threads(device, configured_threads)
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            1,
-            thread_name_prefix="zero-offload-host-update",
-            initializer=_bind,
-            initargs=(device,),
-        )
-
-    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
-        return self._pool.submit(fn, *args, **kwargs)
-
-    def shutdown(self, wait: bool = True) -> None:
-        self._pool.shutdown(wait=wait)
