@@ -62,3 +62,30 @@ def test_launcher_counts_no_gpus_when_cpu_is_forced(gpu_machine, monkeypatch):
     monkeypatch.delenv("ZERO_OFFLOAD_DEVICE")
     launch.run(parser.parse_args(["--num_gpus", "4", "x.py"]))
     assert seen["cuda_devices"] == 2
+
+
+def test_nccl_group_is_bound_to_the_rank_device(monkeypatch):
+    """NCCL: ``device_id`` is this rank's GPU (eager communicator, no guessed device); gloo
+    gets none. The timeout is passed either way."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(
+        torch.distributed, "init_process_group", lambda **kw: calls.append(("init", kw))
+    )
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist.atexit, "register", lambda fn: None)
+    monkeypatch.delenv("ZERO_OFFLOAD_DEVICE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    dist.init_distributed(timeout=7)
+    gpu = torch.device("cuda", 2)
+    assert calls[0] == ("set_device", gpu)
+    init = calls[1][1]
+    assert init["backend"] == "nccl" and init["device_id"] == gpu
+    assert init["timeout"].total_seconds() == 7
+    calls.clear()
+    dist.init_distributed(dist_backend="gloo")
+    assert "device_id" not in calls[-1][1]

@@ -73,8 +73,12 @@ def init_distributed(
     then runs as a world of one. Calling it twice is harmless.
 
     ``timeout`` (a timedelta or seconds; default ``$ZERO_OFFLOAD_TIMEOUT`` seconds, else 30
-    minutes) bounds how long a collective waits for the other ranks: a frozen or dead rank makes
-    the others fail after it with a :class:`CollectiveError` naming the collective and the step.
+    minutes) bounds how long a collective waits for the other ranks: on gloo a frozen or dead
+    rank makes the others fail after it with a :class:`CollectiveError` naming the collective
+    and the step. On NCCL a collective only enqueues: the same fault ends each waiting rank by
+    torch's NCCL watchdog after the timeout (the process aborts, its log naming the collective),
+    unless ``TORCH_NCCL_BLOCKING_WAIT=1`` makes every wait block the host, which turns it into
+    the named error at the price of overlap (docs/reliability.md).
 
     The process group made here is destroyed at interpreter exit (before the interpreter tears
     down, while torch's objects are still alive): gloo's worker threads that outlive
@@ -87,9 +91,15 @@ def init_distributed(
         timeout = os.environ.get(TIMEOUT_ENV) or None
     td = as_timeout(timeout)
     backend = dist_backend or ("nccl" if uses_cuda() else "gloo")
+    bound = {}
     if backend == "nccl":
-        torch.cuda.set_device(local_rank())
-    dist.init_process_group(backend=backend, timeout=td)
+        device = torch.device("cuda", local_rank())
+        torch.cuda.set_device(device)
+        # Bound to the device: the communicator is made now, on this GPU, and barrier and the
+        # object collectives use it instead of guessing one (a guess of GPU 0 would make a
+        # context there on rank k > 0).
+        bound["device_id"] = device
+    dist.init_process_group(backend=backend, timeout=td, **bound)
     atexit.register(shutdown)
 
 

@@ -92,20 +92,27 @@ def _registered(numel: int, dtype: torch.dtype, nbytes: int) -> torch.Tensor | N
     t = raw[start : start + nbytes].view(dtype)
     assert t.numel() == numel
     cudart = torch.cuda.cudart()
+    device = torch.cuda.current_device()  # the context the pages are registered in
     err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
     if int(err) != 0:
         clear_error()
         return None
-    weakref.finalize(t, _unregister, t.data_ptr())
+    weakref.finalize(t, _unregister, t.data_ptr(), device)
     return t
 
 
-def _unregister(ptr: int) -> None:
+def _unregister(ptr: int, device: int) -> None:
+    """Runs on whichever thread drops the last reference (a worker, the collector, exit), whose
+    current device may be GPU 0: synchronizing ``device`` by index makes no context elsewhere
+    (a plain ``synchronize()`` on rank k > 0 made one on GPU 0)."""
     try:
-        torch.cuda.synchronize()  # no queued copy still reads or writes the pages
+        torch.cuda.synchronize(device)  # no queued copy still reads or writes the pages
+        with torch.cuda.device(device):
+            torch.cuda.cudart().cudaHostUnregister(ptr)
     except RuntimeError:
-        pass  # CUDA already torn down (interpreter exit): nothing is running either
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+        # CUDA already torn down (interpreter exit): nothing is running, and the pages go
+        # with the process
+        pass
 
 
 @functools.cache
@@ -122,6 +129,20 @@ def _cuda_clear_error():
     fn = ctypes.CDLL(paths[0]).cudaGetLastError
     fn.restype = ctypes.c_int
     return fn
+
+
+def release_pinned_cache() -> bool:
+    """Give the caching host allocator's unused pinned blocks back to the system (it keeps
+    every freed block, rounded up to a power of two, for reuse); whether this torch can. For
+    after set-up: ``zero.Init``'s pinned chunks, once the stage-3 store has copied them into its
+    own shard, would otherwise stay pinned for the whole run."""
+    fn = getattr(torch._C, "_accelerator_emptyHostCache", None) or getattr(
+        torch._C, "_host_emptyCache", None
+    )
+    if fn is None:
+        return False
+    fn()
+    return True
 
 
 _warned = False

@@ -1,5 +1,6 @@
 """``zero.Init``: partition params as modules are constructed, so a model larger than one rank's
-device (with ``remote_device="cpu"``: larger than the device altogether) can be built.
+device (with ``remote_device="cpu"``, or a config whose ``offload_param`` puts the param shard on
+the host: larger than the device altogether) can be built.
 
 Inside the context every ``torch.nn.Module`` subclass's ``__init__`` is wrapped: when the
 outermost ``__init__`` of a module returns (its own params created and initialized), each of its
@@ -29,6 +30,7 @@ import torch
 
 from ..core import dist
 from ..runtime.stage3.init_partition import partition_at_init
+from .init_placement import REMOTE_DEVICES, resolve
 from .init_touch import TouchMode
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -61,7 +63,7 @@ class Init:
     ) -> None:
         # "nvme": the chunks stay in host memory until initialize() moves the param shard to
         # its swap file (offload_param "nvme"), one param at a time.
-        if remote_device not in (None, "cpu", "cuda", "none", "nvme"):
+        if remote_device not in REMOTE_DEVICES:
             raise ValueError(
                 'zero.Init: remote_device must be None, "cpu", "cuda" or "nvme", got '
                 f"{remote_device!r}"
@@ -82,8 +84,16 @@ class Init:
         self.touch_budget = live or 1_000_000_000
         self._touch: TouchMode | None = None
         self._building = 0  # constructors running (any module), outermost first
-        self.shard_device = torch.device("cpu") if remote_device == "cpu" else dist.default_device()
-        self.pin = bool(pin_memory)
+        # Without remote_device, the config's offload_param decides (init_placement.py).
+        where = resolve(
+            remote_device, pin_memory, zc.offload_param if zc else None, dist.default_device()
+        )
+        self.remote_device, self.shard_device, self.pin = (
+            where.remote_device,
+            where.shard_device,
+            where.pin,
+        )
+        self.pin_memory = self.pin  # DeepSpeed's name
         self._patched: list[tuple[type, object]] = []
         self._orig_init_subclass = None
         if enabled and module is not None:

@@ -6,7 +6,6 @@ policies). The components receive typed parts of it, never the config.
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 import weakref
 from typing import TYPE_CHECKING
@@ -31,6 +30,7 @@ from ..stage3.memory_efficient_linear import attach as attach_linear
 from ..stage3.param_store import ParamStore, ShardHome, Stage3Policy
 from ..stage3.partition_units import move_buffers, unit_ids, unit_layout
 from ..update.group import OptimizerGroup, build_shard_optimizer
+from ..update.host_worker import HostWorker
 from ..update.momentum_state import MomentumState
 from ..update.param_home import FlatHome, ParamHome
 from ..update.placement import Placement, run_name
@@ -43,6 +43,7 @@ from .loss_scaler import build_loss_scaler
 from .memory_model import ZeroPlan
 from .module_cast import cast_buffers_, cast_params_
 from .overflow import OverflowMonitor
+from .pin_warning import unpinned_keys, warn_unpinned
 from .window import Window
 
 if TYPE_CHECKING:
@@ -96,6 +97,7 @@ def read_settings(e: ZeroOffloadEngine, module, config, lr_scheduler, training_d
     e.stage = zc.stage
     e.zero_plan = ZeroPlan.from_config(config, e.world_size)  # expected_memory's input
     e.placement = Placement.from_config(config, e.device, e.global_rank, run_name())
+    warn_unpinned(e.device, unpinned_keys(zc))
     nvme = e.placement.nvme
     e.aio = AioEngine(nvme.aio) if nvme is not None else None
     # managed false: backward() only accumulates; each step() ends the window and updates.
@@ -129,11 +131,7 @@ def prepare_module(e: ZeroOffloadEngine) -> None:
         cast_buffers_(module, DTYPES[buffer_dtype])
     synchronize_start(module, e.config)  # before any layout
     e.streams = Streams(e.device)
-    e._executor = (
-        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="zero-offload-host-update")
-        if e.placement.delayed
-        else None
-    )
+    e._executor = HostWorker(e.device, e.placement.threads) if e.placement.delayed else None
 
 
 def build_groups(

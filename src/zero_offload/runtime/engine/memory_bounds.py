@@ -22,10 +22,11 @@ TERM_KEYS = {
 
 
 def free_bytes(device: torch.device) -> int | None:
-    """Memory free now where the working set goes: the GPU's free memory, or on a CPU the
-    host's ``MemAvailable``; None where it cannot be read."""
+    """Memory free now where the working set goes: on a GPU what this process can still
+    allocate (``cuda_free``), on a CPU the host's ``MemAvailable``; None where it cannot be
+    read."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+        return cuda_free(device)
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
@@ -33,6 +34,22 @@ def free_bytes(device: torch.device) -> int | None:
     except OSError:
         pass
     return None
+
+
+def cuda_free(device: torch.device) -> int:
+    """What the caching allocator can still hand out: the driver's free memory plus the blocks
+    it reserves but does not use (``cudaMemGetInfo`` counts those as used: a warm allocator
+    after a freed tensor made a fitting config look too big), within the per-process fraction
+    ``torch.cuda.set_per_process_memory_fraction`` set (the allocator stops there even when the
+    driver has more)."""
+    driver_free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    allocated = torch.cuda.memory_allocated(device)
+    free = int(driver_free) + max(0, reserved - allocated)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if fraction is not None:
+        free = min(free, int(fraction(device) * total) - allocated)
+    return max(0, free)
 
 
 def check_working_set(terms: dict[str, int], free: int | None, where: str) -> None:

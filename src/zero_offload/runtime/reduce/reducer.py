@@ -194,10 +194,15 @@ class Reducer:
         b = g.layout.buckets[key[1]]
         seg = shard.segs[key[1]]
         s = self.streams
-        s.wait(self.stream, None)
         if self.stage <= 1:
-            self._collective(key, seg, shard.bucket_input(b), seg.flat_start - b.start, True)
+            # The input first: with an fp32 accumulator it is an add_ queued on the compute
+            # stream, which the reduce stream's wait must cover (waiting first let the norm, the
+            # clip, the host copy and the collective read ``accum`` before the add landed).
+            inp = shard.bucket_input(b)
+            s.wait(self.stream, None)
+            self._collective(key, seg, inp, seg.flat_start - b.start, True)
             return
+        s.wait(self.stream, None)
         # One piece at a time, each assembled (on the reduce stream) only after the one before
         # was launched and the one before that completed: at most two pieces' buffers alive.
         pieces = self.bufs.pieces(key)

@@ -1,9 +1,10 @@
 """Params partitioned at construction (``zero.Init``), before any engine exists.
 
 Each param is cut into ``world_size`` equal chunks (the last padded); rank r keeps chunk r as
-``p.ds_tensor`` (on the device, or on the host with ``remote_device="cpu"``) and ``p.data`` is
-emptied. ``full_value`` gathers a whole param back: the engine does it one param at a time when it
-builds its own layout, so building never needs more than one full param beyond the shards.
+``p.ds_tensor`` (on the device, or on the host with ``remote_device`` "cpu"/"nvme" or the
+config's ``offload_param``) and ``p.data`` is emptied. ``full_value`` gathers a whole param back:
+the engine does it one param at a time when it builds its own layout, so building never needs
+more than one full param beyond the shards.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from ...core import dist
 from ...core.status import ZeroParamStatus
+from ...core.streams import alloc_host
 
 _ids = itertools.count()
 
@@ -46,9 +48,14 @@ def partition_at_init(
         data = data.to(dtype)
     dist.broadcast(data, src=0)
     spec = InitShard(data.numel(), tuple(data.shape), dist.world_size(), dist.rank())
-    own = data.reshape(-1)[spec.lo : spec.hi].to(shard_device, copy=True)
+    src = data.reshape(-1)[spec.lo : spec.hi]
     if pin and shard_device.type == "cpu" and torch.cuda.is_available():
-        own = own.pin_memory()
+        # alloc_host, not .pin_memory(): a chunk of 64 MiB or more is page-locked at its own
+        # size instead of a power-of-two block the caching host allocator never gives back.
+        own = alloc_host(src.numel(), src.dtype, pin=True)
+        own.copy_(src)
+    else:
+        own = src.to(shard_device, copy=True)
     p._z3_init = spec
     p.ds_tensor = own
     p.ds_numel = spec.numel

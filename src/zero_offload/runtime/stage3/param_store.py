@@ -40,7 +40,7 @@ from ...core.flat_group import FlatGroup
 from ...core.labels import FETCH, label
 from ...core.shard_state import ShardState
 from ...core.status import ZeroParamStatus
-from ...core.streams import Streams, alloc_host
+from ...core.streams import Streams, alloc_host, release_pinned_cache
 from ...nvme.param_shard import NvmeParams, NvmeParamShard
 from .init_partition import InitShard, full_value, next_ds_id
 
@@ -113,6 +113,10 @@ class Slot:
 
 
 class ParamStore:
+    # CUDA: event after the last persistent gather's copies out of a host shard (queued
+    # without blocking the host); ``quiesce`` waits for it before the shard is rewritten.
+    _persistent_read = None
+
     def __init__(
         self,
         groups: list[FlatGroup],
@@ -166,6 +170,8 @@ class ParamStore:
                 ids.append(slot.index)
                 self.slots.append(slot)
             self.group_slots.append(ids)
+        if device.type == "cuda":  # zero.Init's pinned chunks were copied in and dropped
+            release_pinned_cache()
         self.live = 0
         self.peak_live = 0
         self.pinned: collections.Counter = collections.Counter()
@@ -294,6 +300,9 @@ class ParamStore:
                 self.wait(slot.index)
         if self.streams.cuda:
             self.streams.fetch.synchronize()
+            if self._persistent_read is not None:
+                self._persistent_read.synchronize()
+                self._persistent_read = None
 
     def invalidate(self, gi: int) -> None:
         """Group ``gi``'s shard changed: drop every gathered copy but the persistent ones, which
@@ -324,11 +333,18 @@ class ParamStore:
         own = torch.empty(
             sum(s.bucket.slice_numel for s in slots), dtype=g.dtype, device=self.device
         )
+        # A host shard (the store's own memory, pinned with CUDA) is read without blocking the
+        # host: one queued copy per slot instead of one synchronous copy each; the event keeps
+        # the shard from being rewritten before they land. An NVMe read's buffer is temporary,
+        # so that copy stays synchronous.
+        host = self.streams.cuda and self.shards[gi] is not None and self.shards[gi].is_cpu
         at = 0
         for s in slots:  # each slot's own slice straight into the send buffer (one copy)
             n = s.bucket.slice_numel
-            own[at : at + n].copy_(self._read_own(s, cache=False))
+            own[at : at + n].copy_(self._read_own(s, cache=False), non_blocking=host)
             at += n
+        if host:
+            self._persistent_read = self.streams.record()
         out = torch.empty(self.world * own.numel(), dtype=g.dtype, device=self.device)
         dist.all_gather(out, own, what=f"stage-3 gather of group {gi}'s persistent params")
         ranks, at = out.view(self.world, -1), 0  # row r: rank r's slices, slot after slot

@@ -94,7 +94,10 @@ class HostUpdate(ShardOptimizer):
         self.step_count += 1
         if self.executor is None:
             raise RuntimeError("delayed update needs the engine's host-update executor")
-        self._pending = self.executor.submit(self._host_pass, grad, factor, self._hyper(), False)
+        threads = getattr(self.executor, "threads", self.threads)  # HostWorker's bound
+        self._pending = self.executor.submit(
+            self._host_pass, grad, factor, self._hyper(), False, threads=threads
+        )
 
     def flush(self) -> None:
         """Join a delayed host pass, if any, and upload + gather its params."""
@@ -111,14 +114,21 @@ class HostUpdate(ShardOptimizer):
 
     # ---- the host pass -------------------------------------------------------------------------
     def _host_pass(
-        self, grad: torch.Tensor, factor: float, h: dict, upload: bool, commit: bool = True
+        self,
+        grad: torch.Tensor,
+        factor: float,
+        h: dict,
+        upload: bool,
+        commit: bool = True,
+        threads: int | None = None,
     ) -> None:
+        """``threads``: the kernel's thread count (None: the placement's)."""
         if self._uploaded is not None:  # the previous async uploads still read staging
             self._uploaded.synchronize()
             self._uploaded = None
         if upload:  # uploads overwrite params: only after the compute stream is done with them
             self.streams.wait(self.streams.h2d, None)
-        body = self._chunk_body(grad, factor, h, upload)
+        body = self._chunk_body(grad, factor, h, upload, threads or self.threads)
         # An NVMe param home's writes must land before the state commits: a failed write is
         # then a failed step (nothing committed), not params that disagree with the master.
         flush = self.home.flush if upload else None
@@ -126,7 +136,9 @@ class HostUpdate(ShardOptimizer):
         if upload:
             self._uploaded = self.streams.record(self.streams.h2d)
 
-    def _chunk_body(self, grad: torch.Tensor, factor: float, h: dict, upload: bool):
+    def _chunk_body(
+        self, grad: torch.Tensor, factor: float, h: dict, upload: bool, threads: int | None
+    ):
         """The kernel over one chunk of the state, then (``upload``) its trip to the home."""
         bc = bool(self.group.hyper.get("bias_correction", True))
         # Only a device home's copies run behind the host's back; a host or NVMe home's writes
@@ -156,7 +168,7 @@ class HostUpdate(ShardOptimizer):
                     adamw=self.adamw,
                     bias_correction=bc,
                     grad_scale=factor,
-                    threads=self.threads,
+                    threads=threads,
                     **h,
                 )
             if target is not None:
