@@ -178,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             runner.stop(ds.proc)
         shutil.rmtree(scratch, ignore_errors=True)
     print(table(done, time.monotonic() - t0))
-    return 0 if all(s["status"] in ("passed", "skipped") for s in done) else 1
+    # DeepSpeed's own build decides only whether the throughput row has a DeepSpeed column.
+    ours = [s for s in done if s["name"] != "deepspeed_build"]
+    return 0 if all(s["status"] in ("passed", "skipped") for s in ours) else 1
 
 
 if __name__ == "__main__":
