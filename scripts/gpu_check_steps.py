@@ -91,7 +91,7 @@ def _pcie(ctx: Ctx) -> list[str]:
 
 
 def _overlap(ctx: Ctx) -> list[str]:
-    cmd = [ctx.python, "benchmarks/overlap_trace.py", "--modes", "stage2", "--timeout", "50",
+    cmd = [ctx.python, "benchmarks/overlap_trace.py", "--modes", "stage2", "--timeout", "70",
            "--out", str(ctx.scratch / "traces")]  # fmt: skip
     if ctx.cuda:
         return cmd + ["--device", "cuda", "--warmup", "2", "--steps", "3", "--profile-steps", "2"]
@@ -124,13 +124,13 @@ STEPS: tuple[Step, ...] = (
     Step("install", "install.log", 100, False,
          lambda c: ["bash", "scripts/gpu_install.sh", *([] if c.cuda else ["--check"])]),
     Step("smoke", "install.log", 45, False, lambda c: [c.python, "scripts/gpu_smoke.py"]),
-    Step("cuda_tests", "cuda_tests.log", 150, True, _cuda_tests,
+    Step("cuda_tests", "cuda_tests.log", 140, True, _cuda_tests,
          env={"ZERO_OFFLOAD_TEST_REQUIRE": "native"}, skipped_ok=False),
     Step("cuda_probes", "cuda_probes.log", 60, True, _folder(PROBES, 90), skipped_ok=False),
     Step("sanitizer", "sanitizer.log", 60, True, _folder(SANITIZER, 50),
          env={"TORCH_CUDA_SANITIZER": "1"}, skipped_ok=False),
     Step("pcie", "bench.log", 25, True, _pcie, data=("pcie.json",)),
-    Step("overlap", "bench.log", 55, True, _overlap, data=("traces/summary.json",)),
+    Step("overlap", "bench.log", 80, True, _overlap, data=("traces/summary.json",)),
     Step("throughput", "bench.log", 110, True, _throughput, data=("throughput.json",)),
     Step("cpu_suite", "cpu_suite.log", None, False, _cpu_suite,
          env={"CUDA_VISIBLE_DEVICES": ""}),
