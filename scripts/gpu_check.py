@@ -64,7 +64,9 @@ def run_step(step: Step, ctx: Ctx, out: Path, left: float) -> dict[str, Any]:
         f.write(f"\n==== {step.name}\n")
     cmd = step.command(ctx)
     if cmd is None:
-        return runner.entry(step.name, "skipped", 0.0, step.log, note="nothing to run here")
+        return runner.entry(
+            step.name, "skipped", 0.0, step.log, note="no tests there (no test_*.py)"
+        )
     limit = left if step.budget is None else min(step.budget, left)
     if limit < MIN_STEP_S:
         return runner.entry(step.name, "skipped", 0.0, step.log, note="no time left")

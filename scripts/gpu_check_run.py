@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 GRACE_S = 10.0  # after SIGINT, before SIGKILL
-PYTEST_LINE = re.compile(r"^=*\s*(\d+ (passed|failed|skipped|errors?|deselected|xfailed|"
+PYTEST_LINE = re.compile(r"^=*\s*(\d+(?:/\d+)? (passed|failed|skipped|errors?|deselected|xfailed|"
                          r"xpassed|warnings?|tests? collected)\b.*) in [\d.]+s", re.M)  # fmt: skip
 
 

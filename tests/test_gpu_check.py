@@ -76,6 +76,8 @@ def test_pytest_result_is_the_last_summary_line() -> None:
     tail = "3 passed in 1.00s\n...\n== 1 failed, 2 passed, 1 skipped in 9.50s ==\n"
     assert runner.pytest_result(tail) == "1 failed, 2 passed, 1 skipped"
     assert runner.pytest_result("Traceback ...") is None
+    collected = "30/61 tests collected (31 deselected) in 3.02s\n"
+    assert runner.pytest_result(collected) == "30/61 tests collected (31 deselected)"
 
 
 def test_cpu_tests_see_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
