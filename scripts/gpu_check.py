@@ -22,7 +22,7 @@ import gpu_check_run as runner
 from gpu_check_steps import STEPS, Ctx, Step
 
 REPO = Path(__file__).resolve().parents[1]
-MIN_STEP_S = 5.0  # a step that would get less is skipped
+MIN_STEP_S = 20.0  # a step that would get less is skipped
 DS_SITE = "/tmp/site_ds"  # where scripts/gpu_install.sh puts DeepSpeed
 DS_BUILD = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
 

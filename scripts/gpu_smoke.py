@@ -62,14 +62,24 @@ def tiny_step() -> dict[str, Any]:
 
 
 def nccl_group() -> str:
-    """A one-rank NCCL group and a barrier: a broken NCCL shows here, in seconds."""
+    """A one-rank NCCL group and a barrier: a broken NCCL shows here, in seconds. Run before
+    the engine's step (which makes a default group of its own) and leaves none behind."""
     import torch
     import torch.distributed as dist
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
-    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
-    dist.barrier()
-    dist.destroy_process_group()
+    launch = dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29555")
+    saved = {k: os.environ.get(k) for k in launch}
+    os.environ.update(launch)
+    try:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+        dist.barrier()
+        dist.destroy_process_group()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return "ok"
 
 
@@ -80,9 +90,9 @@ def main() -> int:
     if out["cuda"]:
         out["gpu"] = torch.cuda.get_device_name()
     out.update(installed())
-    out["step"] = tiny_step()
     if out["cuda"]:
         out["nccl"] = nccl_group()
+    out["step"] = tiny_step()
     print("SMOKE " + json.dumps(out), flush=True)
     problems = [f"{k}: {v}" for k, v in out["native"].items() if v != "loaded"]
     if not out["pth"]:
