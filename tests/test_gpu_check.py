@@ -96,3 +96,13 @@ def test_hf_route_subprocesses_see_no_gpu() -> None:
     helpers = pytest.importorskip("hf_route_helpers")
     env = helpers.clean_env()
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["ZERO_OFFLOAD_DEVICE"] == "cpu"
+
+
+def test_step_over_its_limit_is_stopped(tmp_path: Path) -> None:
+    """A command past its limit is ended (SIGINT, then SIGKILL of its group) and reported timed
+    out; what it printed before stays in its log."""
+    log = tmp_path / "step.log"
+    cmd = ["bash", "-c", "echo started; sleep 60"]
+    got = runner.run(cmd, log, timeout=3.0, env=dict(os.environ), cwd=tmp_path)
+    assert got.rc is None and runner.status_of(got) == "timed out"
+    assert "started" in log.read_text() and got.seconds < 60
