@@ -44,12 +44,16 @@ class Step:
 
 
 def pytest(ctx: Ctx, per_test: int, workers: int, *args: str) -> list[str]:
-    """pytest with a per-test limit (pytest-timeout) and, on the GPU, xdist workers; collection
-    only in the rehearsal of a CUDA step."""
+    """pytest with a per-test limit (pytest-timeout) and, on the GPU, xdist workers. Alone, the
+    limit interrupts the test (pytest still reports the rest); a hang the interrupt cannot reach
+    runs into the step's own limit."""
     cmd = [ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs"]
+    parallel = ctx.xdist and workers > 1
     if ctx.timeout_plugin:
         cmd += ["--timeout", str(per_test)]
-    if ctx.xdist and workers > 1:
+        if parallel:  # a test hung in a CUDA call ends its worker, which xdist replaces
+            cmd += ["--timeout-method", "thread"]
+    if parallel:
         cmd += ["-n", str(workers)]
     return cmd + list(args)
 
