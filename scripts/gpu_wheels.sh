@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Wheels the GPU machine lacks, for Python 3.12 on x86-64 Linux, into .whl/ (git-ignored):
-# pydantic (this package's config models) and what DeepSpeed needs beyond that machine's image
-# (hjson), plus a DeepSpeed wheel built here without prebuilt ops (its ops JIT-compile there),
-# and libaio's Debian packages for DeepSpeed's NVMe op.
-# scripts/gpu_run.sh installs them with `pip install --no-index --no-deps --target`.
+# Wheels the GPU machine lacks, for Python 3.12 on x86-64 Linux, into .whl/ (git-ignored, carried
+# along with the checkout): the build backend pyproject.toml names (setuptools>=77, wheel: that
+# machine's setuptools may be older), pydantic (this package's config models) and what DeepSpeed
+# needs beyond that machine's image (hjson), plus a DeepSpeed wheel built here without prebuilt
+# ops (its ops JIT-compile there), and libaio's Debian packages for DeepSpeed's NVMe op.
+# scripts/gpu_install.sh (the GPU check's install step) installs them with
+# `pip install --no-index --no-deps`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
@@ -17,7 +19,7 @@ done
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   --implementation cp "${plat[@]}" -d .whl \
   pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 \
-  hjson==3.1.0
+  hjson==3.1.0 setuptools==84.2.1 wheel==0.48.0
 if ! ls .whl/deepspeed-"$DS_VERSION"-*.whl >/dev/null 2>&1; then
   tmp=$(mktemp -d)
   python -m pip download -q --no-deps --no-binary :all: "deepspeed==$DS_VERSION" -d "$tmp"
@@ -25,7 +27,7 @@ if ! ls .whl/deepspeed-"$DS_VERSION"-*.whl >/dev/null 2>&1; then
   rm -rf "$tmp"
 fi
 # libaio for DeepSpeed's NVMe op (the nvme part's anchor): Debian's packages, unpacked there by
-# gpu_run.sh into /tmp/libaio.
+# gpu_install.sh into /tmp/libaio.
 if ! ls .whl/libaio-dev_*.deb >/dev/null 2>&1; then
   (cd .whl && apt-get download -q libaio-dev "$(apt-cache depends libaio-dev \
     | awk '/Depends: libaio/{print $2}')")

@@ -129,6 +129,7 @@ def clean_env(opt_in: bool = False, threads: int | None = None) -> dict:
         HF_DATASETS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
         ZERO_OFFLOAD_DEVICE="cpu",
+        CUDA_VISIBLE_DEVICES="",  # no GPU either for transformers and accelerate to move batches to
         PYTHONWARNINGS="ignore",
     )
     if threads is not None:

@@ -51,7 +51,7 @@ def test_quick_table(tmp_path: Path, case: str) -> None:
         ],
         capture_output=True,
         text=True,
-        timeout=1200,  # a hang guard only: about 45 s on 2 idle cores
+        timeout=600,  # a hang guard only: about 45 s on 2 idle cores
         cwd=REPO,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -99,7 +99,7 @@ def test_overlap_trace_on_cpu(tmp_path: Path) -> None:
          "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=900,  # a hang guard only: about 8 s on 2 idle cores
+        timeout=600,  # a hang guard only: about 8 s on 2 idle cores
         cwd=REPO,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -145,7 +145,7 @@ def test_overlap_trace_on_cuda_reads_the_gpu_events(tmp_path: Path) -> None:
          "--warmup", "2", "--steps", "2", "--profile-steps", "2", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=240,  # a hang guard within one GPU command (seconds there)
         cwd=REPO,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -179,7 +179,7 @@ def test_overlap_trace_attributes_copies_to_the_labels(tmp_path: Path) -> None:
          "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=240,  # a hang guard within one GPU command (seconds there)
         cwd=REPO,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -198,7 +198,7 @@ def test_pcie_bandwidth_on_cuda(tmp_path: Path) -> None:
          "--max", "4MiB", "--repeats", "3", "--json", str(out)],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=240,
         cwd=REPO,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

@@ -14,7 +14,10 @@ from torch.profiler import ProfilerActivity, profile
 import zero_offload
 from zero_offload.core import labels
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# The CUDA case is marked ``cuda``: it runs with the GPU tests, never among the CPU tests (which
+# see no GPU on a machine with one, tests/conftest.py).
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
 
 def _names_in_profiled_steps(cfg: dict, steps: int = 2) -> set[str]:
