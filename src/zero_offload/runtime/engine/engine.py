@@ -26,6 +26,7 @@ from ..stage3.memory_efficient_linear import detach as detach_linear
 from ..update.shard_optimizer import ShardOptimizer
 from . import guards
 from .assembly import assemble
+from .compile import CompileAPI
 from .engine_api import DeepSpeedEngineAPI
 from .engine_compat import DeepSpeedCompatAPI
 from .memory import expected_bytes
@@ -46,7 +47,9 @@ from .storage_move import StorageMover
 log = logging.getLogger("zero_offload")
 
 
-class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI, torch.nn.Module):
+class ZeroOffloadEngine(
+    DeepSpeedEngineAPI, DeepSpeedCompatAPI, CompileAPI, OffloadStatesAPI, torch.nn.Module
+):
     def __init__(
         self,
         module: torch.nn.Module,
