@@ -42,6 +42,7 @@ from .offload_states import (
     OffloadStatesAPI,
 )
 from .param_rebind import ParamRebind
+from .python_gc import PYTHON_GC
 from .storage_move import StorageMover
 
 log = logging.getLogger("zero_offload")
@@ -72,6 +73,9 @@ class ZeroOffloadEngine(
         check_working_set(self._working_set_bounds(), free_bytes(self.device), self.device.type)
         if self.global_rank == 0:
             self._log_memory()
+        if self._python_gc_off:  # disable_python_gc
+            PYTHON_GC.acquire()
+            self._holds_python_gc = True
 
     # Views of the optimizer groups, by group index.
     @property
@@ -232,7 +236,7 @@ class ZeroOffloadEngine(
         scale = self.loss_scaler.loss_scale
         norm = math.sqrt(float(sumsq)) / scale  # the step's one host sync
         overflow = not math.isfinite(norm)
-        self._grad_norm = None if overflow else norm
+        self._grad_norm = None if overflow or not self._report_grad_norm else norm
         if overflow:
             self.skipped_steps += 1
             if self.placement.delayed:
@@ -590,6 +594,8 @@ class ZeroOffloadEngine(
         if self.param_store is not None:
             self.param_store.release_to_init_form()
         self.destroyed = True
+        if self._holds_python_gc:
+            PYTHON_GC.release()
         self.reducer.remove()
         if self.fetch_schedule is not None:
             self.fetch_schedule.remove()
