@@ -3,7 +3,8 @@
 zero_offload through the opt-in (stage 2 with optimizer offload, as in the report), the engine
 is compiled and every logged loss, gradient norm and the trained params equal the same compiled
 Trainer run without DeepSpeed. The backend is ``aot_eager`` (the wiring is the point: inductor's
-code generation would only add minutes of compiling on a CPU)."""
+code generation would only add minutes of compiling on a CPU). Slow (scripts/test_slow.sh):
+``tests/test_engine_compile.py`` checks accelerate's exact call in the default suite."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("hf_compile")
 
 
+@pytest.mark.slow  # two Trainer processes compiling a Llama: the engine-level tests cover the call
 def test_compiled_trainer_at_stage2_offload_matches_the_plain_compiled_trainer(work) -> None:
     model_dir = str(tiny_llama_dir(work / "llama"))
     args = train_args(work / "run", max_steps=2, **COMPILE)
