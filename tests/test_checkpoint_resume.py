@@ -207,7 +207,7 @@ def test_save_refused_by_one_rank_is_refused_by_all(saved, root):
     assert tags.startswith("tag: ranks passed different tags"), tags
     assert list(Path(root, "refused").iterdir()) == []  # no tag, no latest, no staging left
     assert (
-        warned == "latest,rank0,zero_to_fp32.py"
+        warned == "latest,rank0,zero_to_fp32.py,zero_to_torch.py"
     )  # tag_validation "warn": rank 0's tag, one checkpoint
 
 

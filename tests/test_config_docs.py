@@ -64,7 +64,7 @@ def test_types_and_defaults_come_from_the_fields() -> None:
     assert "<br>also `prefetch_bucket_size`" in text  # DeepSpeed's other spelling
     section = ZeroOffloadConfig.model_fields["zero_optimization"]
     assert field_type_text(section) == "object"
-    assert "Accepted, not built (named in the not-implemented warning): `load_universal`," in text
+    assert "Accepted, not built (named in the not-built warning when on): `load_universal`," in text
 
 
 def test_cli_writes_and_checks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -276,8 +276,30 @@ def _patch_pip_show(module) -> None:
     patch_pip_show(module)
 
 
+def _patch_hf_config_reader(module) -> None:
+    """accelerate's ``HfDeepSpeedConfig`` (transformers' Trainer config subclasses it) reads a
+    config file into a dict that reaches ``deepspeed.initialize`` without the file's name: the
+    reader records it (:mod:`zero_offload.config.origin`), so load messages name the file."""
+    reader = getattr(module, "HfDeepSpeedConfig", None)
+    orig = getattr(reader, "__init__", None)
+    if orig is None or getattr(orig, "_zero_offload", False):
+        return
+
+    def __init__(self, config_file_or_dict, *args, **kwargs):
+        orig(self, config_file_or_dict, *args, **kwargs)
+        path = config_file_or_dict
+        if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
+            from .config.origin import remember
+
+            remember(getattr(self, "config", None), path)
+
+    __init__._zero_offload = True
+    reader.__init__ = __init__
+
+
 # other libraries' modules adapted as they are imported (only while the opt-in is active)
 _POST_IMPORT = {
+    "accelerate.utils.deepspeed": _patch_hf_config_reader,
     "accelerate.state": _patch_accelerate_state,
     "pip._internal.commands.show": _patch_pip_show,
 }

@@ -144,6 +144,7 @@ def one_run(run: dict) -> dict:
     out["eval_losses"] = [h["eval_loss"] for h in history if "eval_loss" in h]
     wrapped = trainer.model_wrapped
     out["engine"] = type(wrapped).__module__ + "." + type(wrapped).__name__
+    out["engine_compiled"] = getattr(wrapped, "is_compiled", None)  # DeepSpeed's engine property
     out["world_size"] = args.world_size
     if run.get("generate"):
         trainer.model.eval()

@@ -98,5 +98,6 @@ def test_full_disk_during_periodic_saves(tmp_path, monkeypatch, capsys):
         "global_step5",
         "latest",
         "zero_to_fp32.py",
+        "zero_to_torch.py",
     ]
     assert steps_in(out) == [1, 2, 3, 4, 5]

@@ -222,16 +222,24 @@ def _digest_file(stage: Path, rank: int) -> Path:
     return stage / f".digests.{rank:05d}.json"
 
 
-# DeepSpeed puts its consolidation script beside ``latest``; so does every save here (a
-# standalone script: torch and safetensors only).
+# DeepSpeed puts its consolidation scripts beside ``latest``; so does every save here (standalone
+# scripts: torch and safetensors only; zero_to_torch.py reads through its sibling zero_to_fp32.py).
 RECOVERY_SCRIPT = "zero_to_fp32.py"
+RECOVERY_SCRIPTS = {
+    RECOVERY_SCRIPT: "zero_to_fp32_script.py",
+    "zero_to_torch.py": "zero_to_torch_script.py",
+}
 
 
-def _write_recovery_script(root: Path) -> None:
-    """``<save_dir>/zero_to_fp32.py``, replaced atomically (before the new tag is published, so a
-    failure here publishes nothing) and executable."""
-    source = recovery_script_source()
-    path = root / RECOVERY_SCRIPT
+def _write_recovery_script(root: Path, name: str = RECOVERY_SCRIPT) -> None:
+    """``<save_dir>/<name>`` (a script of RECOVERY_SCRIPTS), replaced atomically (before the new
+    tag is published, so a failure here publishes nothing) and executable. ``zero_to_fp32.py``
+    carries the library's own ``meta.json`` checks inlined (``script_source.py``)."""
+    if name == RECOVERY_SCRIPT:
+        source = recovery_script_source()
+    else:
+        source = Path(__file__).with_name(RECOVERY_SCRIPTS[name]).read_bytes()
+    path = root / name
     atomic.write_bytes_atomic(path, source)
     os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 
@@ -322,8 +330,9 @@ def _publish(engine, root: Path, stage: Path, tag: str, common: dict, save_lates
         atomic.write_bytes_atomic(stage / META_FILE, sealed_meta_bytes(meta))
     for r in range(world):
         os.remove(_digest_file(stage, r))
-    with writing(root / RECOVERY_SCRIPT):
-        _write_recovery_script(root)
+    for name in RECOVERY_SCRIPTS:
+        with writing(root / name):
+            _write_recovery_script(root, name)
     atomic.pause("before_publish")
     with writing(root / tag):
         atomic.publish(root, tag)

@@ -178,6 +178,8 @@ class Section(BaseModel):
     NOT_IMPLEMENTED: ClassVar[frozenset[str]] = frozenset()
     # Keys that are a known mistake, with what to do instead.
     KEY_HINTS: ClassVar[dict[str, str]] = {}
+    # Keys whose value "auto" is DeepSpeed's own setting, not Hugging Face's "fill this in".
+    AUTO_IS_A_VALUE: ClassVar[frozenset[str]] = frozenset()
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise FrozenConfigError(

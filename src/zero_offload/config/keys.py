@@ -28,6 +28,7 @@ class Prepared:
     data: dict[str, Any]
     problems: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
+    ignored_values: dict[str, Any] = field(default_factory=dict)  # by path, as given
     auto: set[str] = field(default_factory=set)
 
 
@@ -44,6 +45,7 @@ def _walk(model: type[Section], raw: dict[str, Any], path: str, out: Prepared) -
         full = join_path(path, key)
         if key in model.NOT_IMPLEMENTED:
             out.ignored.append(full)
+            out.ignored_values[full] = value
             if isinstance(value, str) and value == AUTO:
                 out.auto.add(full)  # still ignored here; recorded for whoever can fill it
         elif key not in known:
@@ -51,7 +53,7 @@ def _walk(model: type[Section], raw: dict[str, Any], path: str, out: Prepared) -
             out.problems.append(
                 unknown_key_message(path, key, known, hint, accepted=model.NOT_IMPLEMENTED)
             )
-        elif isinstance(value, str) and value == AUTO:
+        elif isinstance(value, str) and value == AUTO and key not in model.AUTO_IS_A_VALUE:
             out.auto.add(full)
         else:
             child = model.nested_section(key, raw)

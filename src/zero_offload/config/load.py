@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from . import unbuilt
 from .auto import AutoValueWarning, auto_report
 from .dotted import expand_dotted_keys
 from .errors import ConfigError, NotImplementedSettingWarning, SettingSpellingWarning
@@ -16,6 +17,8 @@ from .finite import non_finite_numbers
 from .json_text import read_json_file
 from .keys import Prepared, describe_errors, prepare
 from .models import ZeroOffloadConfig
+from .origin import origin_of
+from .removed import removed_problems, without_removed
 
 ConfigSource = str | os.PathLike[str] | dict[str, Any] | ZeroOffloadConfig
 
@@ -59,7 +62,7 @@ def _read_source(source: ConfigSource) -> tuple[str, dict[str, Any]]:
         origin = "<ZeroOffloadConfig>"
         raw = copy.deepcopy(source._source) if source._source is not None else source.to_dict()
     elif isinstance(source, dict):
-        origin = "<dict>"
+        origin = origin_of(source) or "<dict>"
         raw = copy.deepcopy(source)
     elif isinstance(source, (str, os.PathLike)):
         origin = os.fspath(source)
@@ -82,6 +85,8 @@ def _validate(
     problems: list[str] = non_finite_numbers(raw)
     expanded = expand_dotted_keys(raw, ZeroOffloadConfig, problems)
     normalized = _legacy_forms(expanded, problems)
+    problems.extend(removed_problems(normalized))  # DeepSpeed 0.19.8 refuses these by key
+    normalized = without_removed(normalized)
     prepared = prepare(normalized, ZeroOffloadConfig)
     problems.extend(prepared.problems)
     config: ZeroOffloadConfig | None = None
@@ -121,8 +126,8 @@ def _warn_loaded(config: ZeroOffloadConfig, prepared: Prepared, origin: str) -> 
             stacklevel=3,
         )
     unimplemented = [
-        *prepared.ignored,
-        *config.non_default_unimplemented(),
+        *unbuilt.notes(prepared.ignored_values),
+        *unbuilt.default_only_notes(config.non_default_unimplemented()),
         *_unused_nvme_paths(config),
     ]
     conflict = config.aio.spelling_conflict() if config.zero_optimization.uses_nvme else None
@@ -130,7 +135,8 @@ def _warn_loaded(config: ZeroOffloadConfig, prepared: Prepared, origin: str) -> 
         warnings.warn(f"{origin}: {conflict}", SettingSpellingWarning, stacklevel=3)
     if unimplemented:
         warnings.warn(
-            f"{origin}: accepted but not implemented (no effect): {', '.join(unimplemented)}",
+            f"{origin}: DeepSpeed settings accepted but not built here, so this run differs "
+            f"from DeepSpeed's: {'; '.join(unimplemented)}",
             NotImplementedSettingWarning,
             stacklevel=3,
         )
@@ -154,7 +160,8 @@ def load_config(
 
     Raises ConfigError listing every problem, one per line, each naming its key path. Warns
     once (NotImplementedSettingWarning) listing the DeepSpeed settings accepted but ignored,
-    once (AutoValueWarning) listing each ``"auto"`` key nothing could fill, with the
+    (only those whose value changes training, each with what differs from DeepSpeed), once
+    (AutoValueWarning) listing each ``"auto"`` key nothing could fill, with the
     default chosen, and once (SettingSpellingWarning, with an NVMe offload only) when
     ``aio.thread_count`` and ``aio.intra_op_parallelism`` disagree. ``config.auto_keys`` lists
     every ``"auto"`` key path given.

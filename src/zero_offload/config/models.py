@@ -40,37 +40,25 @@ TOP_LEVEL_NOT_IMPLEMENTED = frozenset(
     {
         "activation_checkpointing",
         "allgather_size",  # read only with "zero_optimization": true (config/load.py)
-        "amp",
         "autotuning",
         "comet",
         "comms_logger",
         "communication_data_type",
         "compile",
-        "compression_training",
         "csv_monitor",
-        "curriculum_learning",
         "data_efficiency",
         "dataloader_drop_last",
         "datastates",
         "disable_allgather",
-        "disable_python_gc",
         "dump_state",
-        "eigenvalue",
-        "elasticity",
         "expert_parallel",
         "flops_profiler",
-        "graph_harvesting",
         "hybrid_engine",
         "log_level",
         "memory_breakdown",
-        "nebula",
         "pipeline",
-        "progressive_layer_drop",
-        "quantize_training",
         "seq_parallel_communication_data_type",
         "sequence_parallel_size",
-        "sparse_attention",
-        "sparse_gradients",
         "tensor_parallel",
         "tensorboard",
         "timers",
@@ -81,6 +69,30 @@ TOP_LEVEL_NOT_IMPLEMENTED = frozenset(
         "zero_allow_untested_optimizer",
     }
 )
+
+
+def _gradient_scaling_rules(config: ZeroOffloadConfig) -> None:
+    """DeepSpeed's refusals (its words): pre-scaling and pre-division at stage 3 with
+    reduce-scatter (its ZeRO-3 optimizer asserts), and compute_grad_norm false with clipping."""
+    zc = config.zero_optimization
+    if zc.stage == 3 and zc.reduce_scatter:
+        if config.prescale_gradients:
+            raise rule_error(
+                "prescale_gradients",
+                "pre-scale gradients is not yet supported with ZeRO-3 with reduce scatter enabled",
+            )
+        if config.gradient_predivide_factor != 1.0:
+            raise rule_error(
+                "gradient_predivide_factor",
+                "gradient_predivide_factor != 1.0 is not yet supported with ZeRO-3 with reduce "
+                f"scatter enabled (got {json_repr(config.gradient_predivide_factor)})",
+            )
+    if not zc.compute_grad_norm and config.gradient_clipping > 0.0:
+        raise rule_error(
+            "zero_optimization.compute_grad_norm",
+            "zero_optimization.compute_grad_norm=false requires gradient_clipping=0 (got "
+            f"{json_repr(config.gradient_clipping)})",
+        )
 
 
 class ZeroOffloadConfig(Section):
@@ -186,6 +198,12 @@ class ZeroOffloadConfig(Section):
         description='How gradients combine over the data-parallel ranks: "mean" averages, '
         '"sum" keeps the unscaled sum (not with stage 3). Matched case-insensitively.',
     )
+    disable_python_gc: Bool = Field(
+        False,
+        description="Turn Python's automatic cyclic garbage collection off (after one "
+        "collection) while the engine lives; engine.collect_python_gc() collects when the "
+        "caller chooses. Restored when the last such engine is destroyed.",
+    )
     torch_autocast: TorchAutocastConfig = Field(
         default_factory=TorchAutocastConfig,
         description="DeepSpeed's native-autocast mode: forwards under torch.autocast, params "
@@ -203,14 +221,16 @@ class ZeroOffloadConfig(Section):
         False,
         json_schema_extra=DEFAULT_ONLY,
         description="DeepSpeed: divide gradients by the world size before the all-reduce "
-        "rather than after.",
+        "rather than after (the same mean; only the rounding differs). Refused at stage 3 with "
+        "reduce_scatter, as DeepSpeed refuses it.",
     )
     gradient_predivide_factor: Float = Field(
         1.0,
         gt=0.0,
         json_schema_extra=DEFAULT_ONLY,
         description="DeepSpeed: divide gradients by this factor before the mean all-reduce and "
-        "by world size / factor after (an fp16 range aid on many ranks).",
+        "by world size / factor after (an fp16 range aid on many ranks). Refused at stage 3 "
+        "with reduce_scatter, as DeepSpeed refuses it.",
     )
 
     _world_size: int = PrivateAttr(1)
@@ -244,6 +264,7 @@ class ZeroOffloadConfig(Section):
             _muon_rules(self.zero_optimization)
         if self.gradient_allreduce_op == "sum" and stage == 3:
             raise rule_error("gradient_allreduce_op", '"sum" is not supported with ZeRO stage 3')
+        _gradient_scaling_rules(self)
         training = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(self.dtype, "fp32")
         dt = self.data_types
         if dt.param_dtype is not None and dt.param_dtype != training:

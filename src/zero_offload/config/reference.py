@@ -20,6 +20,7 @@ from pydantic.fields import FieldInfo
 
 from .fields import Section, sections_in
 from .models import ZeroOffloadConfig
+from .removed import REMOVED_OPTIMIZERS, REMOVED_TOP_LEVEL, REMOVED_ZERO
 from .zero import STAGE3_SPELLINGS, ZeroConfig
 
 # Other JSON spellings of a field, by section (the key walker accepts them; see zero.py).
@@ -37,13 +38,16 @@ Sizes are in elements unless a unit is named. `"auto"` (Hugging Face's "fill thi
 for any key: the batch keys and the `zero_optimization` sizes that say so are filled, any other
 key gets its default, named in one warning (a required key has none: an error). An unknown key
 is an error naming it with the closest valid key; a DeepSpeed key listed as *accepted, not
-built* loads and is named in one warning. A validated config is read-only:
-`config.updated({...})` gives a changed copy, checked again.
+built* loads, and is named in one warning (with what differs from DeepSpeed) only when its value
+would make DeepSpeed train differently: off values and keys that tune only speed, memory layout
+or logging are not named. The features DeepSpeed 0.19.8 removed are errors naming the key, in
+DeepSpeed's words, as DeepSpeed refuses them: {removed}. A validated config is read-only:
+`config.updated({{...}})` gives a changed copy, checked again.
 """
 
 _DEFAULT_ONLY_NOTE = (
-    " *Acted on only at its default: another value loads and is named in the not-implemented "
-    "warning.*"
+    " *Acted on only at its default: another value loads and, where it changes training, is "
+    "named in the not-built warning.*"
 )
 _SCALARS = {int: "integer", float: "number", bool: "boolean", str: "string", type(None): "null"}
 _BOUNDS = (
@@ -179,7 +183,7 @@ def section_text(doc: SectionDoc) -> str:
     unbuilt = sorted(doc.model.NOT_IMPLEMENTED)
     if unbuilt:
         keys = ", ".join(f"`{k}`" for k in unbuilt)
-        lines += ["", f"Accepted, not built (named in the not-implemented warning): {keys}."]
+        lines += ["", f"Accepted, not built (named in the not-built warning when on): {keys}."]
     for key, hint in sorted(doc.model.KEY_HINTS.items()):
         lines += ["", f"`{key}` is refused: {hint}."]
     return "\n".join(lines) + "\n"
@@ -187,4 +191,10 @@ def section_text(doc: SectionDoc) -> str:
 
 def render() -> str:
     """The whole of ``docs/config.md``."""
-    return "\n".join([HEADER, *(section_text(doc) for doc in section_docs())])
+    removed = ", ".join(
+        [f"`{k}`" for k in sorted(REMOVED_TOP_LEVEL)]
+        + [f"`zero_optimization.{k}`" for k in sorted(REMOVED_ZERO)]
+        + ["the optimizers " + ", ".join(f"`{n}`" for n in REMOVED_OPTIMIZERS)]
+    )
+    header = HEADER.format(removed=removed)
+    return "\n".join([header, *(section_text(doc) for doc in section_docs())])

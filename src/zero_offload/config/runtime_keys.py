@@ -29,6 +29,8 @@ class DataTypesConfig(Section):
     it). ``buffer_dtype``: the dtype floating buffers are cast to (None: each keeps its own, as
     DeepSpeed does by default)."""
 
+    AUTO_IS_A_VALUE: ClassVar[frozenset[str]] = frozenset({"keep_in_fp32_modules"})
+
     grad_accum_dtype: Literal["fp32", "fp16", "bf16"] | None = Field(
         None,
         description="The dtype gradients accumulate in across micro-steps (stages 2 and 3 "
@@ -47,6 +49,21 @@ class DataTypesConfig(Section):
         "buffers keep theirs). Null: every buffer keeps the dtype it has, e.g. a Llama's fp32 "
         "rotary inv_freq beside bf16 params.",
     )
+
+    keep_in_fp32_modules: str | list[str] = Field(
+        "auto",
+        description='Buffers kept in fp32 under fp16/bf16 training: "auto" (the model\'s '
+        "Hugging Face _keep_in_fp32_modules_strict lists, and _keep_in_fp32_modules under "
+        "fp16), a list of name patterns (* is any characters, matched anywhere in the buffer's "
+        "full name) or [] (none). Parameters follow the training dtype.",
+    )
+
+    @field_validator("keep_in_fp32_modules", mode="before")
+    @classmethod
+    def _keep(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, list) and all(isinstance(n, str) for n in value)):
+            return value
+        raise ValueError(f'must be "auto" or a list of name patterns, got {json_repr(value)}')
 
     @field_validator("grad_accum_dtype", "param_dtype", "buffer_dtype", mode="before")
     @classmethod

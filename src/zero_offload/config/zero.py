@@ -40,7 +40,7 @@ STAGE3_SPELLINGS: dict[str, tuple[str, ...]] = {
 }
 _ALIAS_OF = {alias: name for name, aliases in STAGE3_SPELLINGS.items() for alias in aliases}
 
-# Stage-3 (and ZeRO++ / MiCS / ZenFlow) keys not built: accepted so DeepSpeed configs load,
+# Stage-3 (and ZeRO++ / ZenFlow) keys not built: accepted so DeepSpeed configs load,
 # then listed in the not-implemented warning, in both of DeepSpeed's spellings.
 _STAGE3_EXTRAS = (
     "module_granularity_threshold",
@@ -55,9 +55,6 @@ ZERO_NOT_IMPLEMENTED = frozenset(
         "zero_quantized_weights",
         "zero_quantized_nontrainable_weights",
         "zero_quantized_gradients",
-        "zeropp_loco_param",
-        "mics_shard_size",
-        "mics_hierarchical_params_gather",
         "pipeline_loading_checkpoint",
         "override_module_apply",
         "log_trace_cache_warnings",
@@ -337,8 +334,9 @@ class ZeroConfig(Section):
     )
     compute_grad_norm: Bool = Field(
         True,
-        json_schema_extra=DEFAULT_ONLY,
-        description="DeepSpeed: compute the gradient norm even without gradient clipping.",
+        description="Report the global gradient norm (get_global_grad_norm(), the step log); "
+        "false (stages 1 and 2 only, with gradient_clipping 0 and no optimizer offload, as "
+        "DeepSpeed requires) reports None. Training is the same either way.",
     )
     parameter_alignment: Bool = Field(
         False,
@@ -489,6 +487,7 @@ class ZeroConfig(Section):
         if self.overlap_comm is None:
             # DeepSpeed overlaps by default at stage 3 only.
             self._settle(overlap_comm=self.stage == 3)
+        _grad_norm_rule(self)
         offload = self.offload_optimizer
         if offload is not None and offload.device != "none" and self.stage == 0:
             raise rule_error(
@@ -568,6 +567,22 @@ class ZeroConfig(Section):
     def uses_nvme(self) -> bool:
         """Whether anything (optimizer state or params) is offloaded to NVMe."""
         return "nvme" in (self.offload_device, self.offload_param_device)
+
+
+def _grad_norm_rule(zc: ZeroConfig) -> None:
+    """``compute_grad_norm`` false where DeepSpeed allows it (its words)."""
+    if zc.compute_grad_norm:
+        return
+    if zc.stage not in (1, 2):
+        raise rule_error(
+            "compute_grad_norm",
+            f"compute_grad_norm=false is supported only with ZeRO Stage 1 or 2 (stage is {zc.stage})",
+        )
+    if zc.offload:
+        raise rule_error(
+            "compute_grad_norm",
+            "zero_optimization.compute_grad_norm=false does not support optimizer offload",
+        )
 
 
 def _partial_offload_rule(offload: OffloadOptimizerConfig, stage: int) -> None:

@@ -1,5 +1,6 @@
 """Shared by the namespace's modules: the not-provided ``__getattr__``, the exceptions, and the
-reading of the two settings the Hugging Face libraries write into every DeepSpeed config."""
+reading of the two settings the Hugging Face libraries write into every DeepSpeed config (and of
+the file they read it from, for messages)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from .._as_deepspeed import (  # noqa: F401
     DeepSpeedNotProvidedError,
     not_provided_getattr,
 )
+from ..config.origin import NamedConfig, origin_of
 
 
 def as_zero_offload_config(config):
@@ -19,7 +21,8 @@ def as_zero_offload_config(config):
     path included, is returned as is."""
     if not isinstance(config, dict):
         return config
-    config = dict(config)
+    origin = origin_of(config)  # the file Hugging Face's reader read it from
+    config = dict(config) if origin is None else NamedConfig(config, origin)
     spp = config.get("steps_per_print")
     if isinstance(spp, float) and math.isinf(spp) and spp > 0:
         del config["steps_per_print"]

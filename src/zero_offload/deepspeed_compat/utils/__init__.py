@@ -32,7 +32,7 @@ from ...utils import (  # noqa: F401
 )
 from .._common import not_provided_getattr
 from ..comm import is_initialized  # noqa: F401
-from . import groups, logging, zero_to_fp32  # noqa: F401
+from . import groups, logging, tensor_fragment, zero_to_fp32  # noqa: F401
 from .logging import log_dist, logger, set_log_level_from_string  # noqa: F401
 
 __getattr__ = not_provided_getattr(__name__)

@@ -39,6 +39,7 @@ from ..update.state_build import alias_state, build_nvme_params, build_states, p
 from ..update.zero_optimizer import ZeroOptimizer
 from . import guards
 from .autocast import AutocastPolicy, grad_scaler_for_fp16
+from .keep_in_fp32 import keep_pattern, kept_buffers
 from .loss_scaler import build_loss_scaler
 from .memory_model import ZeroPlan
 from .module_cast import cast_buffers_, cast_params_
@@ -106,6 +107,9 @@ def read_settings(e: ZeroOffloadEngine, module, config, lr_scheduler, training_d
     )
     e.global_steps = e.global_samples = e.micro_steps = e.skipped_steps = 0
     e._grad_norm = None
+    e._report_grad_norm = bool(zc.compute_grad_norm)  # false: get_global_grad_norm() is None
+    e._holds_python_gc = False  # taken once the engine is built, released by destroy()
+    e._python_gc_off = bool(config.disable_python_gc)
     e._loss_scaled = False  # engine.scale(loss) was called since the last backward
     e._linears = []
     e.param_store = None
@@ -126,9 +130,10 @@ def prepare_module(e: ZeroOffloadEngine) -> None:
         for p in module.parameters():
             materialize(p)
         cast_params_(module, e.device, e.dtype)  # buffers keep their own dtype
-    buffer_dtype = e.config.data_types.buffer_dtype
-    if buffer_dtype is not None:  # DeepSpeed's data_types.buffer_dtype
-        cast_buffers_(module, DTYPES[buffer_dtype])
+    data_types = e.config.data_types
+    kept = kept_buffers(module, keep_pattern(module, data_types.keep_in_fp32_modules, e.dtype))
+    if data_types.buffer_dtype is not None:  # DeepSpeed's data_types.buffer_dtype
+        cast_buffers_(module, DTYPES[data_types.buffer_dtype], kept)
     synchronize_start(module, e.config)  # before any layout
     e.streams = Streams(e.device)
     e._executor = HostWorker(e.device, e.placement.threads) if e.placement.delayed else None

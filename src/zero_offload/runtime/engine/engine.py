@@ -26,6 +26,7 @@ from ..stage3.memory_efficient_linear import detach as detach_linear
 from ..update.shard_optimizer import ShardOptimizer
 from . import guards
 from .assembly import assemble
+from .compile import CompileAPI
 from .engine_api import DeepSpeedEngineAPI
 from .engine_compat import DeepSpeedCompatAPI
 from .memory import expected_bytes
@@ -42,12 +43,15 @@ from .offload_states import (
 )
 from .overflow_cause import overflow_cause
 from .param_rebind import ParamRebind
+from .python_gc import PYTHON_GC
 from .storage_move import StorageMover
 
 log = logging.getLogger("zero_offload")
 
 
-class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI, torch.nn.Module):
+class ZeroOffloadEngine(
+    DeepSpeedEngineAPI, DeepSpeedCompatAPI, CompileAPI, OffloadStatesAPI, torch.nn.Module
+):
     def __init__(
         self,
         module: torch.nn.Module,
@@ -74,6 +78,9 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
         self._heap = host_heap.HeapPeak()
         if self.global_rank == 0:
             self._log_memory()
+        if self._python_gc_off:  # disable_python_gc
+            PYTHON_GC.acquire()
+            self._holds_python_gc = True
 
     # Views of the optimizer groups, by group index.
     @property
@@ -236,7 +243,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
         scale = self.loss_scaler.loss_scale
         norm = math.sqrt(float(sumsq)) / scale  # the step's one host sync
         overflow = not math.isfinite(norm)
-        self._grad_norm = None if overflow else norm
+        self._grad_norm = None if overflow or not self._report_grad_norm else norm
         cause = None
         if overflow:
             cause = overflow_cause(self.grad_shards, scale, self.stage >= 1)
@@ -601,6 +608,8 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
         if self.param_store is not None:
             self.param_store.release_to_init_form()
         self.destroyed = True
+        if self._holds_python_gc:
+            PYTHON_GC.release()
         self.reducer.remove()
         if self.fetch_schedule is not None:
             self.fetch_schedule.remove()

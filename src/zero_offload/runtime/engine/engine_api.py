@@ -9,6 +9,7 @@ whose rules decide which backward starts and which one ends a window.
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator
 
 import torch
@@ -38,6 +39,11 @@ class LossScale(float):
 
 class DeepSpeedEngineAPI:
     """Mixed into ZeroOffloadEngine; uses its ``config``, counters and ``stage``."""
+
+    def collect_python_gc(self) -> int:
+        """Run Python's cyclic garbage collection now (``disable_python_gc`` keeps the automatic
+        one off); the number of objects collected."""
+        return gc.collect()
 
     _before_step_counts: tuple[int, int] | None = None  # (global, skipped) steps before step()
 

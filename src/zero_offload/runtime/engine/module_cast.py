@@ -29,10 +29,13 @@ def cast_params_(module: torch.nn.Module, device: torch.device, dtype: torch.dty
                 p.data = p.data.to(dtype)
 
 
-def cast_buffers_(module: torch.nn.Module, dtype: torch.dtype) -> None:
+def cast_buffers_(
+    module: torch.nn.Module, dtype: torch.dtype, keep: frozenset[int] | set[int] = frozenset()
+) -> None:
     """In place: every floating buffer to ``dtype`` (DeepSpeed's ``data_types.buffer_dtype``);
-    integer and bool buffers keep theirs."""
+    integer and bool buffers keep theirs, and so do the buffers whose ids are in ``keep``
+    (``data_types.keep_in_fp32_modules``)."""
     for m in module.modules():
         for name, b in m._buffers.items():
-            if b is not None and b.is_floating_point() and b.dtype != dtype:
+            if b is not None and b.is_floating_point() and b.dtype != dtype and id(b) not in keep:
                 m._buffers[name] = b.to(dtype)

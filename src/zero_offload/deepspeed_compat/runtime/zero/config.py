@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import PrivateAttr, ValidationError
 
+from ....config import unbuilt
 from ....config.errors import ConfigError, NotImplementedSettingWarning
 from ....config.keys import describe_errors, prepare
 from ....config.models import ZeroOffloadConfig
@@ -63,9 +64,6 @@ _UNBUILT_DEFAULTS: dict[str, Any] = {
     "zero_quantized_weights": False,
     "zero_quantized_nontrainable_weights": False,
     "zero_quantized_gradients": False,
-    "zeropp_loco_param": None,
-    "mics_shard_size": -1,
-    "mics_hierarchical_params_gather": False,
     "pipeline_loading_checkpoint": False,
     "override_module_apply": True,
     "log_trace_cache_warnings": False,
@@ -95,10 +93,11 @@ def _validated_fields(data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
         for path in prepared.ignored
         if path.removeprefix(prefix) in data
     }
-    if prepared.ignored:
+    changed = unbuilt.notes(prepared.ignored_values)
+    if changed:
         warnings.warn(
-            f"DeepSpeedZeroConfig: accepted but not implemented (no effect): "
-            f"{', '.join(prepared.ignored)}",
+            "DeepSpeedZeroConfig: DeepSpeed settings accepted but not built here, so this run "
+            f"differs from DeepSpeed's: {'; '.join(changed)}",
             NotImplementedSettingWarning,
             stacklevel=3,
         )
