@@ -664,7 +664,6 @@ def test_all_problems_are_reported_together() -> None:
 def test_not_implemented_keys_give_exactly_one_warning() -> None:
     config = {
         "train_batch_size": 1,
-        "activation_checkpointing": {"partition_activations": True},
         "flops_profiler": {"enabled": False},
         "wandb": {"enabled": False},
         "prescale_gradients": True,
@@ -685,7 +684,6 @@ def test_not_implemented_keys_give_exactly_one_warning() -> None:
     assert issubclass(caught[0].category, NotImplementedSettingWarning)
     message = str(caught[0].message)
     for key in (
-        "activation_checkpointing",
         "flops_profiler",
         "wandb",
         "fp16.fused_mode",
