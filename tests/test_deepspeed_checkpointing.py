@@ -121,30 +121,68 @@ def test_the_same_script_under_deepspeed_and_under_the_namespace(mode: str) -> N
     reference = _run_script(mode, base, "0")
     if reference is None:
         pytest.skip("deepspeed does not run the script here")
-    ours = _run_script(mode, CPU if mode == "reentrant" else base, "1")
+    ours = _run_script(mode, CPU, "1")
     assert ours["losses"] == reference["losses"]
     assert _close(ours, reference, 1e-7)
     assert _close(script.run(ac, mode, CPU), reference, 1e-7)
 
 
 @pytest.mark.parametrize("cpu", [False, True])
-def test_kept_inputs_are_counted_where_they_wait(cpu: bool) -> None:
+@pytest.mark.parametrize("checkpoint", [ac.checkpoint, ac.non_reentrant_checkpoint])
+def test_kept_inputs_are_counted_where_they_wait(checkpoint, cpu: bool) -> None:
     ac.configure(None, checkpoint_in_cpu=cpu)
     layers = [torch.nn.Linear(script.HIDDEN, script.HIDDEN) for _ in range(script.LAYERS)]
     x = torch.randn(script.BATCH, script.HIDDEN, requires_grad=True)
     with torch.no_grad():  # an eval forward keeps nothing
-        ac.checkpoint(layers[0], x)
+        checkpoint(layers[0], x)
     assert ac.COUNTERS.report() == {}
     h = x
     for layer in layers:
-        h = ac.checkpoint(layer, h)
+        h = checkpoint(layer, h)
     every = script.LAYERS * INPUT_BYTES
     assert ac.COUNTERS.held == {"device": 0 if cpu else every, "host": every if cpu else 0}
     h.sum().backward()
-    assert ac.COUNTERS.held == {"device": 0, "host": 0}  # each backward let its input go
+    del h  # the graph, and with it what the non-reentrant checkpoints kept
+    assert ac.COUNTERS.held == {"device": 0, "host": 0}
     report = ac.COUNTERS.report()
     assert report["peak.device.activation_checkpoints"] == (INPUT_BYTES if cpu else every)
     assert report["peak.host.activation_checkpoints"] == (every if cpu else 0)
+
+
+@pytest.mark.parametrize("cpu", [False, True])
+def test_non_reentrant_needs_no_input_that_requires_grad(cpu: bool) -> None:
+    ac.configure(None, checkpoint_in_cpu=cpu)
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.3))
+    x = torch.randn(4, 8)
+    torch.manual_seed(3)
+    layer(x).pow(2).sum().backward()
+    expected = [p.grad.clone() for p in layer.parameters()]
+    layer.zero_grad()
+    torch.manual_seed(3)
+    ac.non_reentrant_checkpoint(layer, x).pow(2).sum().backward()
+    assert all(torch.equal(p.grad, e) for p, e in zip(layer.parameters(), expected))
+
+
+def test_memory_model_and_estimate_cpu_checkpointing(capsys) -> None:
+    from zero_offload.cli.main import main
+    from zero_offload.runtime.engine.memory_model import StepShape, ZeroPlan, predict
+    from zero_offload.runtime.engine.model_shape import ModelShape
+
+    shape, plan = ModelShape.gpt2(4, 64, 4, 128, 32), ZeroPlan(stage=2)
+    on_device = predict(shape, StepShape(2, 32, True), plan)
+    on_host = predict(shape, StepShape(2, 32, True, cpu_checkpointing=True), plan)
+    inputs = 4 * 2 * 32 * 64 * 2  # layers x tokens x hidden, fp16
+    assert on_host["peak.host.activation_checkpoints"] == inputs
+    assert on_host["peak.host.total"] - on_device["peak.host.total"] == inputs
+    moved = on_device["peak.device.activations"] - on_host["peak.device.activations"]
+    assert moved == inputs * 3 // 4  # every layer's input but the one brought back
+    args = ["estimate", "--model", "gpt2", "--num-layers", "4", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch", "2",
+            "--vocab-size", "128", "--stage", "2", "--checkpoint-activations"]  # fmt: skip
+    assert main([*args, "--cpu-checkpointing"]) == 0
+    assert "activation checkpointing on, inputs in host memory" in capsys.readouterr().out
+    assert main(args[:-1] + ["--cpu-checkpointing"]) == 2
+    assert "needs --checkpoint-activations" in capsys.readouterr().err
 
 
 def test_configure_and_is_configured_follow_deepspeed() -> None:

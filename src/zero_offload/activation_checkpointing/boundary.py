@@ -23,7 +23,7 @@ def _synchronize() -> None:
 
 @contextlib.contextmanager
 def boundary(policy: CheckpointPolicy, phase: str) -> Iterator[None]:
-    """``phase``: "forward" or "backward" (the name in the profile log)."""
+    """``phase``: "forward", "backward" or "recompute" (the name in the profile log)."""
     if not (policy.synchronize or policy.profile):
         yield
         return
