@@ -77,6 +77,23 @@ def test_checkpoint_gives_the_gradients_of_no_checkpoint(mode: str, config) -> N
     assert _close(got, plain, 1e-7)
 
 
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_a_host_copy_in_other_memory_gives_the_same_gradients(monkeypatch, mode: str) -> None:
+    """On the CPU the host copy is the input itself; here it is a copy in other memory, as on a
+    GPU, with no graph and no requires_grad of its own: the recompute must still lead the
+    gradient back to the input."""
+    copies = []
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        copies.append(t.detach().clone())
+        return copies[-1]
+
+    monkeypatch.setattr(ac.stash, "_to_host", copy)
+    got = script.run(ac, mode, CPU)
+    assert len(copies) == script.LAYERS * script.STEPS
+    assert _close(got, script.run(ac, "plain"), 1e-7)
+
+
 def test_torch_checkpoint_agrees_where_it_can_and_the_tracker_is_what_it_misses() -> None:
     """torch.utils.checkpoint replays the default generator only: without the tracker it gives
     this project's gradients; with a tracked dropout its recompute draws another mask (so the
@@ -270,6 +287,9 @@ def test_engine_applies_the_section_and_reports_the_bytes_moved() -> None:
 
 
 def test_an_explicit_configure_wins_over_the_section() -> None:
+    _gpt2_engine({"profile": True})
+    _gpt2_engine({"synchronize_checkpoint_boundary": True})  # a later engine's section
+    assert ac.policy() == ac.CheckpointPolicy(synchronize=True)
     ac.configure(None, checkpoint_in_cpu=False, synchronize=True)
     _gpt2_engine({"cpu_checkpointing": True})
     assert not ac.policy().cpu_checkpointing and ac.policy().synchronize

@@ -58,6 +58,7 @@ def configure(
     )
     fields.update({_ARGUMENTS[k]: v for k, v in given.items() if v is not None})
     SETTINGS.apply(CheckpointPolicy(**fields), mpu_)
+    SETTINGS.by_script = True
 
 
 def policy_of_config(config: Any) -> CheckpointPolicy:
@@ -75,8 +76,9 @@ def policy_of_config(config: Any) -> CheckpointPolicy:
 
 def configure_from_engine(policy: CheckpointPolicy) -> bool:
     """The engine's call at ``initialize``: apply the config's section unless the script
-    configured the API already (its explicit call wins). True when applied."""
-    if SETTINGS.configured:
+    configured the API itself (its explicit call wins; a later engine's section replaces an
+    earlier engine's). True when applied."""
+    if SETTINGS.by_script:
         return False
     SETTINGS.apply(policy)
     return True

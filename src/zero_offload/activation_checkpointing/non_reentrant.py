@@ -29,17 +29,9 @@ class _Arguments:
     def __init__(self, args: tuple, to_host: bool) -> None:
         self.live: tuple | None = args
         self.stash = Stash(args, to_host) if torch.is_grad_enabled() else None
-        self.flags = [a.requires_grad if isinstance(a, torch.Tensor) else None for a in args]
 
     def take(self) -> tuple:
-        if self.live is not None:
-            return self.live
-        out = []
-        for item, flag in zip(self.stash.restore(), self.flags):
-            if isinstance(item, torch.Tensor):
-                item = item.detach().requires_grad_(bool(flag))
-            out.append(item)
-        return tuple(out)
+        return self.live if self.live is not None else tuple(self.stash.restore())
 
 
 def _contexts() -> tuple[contextlib.AbstractContextManager, ...]:

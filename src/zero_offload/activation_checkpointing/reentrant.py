@@ -22,17 +22,6 @@ from .stash import Stash
 _grad_enabled = [True]
 
 
-def _detached(args: list) -> list:
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            d = a.detach()
-            d.requires_grad = a.requires_grad
-            a = d
-        out.append(a)
-    return out
-
-
 class CheckpointFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run_function: Callable, all_outputs: list, *args: Any):
@@ -60,7 +49,7 @@ class CheckpointFunction(torch.autograd.Function):
                 "Checkpointing is not compatible with .grad(), please use .backward() if possible"
             )
         with boundary(ctx.policy, "backward"):
-            inputs = _detached(ctx.stash.restore())
+            inputs = ctx.stash.restore()
             with ctx.rng.replayed(), torch.enable_grad():
                 outputs = ctx.run_function(*inputs)
             if isinstance(outputs, torch.Tensor):

@@ -1,5 +1,6 @@
 """The process-wide state of the checkpointing API, as DeepSpeed keeps it: the policy that
-``configure`` set (defaults until then), whether it was called, and the model-parallel unit."""
+``configure`` set (defaults until then), whether it was called, and the model-parallel unit;
+also whether the policy came from the script (``configure``) or from an engine's config."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ class Settings:
     def __init__(self) -> None:
         self.policy = CheckpointPolicy()
         self.configured = False
+        self.by_script = False  # configure() was called: an engine's section does not replace it
         self.mpu: Any = None
 
     def model_parallel(self) -> tuple[int, int]:
