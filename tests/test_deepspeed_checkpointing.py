@@ -214,6 +214,17 @@ def test_configure_and_is_configured_follow_deepspeed() -> None:
     assert script.run(ac, "reentrant")["losses"] == script.run(ac, "plain")["losses"]
 
 
+@pytest.mark.parametrize("checkpoint", [ac.checkpoint, ac.non_reentrant_checkpoint])
+def test_profile_logs_each_phase(caplog, checkpoint) -> None:
+    ac.configure(None, synchronize=True, profile=True)
+    x = torch.randn(2, 4, requires_grad=True)
+    with caplog.at_level("INFO", logger="zero_offload"):
+        checkpoint(torch.nn.Linear(4, 4), x).sum().backward()
+    phases = [r.getMessage().split(":")[0] for r in caplog.records]
+    later = "backward" if checkpoint is ac.checkpoint else "recompute"
+    assert phases == ["activation checkpoint forward", f"activation checkpoint {later}"]
+
+
 def test_bad_settings_name_the_key() -> None:
     with pytest.raises(ConfigError, match=r"activation_checkpointing\.cpu_checkpoint\b.*did you"):
         ac.configure(None, {"activation_checkpointing": {"cpu_checkpoint": True}})

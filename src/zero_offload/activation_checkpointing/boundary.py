@@ -29,7 +29,10 @@ def boundary(policy: CheckpointPolicy, phase: str) -> Iterator[None]:
         return
     _synchronize()
     start = time.perf_counter()
-    yield
-    _synchronize()
-    if policy.profile and _dist.rank() == 0:
-        log.info("activation checkpoint %s: %.3f ms", phase, (time.perf_counter() - start) * 1e3)
+    try:
+        yield
+    finally:  # torch's non-reentrant recompute ends early by raising once it has what it needs
+        _synchronize()
+        if policy.profile and _dist.rank() == 0:
+            ms = (time.perf_counter() - start) * 1e3
+            log.info("activation checkpoint %s: %.3f ms", phase, ms)
