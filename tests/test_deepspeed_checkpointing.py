@@ -246,15 +246,18 @@ def test_bad_settings_name_the_key() -> None:
         )
 
 
-def _gpt2_engine(section: dict | None, seq: int = 8):
+def _gpt2_engine(section: dict | None, seq: int = 8, stage: int = 2, checkpoint: bool = True):
     torch.manual_seed(0)
     model = GPT2Model(GPT2Config(num_layers=3, hidden_size=16, num_attention_heads=2,
                                  seq_length=seq, vocab_size=32, dropout=0.1,
-                                 checkpoint_activations=True))  # fmt: skip
+                                 checkpoint_activations=checkpoint))  # fmt: skip
+    zero = {"stage": stage, "reduce_bucket_size": 1000}
+    if stage == 3:  # every layer partitioned, so the recompute gathers
+        zero["stage3_param_persistence_threshold"] = 0
     config = {
         "train_batch_size": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000},
+        "zero_optimization": zero,
     }
     if section is not None:
         config["activation_checkpointing"] = section
@@ -295,6 +298,17 @@ def test_engine_applies_the_section_and_reports_the_bytes_moved() -> None:
     assert saved == 2 * one  # every input but the one brought back
     engine.reset_peak_memory()
     assert engine.memory_report()["peak.host.activation_checkpoints"] == 0
+
+
+def test_stage3_recomputes_from_host_copies() -> None:
+    """Stage 3 gathers a layer's params again for its recompute (inside backward): the losses
+    of no checkpoint at all."""
+    reference = _train(_gpt2_engine(None, stage=3, checkpoint=False), steps=3)
+    SETTINGS.__init__()
+    engine = _gpt2_engine({"cpu_checkpointing": True}, stage=3)
+    assert engine.param_store is not None and engine.param_store.slots
+    assert _train(engine, steps=3) == reference
+    assert engine.memory_report()["peak.device.activation_checkpoints"] == 2 * 8 * 16 * 4
 
 
 def test_an_explicit_configure_wins_over_the_section() -> None:
