@@ -6,7 +6,9 @@ default generator and from the model-parallel tracker) gives the same losses and
 without any checkpoint, with torch.utils.checkpoint (where torch can be right: no tracker), with
 this project's ``checkpoint`` and ``non_reentrant_checkpoint`` (``cpu_checkpointing`` on and
 off), and with DeepSpeed 0.19.8's own on the same script. The inputs a checkpoint keeps are
-counted by where they wait: with ``cpu_checkpointing`` the device holds one layer's input."""
+counted by where they wait: with ``cpu_checkpointing`` the device holds one layer's input.
+DeepSpeed's own unit-test cases of inputs and outputs (masks, non-tensors, keyword tensors),
+which it skips on a CPU accelerator, run here on the CPU."""
 
 from __future__ import annotations
 
@@ -371,3 +373,87 @@ def test_cpu_checkpointing_on_cuda_keeps_pinned_host_copies() -> None:
     x.grad = None
     layer(layer(x)).sum().backward()
     torch.testing.assert_close(g, x.grad)
+
+
+# ---- DeepSpeed's own cases (its unit tests skip them on a CPU accelerator) ----------------------
+
+H = 20
+
+
+class MaskedLinear(torch.nn.Linear):
+    def forward(self, x, mask):
+        return super().forward(x) * mask.type_as(x)
+
+
+class MaskedLinearSeqDup(MaskedLinear):
+    """More outputs than inputs, one not differentiable and one not requiring grad."""
+
+    def forward(self, x, mask):
+        return x.detach() * 1.38, super().forward(x, mask), mask
+
+
+class NonTensorIO(torch.nn.Linear):
+    def __init__(self, extra) -> None:
+        super().__init__(H, H)
+        self.extra = extra
+
+    def forward(self, x, ignored=None):
+        return super().forward(x), self.extra
+
+
+def _case(name: str):
+    mask = torch.randn(H) > 0
+    return {
+        "one_in_one_out": (torch.nn.Linear(H, H), ()),
+        "bool_mask": (MaskedLinear(H, H), (mask,)),
+        "float_mask": (MaskedLinear(H, H), (mask.float(),)),
+        "three_outputs": (MaskedLinearSeqDup(H, H), (mask,)),
+        "none_input": (NonTensorIO(2), (None,)),
+        "non_tensor_input": (NonTensorIO(None), ((None, 2.5),)),
+        "nested_non_tensor_output": (NonTensorIO((None, True, torch.randn(H))), ()),
+    }[name]
+
+
+def _outputs_and_grads(module, call, x, extra):
+    x = x.detach().clone().requires_grad_()
+    out = call(module, x, *extra)
+    out = out if isinstance(out, tuple) else (out,)
+    sum(o.sum() for o in out if isinstance(o, torch.Tensor) and o.requires_grad).backward()
+    return out, [p.grad for p in module.parameters()] + [x.grad]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["one_in_one_out", "bool_mask", "float_mask", "three_outputs", "none_input",
+     "non_tensor_input", "nested_non_tensor_output"],
+)  # fmt: skip
+@pytest.mark.parametrize("checkpoint", [ac.checkpoint, ac.non_reentrant_checkpoint])
+def test_deepspeeds_input_and_output_cases(checkpoint, name: str) -> None:
+    import copy
+
+    torch.manual_seed(0)
+    module, extra = _case(name)
+    x = torch.rand(H)
+    base = _outputs_and_grads(copy.deepcopy(module), lambda m, *a: m(*a), x, extra)
+    got = _outputs_and_grads(copy.deepcopy(module), checkpoint, x, extra)
+    assert [type(o) for o in got[0]] == [type(o) for o in base[0]]
+    for a, b in zip(got[0], base[0]):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b)
+        elif isinstance(a, tuple):
+            assert [type(v) for v in a] == [type(v) for v in b]
+        else:
+            assert a == b
+    for a, b in zip(got[1], base[1]):
+        torch.testing.assert_close(a, b)
+
+
+def test_keyword_tensors_take_part_in_autograd() -> None:
+    value, scale = torch.randn(H, requires_grad=True), torch.randn(H, requires_grad=True)
+    out = ac.checkpoint(
+        lambda v, *, scale, offset: v * scale + offset, value, scale=scale, offset=1.5
+    )
+    out.sum().backward()
+    torch.testing.assert_close(out, value * scale + 1.5)
+    torch.testing.assert_close(value.grad, scale.detach())
+    torch.testing.assert_close(scale.grad, value.detach())
