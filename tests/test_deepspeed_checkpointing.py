@@ -227,6 +227,13 @@ def test_profile_logs_each_phase(caplog, checkpoint) -> None:
     assert phases == ["activation checkpoint forward", f"activation checkpoint {later}"]
 
 
+def test_configure_reads_a_json_file(tmp_path: Path) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**CPU, "zero_optimization": {"stage": 2}}))
+    ac.configure(None, deepspeed_config=str(path))
+    assert ac.policy() == ac.CheckpointPolicy(cpu_checkpointing=True)
+
+
 def test_bad_settings_name_the_key() -> None:
     with pytest.raises(ConfigError, match=r"activation_checkpointing\.cpu_checkpoint\b.*did you"):
         ac.configure(None, {"activation_checkpointing": {"cpu_checkpoint": True}})
@@ -330,6 +337,10 @@ def test_the_namespace_names() -> None:
     for name in ("configure", "is_configured", "checkpoint", "non_reentrant_checkpoint", "reset",
                  "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed"):  # fmt: skip
         assert getattr(ds.checkpointing, name) is getattr(ac, name), name
+    assert ds.checkpointing.CPU_CHECKPOINT is False and not ds.checkpointing.PARTITION_ACTIVATIONS
+    ac.configure(None, checkpoint_in_cpu=True, num_checkpoints=4)
+    assert ds.checkpointing.CPU_CHECKPOINT is True and ds.checkpointing.num_layers == 4
+    assert ds.checkpointing.deepspeed_checkpointing_enabled is True
     with pytest.raises(ds.DeepSpeedNotProvidedError, match="checkpointing.gather_partitioned"):
         ds.checkpointing.gather_partitioned_activations  # noqa: B018
 
