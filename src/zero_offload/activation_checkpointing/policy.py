@@ -4,6 +4,10 @@ value, built from the config section or from ``configure``'s keyword arguments."
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config.activation_checkpointing import ActivationCheckpointingConfig
 
 
 @dataclass(frozen=True)
@@ -25,7 +29,7 @@ class CheckpointPolicy:
     profile: bool = False
 
     @classmethod
-    def from_section(cls, section) -> CheckpointPolicy:
+    def from_section(cls, section: ActivationCheckpointingConfig) -> CheckpointPolicy:
         """From a validated ``activation_checkpointing`` config section."""
         return cls(
             partition_activations=section.partition_activations,
