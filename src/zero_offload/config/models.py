@@ -200,7 +200,7 @@ class ZeroOffloadConfig(Section):
         description="What deepspeed.checkpointing.checkpoint (zero_offload.activation_"
         "checkpointing) does with the inputs it keeps: host memory, synchronization, timing. "
         "Applied at initialize() when it differs from the defaults, unless the script called "
-        "configure() first.",
+        "configure() (which wins whenever it is called).",
     )
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig,
