@@ -299,7 +299,7 @@ def test_engine_applies_the_section_and_reports_the_bytes_moved() -> None:
     one = 2 * 8 * 16 * 4  # micro batch x seq x hidden, fp32
     assert report["peak.host.activation_checkpoints"] == 3 * one
     assert report["peak.device.activation_checkpoints"] == one
-    assert report["host.activation_checkpoints"] == 0
+    assert "host.activation_checkpoints" not in report  # a transient, not a state
     predicted = engine.expected_memory(seq_length=8)
     assert predicted["peak.host.activation_checkpoints"] == 3 * one
     without = engine.expected_memory(seq_length=8, cpu_checkpointing=False)

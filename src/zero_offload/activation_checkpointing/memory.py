@@ -27,14 +27,12 @@ class CheckpointBytes:
         self.peak = dict(self.held)
 
     def report(self) -> dict[str, int]:
-        """``host.activation_checkpoints`` (held now) and ``peak.<place>.activation_
-        checkpoints``; empty while no checkpoint ever kept anything."""
+        """``peak.<place>.activation_checkpoints``, empty while no checkpoint ever kept
+        anything. Only peaks: the kept inputs are a step's transient (none are held between
+        steps), never a state."""
         if not self.used:
             return {}
-        out = {"host.activation_checkpoints": self.held["host"]}
-        for place in self.PLACES:
-            out[f"peak.{place}.activation_checkpoints"] = self.peak[place]
-        return out
+        return {f"peak.{place}.activation_checkpoints": self.peak[place] for place in self.PLACES}
 
 
 COUNTERS = CheckpointBytes()

@@ -336,8 +336,7 @@ class ZeroOffloadEngine(DeepSpeedEngineAPI, DeepSpeedCompatAPI, OffloadStatesAPI
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds per category ("device.*", "host.*"); ``peak.*``: the most a
         step's transient parts held, among them the inputs ``deepspeed.checkpointing`` keeps
-        (``peak.device.activation_checkpoints``, ``peak.host.activation_checkpoints`` and
-        ``host.activation_checkpoints`` with ``cpu_checkpointing``)."""
+        (``peak.device.activation_checkpoints``, ``peak.host.activation_checkpoints``)."""
         parts = [gs.nbytes() for gs in self.grad_shards] + [so.nbytes() for so in self.shard_opts]
         if self.param_store is not None:
             parts.append(self.param_store.nbytes())
