@@ -362,24 +362,23 @@ def test_tracker_fork_add_and_seed() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cpu_checkpointing_on_cuda_keeps_pinned_host_copies() -> None:
+def test_cpu_checkpointing_on_cuda_keeps_pinned_host_copies(monkeypatch) -> None:
     ac.configure(None, checkpoint_in_cpu=True)
     layer = torch.nn.Linear(16, 16).cuda()
     x = torch.randn(4, 16, device="cuda", requires_grad=True)
-    seen = []
+    seen: list[torch.Tensor] = []
     real = ac.stash.Stash.__init__
 
     def spy(self, args, to_host):
         real(self, args, to_host)
         seen.extend(self.kept)
 
-    ac.stash.Stash.__init__ = spy
-    try:
-        h = ac.checkpoint(layer, ac.checkpoint(layer, x))
-    finally:
-        ac.stash.Stash.__init__ = real
-    assert all(t.device.type == "cpu" and t.is_pinned() for t in seen)
+    monkeypatch.setattr(ac.stash.Stash, "__init__", spy)
+    h = ac.checkpoint(layer, ac.checkpoint(layer, x))
+    assert len(seen) == 2 and all(t.device.type == "cpu" and t.is_pinned() for t in seen)
+    assert ac.COUNTERS.held == {"device": 0, "host": 2 * 4 * 16 * 4}
     h.sum().backward()
+    assert ac.COUNTERS.peak["device"] == 4 * 16 * 4  # one input back on the device at a time
     g = x.grad.clone()
     x.grad = None
     layer(layer(x)).sum().backward()
