@@ -249,6 +249,12 @@ def test_bad_settings_name_the_key() -> None:
         ac.configure(None, {"activation_checkpointing": bad})
     with pytest.raises(ValueError, match="number_checkpoints .num_checkpoints. must be given"):
         ac.configure(None, partition_activations=True, contiguous_checkpointing=True)
+    with pytest.raises(ValueError, match=r"checkpoint_in_cpu=.*cpu_checkpointing.*true or false"):
+        ac.configure(None, checkpoint_in_cpu="yes")
+    with pytest.raises(ValueError, match=r"num_checkpoints=.*number_checkpoints.*integer > 0"):
+        ac.configure(None, num_checkpoints=0)
+    with pytest.raises(TypeError, match="deepspeed_config=.*a config dict"):
+        ac.configure(None, deepspeed_config=3)
     with pytest.raises(ConfigError, match="cpu_checkpointing"):
         zero_offload.config.load_config(
             {"train_batch_size": 1, "activation_checkpointing": {"cpu_checkpointing": "yes"}}

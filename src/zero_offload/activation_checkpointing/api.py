@@ -5,6 +5,7 @@ and the engine's ``configure_from_engine``."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from .policy import CheckpointPolicy
@@ -18,6 +19,15 @@ _ARGUMENTS = {  # configure's keyword -> the policy field (the config key's mean
     "checkpoint_in_cpu": "cpu_checkpointing",
     "synchronize": "synchronize",
     "profile": "profile",
+}
+
+
+# configure's keyword -> the config key it overrides
+_CONFIG_KEYS = {
+    "contiguous_checkpointing": "contiguous_memory_optimization",
+    "num_checkpoints": "number_checkpoints",
+    "checkpoint_in_cpu": "cpu_checkpointing",
+    "synchronize": "synchronize_checkpoint_boundary",
 }
 
 
@@ -45,9 +55,22 @@ def configure(
         synchronize=synchronize,
         profile=profile,
     )
-    fields.update({_ARGUMENTS[k]: v for k, v in given.items() if v is not None})
+    fields.update({_ARGUMENTS[k]: _checked(k, v) for k, v in given.items() if v is not None})
     SETTINGS.apply(CheckpointPolicy(**fields), mpu_)
     SETTINGS.by_script = True
+
+
+def _checked(keyword: str, value: Any) -> Any:
+    """A keyword of ``configure`` as its config key allows it (bool, or an integer > 0)."""
+    key = f"activation_checkpointing.{_CONFIG_KEYS.get(keyword, keyword)}"
+    if keyword == "num_checkpoints":
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(
+                f"configure(num_checkpoints=...) ({key}): an integer > 0, got {value!r}"
+            )
+    elif not isinstance(value, bool):
+        raise ValueError(f"configure({keyword}=...) ({key}): true or false, got {value!r}")
+    return value
 
 
 def policy_of_config(config: Any) -> CheckpointPolicy:
@@ -56,6 +79,11 @@ def policy_of_config(config: Any) -> CheckpointPolicy:
     section is read (the batch keys may be another world size's)."""
     from ..config import ZeroOffloadConfig, load_config, read_json_file
 
+    if not isinstance(config, (ZeroOffloadConfig, dict, str, os.PathLike)):
+        raise TypeError(
+            "configure(deepspeed_config=...): a config dict, the path of a JSON config or a "
+            f"loaded config, got {type(config).__name__}"
+        )
     if not isinstance(config, ZeroOffloadConfig):
         raw = read_json_file(config) if not isinstance(config, dict) else config
         section = raw.get("activation_checkpointing", {})
@@ -65,8 +93,8 @@ def policy_of_config(config: Any) -> CheckpointPolicy:
 
 def configure_from_engine(policy: CheckpointPolicy) -> bool:
     """The engine's call at ``initialize``: apply the config's section unless the script
-    configured the API itself (its explicit call wins; a later engine's section replaces an
-    earlier engine's). True when applied."""
+    configured the API itself (its explicit call wins; a later engine's non-default section
+    replaces an earlier engine's). True when applied."""
     if SETTINGS.by_script:
         return False
     SETTINGS.apply(policy)
