@@ -1,5 +1,6 @@
-"""Activation checkpointing (torch.utils.checkpoint, reentrant and not) with frozen and trainable
-params mixed, against plain PyTorch on the same global batch, at every stage and on 1 and 2 ranks.
+"""Activation checkpointing (torch.utils.checkpoint, reentrant and not; deepspeed.checkpointing's
+with cpu_checkpointing on two ranks) with frozen and trainable params mixed, against plain
+PyTorch on the same global batch, at every stage and on 1 and 2 ranks.
 
 Reentrant recomputation runs each block's backward as a nested autograd graph task; the engine's
 "end of backward" must be the end of the outermost one. Before that was so, three checkpointed
@@ -15,6 +16,8 @@ import pytest
 import torch
 import torch.utils.checkpoint as cp
 from parity import displacement_err, engine_config, grad_rel_err
+
+from zero_offload import activation_checkpointing as ac
 
 D, BLOCKS, MICRO, GAS, STEPS, CLIP = 16, 3, 2, 2, 3, 1.0
 LR, WD = 1e-2, 0.01
@@ -35,7 +38,7 @@ class Stack(torch.nn.Module):
     """Checkpointed blocks (the middle one's LayerNorm trainable, the others' frozen), then
     optionally a trainable head outside any checkpoint."""
 
-    def __init__(self, reentrant: bool | None, input_grad: bool, head: bool) -> None:
+    def __init__(self, reentrant: bool | str | None, input_grad: bool, head: bool) -> None:
         super().__init__()
         self.blocks = torch.nn.ModuleList(Block(frozen_norm=i != 1) for i in range(BLOCKS))
         self.head = torch.nn.Linear(D, D) if head else None
@@ -47,6 +50,8 @@ class Stack(torch.nn.Module):
         for b in self.blocks:
             if self.reentrant is None:
                 x = b(x)
+            elif self.reentrant == "deepspeed":  # deepspeed.checkpointing's, as configured
+                x = ac.checkpoint(b, x)
             else:
                 x = cp.checkpoint(b, x, use_reentrant=self.reentrant)
         if self.head is not None:
@@ -178,3 +183,26 @@ def test_reentrant_checkpointing_on_two_ranks_matches_plain_pytorch():
 
     for variant, got in run_ranks(2, _two_ranks):
         _check(variant, 2, got)
+
+
+def _two_ranks_deepspeed_api():
+    """deepspeed.checkpointing's checkpoint with the config's cpu_checkpointing (applied by the
+    engine): its inputs on the host, the recompute's nested backward reduced with the rest."""
+    import zero_offload
+
+    rank = zero_offload.comm.get_rank()
+    out = []
+    for stage, offload in ((2, True), (3, False)):
+        cfg = _config(stage, offload)
+        cfg["activation_checkpointing"] = {"cpu_checkpointing": True}
+        variant = {"reentrant": "deepspeed", "input_grad": True, "head": False}
+        out.append((variant, _engine_run(variant, cfg, 2, rank)))
+        assert ac.policy().cpu_checkpointing and ac.COUNTERS.peak["host"] > 0
+    return out
+
+
+def test_deepspeed_checkpointing_with_cpu_checkpointing_on_two_ranks():
+    from distributed import run_ranks
+
+    for variant, got in run_ranks(2, _two_ranks_deepspeed_api):
+        _check({**variant, "reentrant": None}, 2, got)  # the reference: no checkpoint at all

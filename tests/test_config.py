@@ -664,7 +664,6 @@ def test_all_problems_are_reported_together() -> None:
 def test_not_implemented_keys_give_exactly_one_warning() -> None:
     config = {
         "train_batch_size": 1,
-        "activation_checkpointing": {"partition_activations": True},
         "flops_profiler": {"enabled": False},
         "wandb": {"enabled": False},
         "communication_data_type": "fp16",

@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--micro-batch", type=int, help="micro batch per rank (default: --config's, or 1)"
     )
     p.add_argument("--checkpoint-activations", action="store_true")
+    p.add_argument("--cpu-checkpointing", action="store_true",
+                   help="with --checkpoint-activations: the layer inputs in host memory "
+                   "(activation_checkpointing.cpu_checkpointing; default: --config's)")  # fmt: skip
     p.add_argument("--config", help="a DeepSpeed JSON config: its placement and buffer sizes")
     p.add_argument("--hf", help="a Hugging Face model folder or config.json (its shape)")
     p.add_argument("--ffn-hidden-size", type=int, help="llama: the MLP width")
@@ -72,7 +75,21 @@ def step_of(args) -> StepShape:
     micro = args.micro_batch
     if micro is None and args.config:
         micro = load(args).train_micro_batch_size_per_gpu
-    return StepShape(micro or 1, args.seq_length, args.checkpoint_activations)
+    cpu = args.cpu_checkpointing
+    if not cpu and args.config:
+        cpu = load(args).activation_checkpointing.cpu_checkpointing
+    if cpu and not args.checkpoint_activations:
+        raise ValueError(
+            "--cpu-checkpointing (or activation_checkpointing.cpu_checkpointing) needs "
+            "--checkpoint-activations: it moves the checkpointed layer inputs"
+        )
+    return StepShape(micro or 1, args.seq_length, args.checkpoint_activations, cpu)
+
+
+def checkpointing_name(step: StepShape) -> str:
+    if not step.checkpointing:
+        return "off"
+    return "on, inputs in host memory" if step.cpu_checkpointing else "on"
 
 
 def rows(args, shape: ModelShape, dtype_bytes: int) -> list[tuple[ZeroPlan, dict]]:
@@ -102,7 +119,7 @@ def nvme_bytes(pred: dict) -> int:
 def print_step_table(args, shape: ModelShape, dtype_bytes: int) -> None:
     print(
         f"step peak per rank (micro batch {step_of(args).micro_batch}, seq {args.seq_length}, activation "
-        f"checkpointing {'on' if args.checkpoint_activations else 'off'}); GB = 1e9 bytes"
+        f"checkpointing {checkpointing_name(step_of(args))}); GB = 1e9 bytes"
     )
     print(f"{'stage':>5} {'offload_optimizer':>17} {'offload_param':>13} {'device GB':>10} "
           f"{'host GB':>8} {'nvme GB':>8}  device working set GB by category")  # fmt: skip

@@ -21,6 +21,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from .activation_checkpointing import ActivationCheckpointingConfig
 from .aio import AioConfig
 from .batch import resolve_batch_sizes
 from .errors import ConfigError, json_repr
@@ -38,7 +39,6 @@ from .zero import ZeroConfig
 # this project accepts and ignores. Each present one is named in the not-implemented warning.
 TOP_LEVEL_NOT_IMPLEMENTED = frozenset(
     {
-        "activation_checkpointing",
         "allgather_size",  # read only with "zero_optimization": true (config/load.py)
         "autotuning",
         "comet",
@@ -212,6 +212,13 @@ class ZeroOffloadConfig(Section):
     data_types: DataTypesConfig = Field(
         default_factory=DataTypesConfig,
         description="The dtypes gradients accumulate in and params train in.",
+    )
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig,
+        description="What deepspeed.checkpointing.checkpoint (zero_offload.activation_"
+        "checkpointing) does with the inputs it keeps: host memory, synchronization, timing. "
+        "Applied at initialize() when it differs from the defaults, unless the script called "
+        "configure() (which wins whenever it is called).",
     )
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig,

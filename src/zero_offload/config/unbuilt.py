@@ -66,7 +66,6 @@ DEEPSPEED_DEFAULTS: dict[str, Any] = {
 
 # What differs from DeepSpeed when the key is on (the generic text otherwise).
 DIFFERS: dict[str, str] = {
-    "activation_checkpointing": "DeepSpeed's activation checkpointing settings are not applied",
     "communication_data_type": "gradients are reduced in the gradient dtype, not this one",
     "compile": "DeepCompile is not built; engine.compile() is plain torch.compile",
     "data_efficiency": "no data sampling or routing: the loader's batches are used as given",

@@ -6,7 +6,8 @@ A thin layer: every name is zero_offload's own component under DeepSpeed's name 
 small adapter of DeepSpeed's calling conventions onto it. One file per DeepSpeed submodule:
 ``comm``, ``zero`` (= ``runtime.zero``, with ``partition_parameters``), ``runtime`` (``engine``,
 ``lr_schedules``, ``config``), ``ops.adam``, ``utils`` (``groups``, ``zero_to_fp32``),
-``checkpoint.utils``, ``accelerator``. A DeepSpeed name zero_offload does not implement raises
+``checkpoint.utils``, ``accelerator``, ``checkpointing`` (= ``runtime.activation_checkpointing.
+checkpointing``). A DeepSpeed name zero_offload does not implement raises
 ``DeepSpeedNotProvidedError`` (an ``AttributeError``, so feature checks with ``hasattr`` see it
 absent) naming it; a DeepSpeed module it does not implement raises
 ``DeepSpeedModuleNotProvidedError`` (a ``ModuleNotFoundError``).
@@ -27,6 +28,7 @@ from ._common import (  # noqa: F401
 from .accelerator import get_accelerator  # noqa: F401
 from .comm import init_distributed
 from .runtime import zero  # noqa: F401 (DeepSpeed: deepspeed.zero is deepspeed.runtime.zero)
+from .runtime.activation_checkpointing import checkpointing  # noqa: F401 (DeepSpeed's alias)
 from .runtime.config import DeepSpeedConfigError  # noqa: F401
 from .runtime.engine import DeepSpeedEngine  # noqa: F401
 from .utils import log_dist, logger  # noqa: F401

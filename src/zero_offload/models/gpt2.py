@@ -19,6 +19,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .. import activation_checkpointing as ds_checkpointing
+
+
+def _recompute(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A checkpointed layer: torch's non-reentrant checkpoint, or with ``deepspeed.
+    checkpointing``'s ``cpu_checkpointing`` that API's (its input waits in host memory; it is
+    reentrant, so it needs an input that requires grad, as the embeddings' output does)."""
+    if ds_checkpointing.policy().cpu_checkpointing and x.requires_grad:
+        return ds_checkpointing.checkpoint(layer, x)
+    return checkpoint(layer, x, use_reentrant=False)
+
+
 # Named sizes. The large ones are the tutorials' models (Megatron flags --num-layers,
 # --hidden-size, --num-attention-heads) with GPT-2's 50257-token BPE vocabulary, so that
 # `zero-offload estimate` reports the sizes the tutorials quote; the byte-level corpus uses 256.
@@ -203,7 +215,7 @@ class GPT2Model(nn.Module):
         x = self.embedding_dropout(x)
         recompute = self.config.checkpoint_activations and self.training
         for layer in self.layers:
-            x = checkpoint(layer, x, use_reentrant=False) if recompute else layer(x)
+            x = _recompute(layer, x) if recompute else layer(x)
         logits = self.lm_head(self.final_layernorm(x))
         if labels is None:
             return logits

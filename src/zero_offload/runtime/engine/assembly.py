@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...activation_checkpointing import CheckpointPolicy, configure_from_engine
 from ...config.auto_sizes import resolve_auto_sizes
 from ...config.runtime_keys import DTYPES
 from ...core import dist
@@ -90,6 +91,11 @@ def read_settings(e: ZeroOffloadEngine, module, config, lr_scheduler, training_d
         torch.cuda.set_device(e.device)
     e.dtype = config.dtype
     e.autocast = AutocastPolicy.from_config(config.torch_autocast, e.device)
+    # DeepSpeed's activation_checkpointing section: applied to the process-wide checkpointing
+    # API unless the script configured it first (deepspeed.checkpointing.configure wins).
+    e.checkpoint_policy = CheckpointPolicy.from_section(config.activation_checkpointing)
+    if e.checkpoint_policy != CheckpointPolicy():
+        configure_from_engine(e.checkpoint_policy)
     accum = config.data_types.grad_accum_dtype  # stages 0/1: only fp32 with bf16 (config)
     e.grad_accum_dtype = DTYPES[accum] if accum is not None else e.dtype
     e.world_size, e.global_rank = dist.world_size(), dist.rank()

@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from ...activation_checkpointing import COUNTERS as CHECKPOINT_BYTES
+from ...activation_checkpointing import policy as checkpoint_policy
 from ...core import dist, host_heap
 from ...core.flat_group import FlatGroup
 from ...nvme.errors import NvmeSwapError
@@ -350,7 +352,9 @@ class ZeroOffloadEngine(
 
     # ---- reporting -----------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds per category ("device.*", "host.*")."""
+        """Bytes this rank holds per category ("device.*", "host.*"); ``peak.*``: the most a
+        step's transient parts held, among them the inputs ``deepspeed.checkpointing`` keeps
+        (``peak.device.activation_checkpoints``, ``peak.host.activation_checkpoints``)."""
         parts = [gs.nbytes() for gs in self.grad_shards] + [so.nbytes() for so in self.shard_opts]
         if self.param_store is not None:
             parts.append(self.param_store.nbytes())
@@ -368,6 +372,7 @@ class ZeroOffloadEngine(
             out[host] = out.get(host, 0) + v
         for k, v in self.reducer.transient_peaks().items():
             out[f"peak.{k}"] = v
+        out.update(CHECKPOINT_BYTES.report())  # deepspeed.checkpointing's kept inputs
         if self.param_store is not None:
             esize = self.dtype.itemsize
             out["peak.device.gathered_params"] = self.param_store.peak_live * esize
@@ -380,6 +385,7 @@ class ZeroOffloadEngine(
         first backward, before the reduction order is learned, can exceed a later step's)."""
         self.reducer.bufs.reset_peak()
         self._heap.reset()
+        CHECKPOINT_BYTES.reset_peak()
         if self.param_store is not None:
             self.param_store.peak_live = self.param_store.live
             if self.param_store.nvme is not None:
@@ -400,11 +406,14 @@ class ZeroOffloadEngine(
         seq_length: int | None = None,
         micro_batch: int | None = None,
         checkpointing: bool | None = None,
+        cpu_checkpointing: bool | None = None,
     ) -> dict[str, int]:
         """The formula's model-state bytes for this engine's padded sizes. With ``seq_length``
         also the step's predicted peak (``peak.*``, see ``memory_model.predict``) for the
         module's shape (its ``config``: this library's GPT-2 or a Hugging Face one), the micro
-        batch (default: the config's) and activation checkpointing (default: the model's)."""
+        batch (default: the config's), activation checkpointing (default: the model's) and
+        its inputs in host memory (default: with this library's GPT-2, which checkpoints
+        through ``deepspeed.checkpointing`` then, the API's ``cpu_checkpointing``)."""
         if seq_length is None:
             return self._expected_states()
         cfg = getattr(self.module, "config", None)
@@ -418,8 +427,13 @@ class ZeroOffloadEngine(
                 getattr(cfg, "checkpoint_activations", False)
                 or getattr(self.module, "is_gradient_checkpointing", False)
             )
+        if cpu_checkpointing is None:
+            own = getattr(cfg, "checkpoint_activations", False)  # this library's GPT-2
+            cpu_checkpointing = bool(
+                checkpointing and own and checkpoint_policy().cpu_checkpointing
+            )
         step = StepShape(micro_batch or self.train_micro_batch_size_per_gpu(), seq_length,
-                         checkpointing)  # fmt: skip
+                         checkpointing, cpu_checkpointing)  # fmt: skip
         plan = self.zero_plan
         total = sum(g.layout.total for g in self.groups)
         return predict(ModelShape.from_config(cfg), step, plan, numel=total)

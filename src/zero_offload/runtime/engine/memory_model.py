@@ -11,7 +11,9 @@ set, every term from the config and the model shape:
   stage-3 unit), plus a tied embedding's, held from the head's backward to the embedding's;
 - ``gathered_params`` (stage 3): at most ``stage3_max_live_parameters`` plus the running unit;
 - ``activations``: what autograd saves for backward (every layer, or with activation
-  checkpointing each layer's input plus one layer recomputed), at the start of backward;
+  checkpointing each layer's input plus one layer recomputed; with ``cpu_checkpointing`` the
+  inputs wait in host memory, ``peak.host.activation_checkpoints``, and the device holds the
+  one brought back), at the start of backward;
 - ``logits``: the LM head's output and the fp32 loss's softmax and gradients (``LOGIT_COPIES``
   vocabulary-sized fp32 tensors at once), the largest transient of a small model;
 - ``nvme_buffers`` (host state, NVMe optimizer): ``buffer_count`` records of a chunk's three fp32
@@ -55,6 +57,7 @@ class StepShape:
     micro_batch: int
     seq_length: int
     checkpointing: bool = False
+    cpu_checkpointing: bool = False  # with checkpointing: the layer inputs in host memory
 
     @property
     def tokens(self) -> int:
@@ -242,9 +245,14 @@ def activation_bytes(shape: ModelShape, step: StepShape, b: int) -> int:
     h, f = shape.hidden, shape.ffn
     fp32 = ACT_FP32[shape.kind] + shape.heads + ACT_FP32_HIDDEN[shape.kind] * h
     layer = step.tokens * ((words * h + ffn_words * f) * b + fp32 * 4)
-    if step.checkpointing:  # every layer's input, and one layer recomputed
-        return shape.layers * step.tokens * h * b + layer
+    if step.checkpointing:  # every layer's input (one on the device), one layer recomputed
+        return (1 if step.cpu_checkpointing else shape.layers) * step.tokens * h * b + layer
     return shape.layers * layer + step.tokens * h * b * 2  # + the final norm's in and out
+
+
+def checkpoint_bytes(shape: ModelShape, step: StepShape, b: int) -> int:
+    """The checkpointed layer inputs of a step: every layer's, in the training dtype."""
+    return shape.layers * step.tokens * shape.hidden * b
 
 
 def logit_bytes(shape: ModelShape, step: StepShape, b: int) -> int:
@@ -270,6 +278,8 @@ def predict(
     for k, v in work.items():
         out[f"peak.device.{k}"] = v
     host = host_working_set(shape, plan)
+    if step.checkpointing and step.cpu_checkpointing:
+        host["activation_checkpoints"] = checkpoint_bytes(shape, step, plan.dtype_bytes)
     for k, v in host.items():
         out[f"peak.host.{k}"] = v
     gathered = work.get("gathered_params", 0)

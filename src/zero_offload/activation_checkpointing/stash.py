@@ -1,0 +1,73 @@
+"""Where a checkpoint keeps its inputs until the recompute: on the device as they are, or
+(``cpu_checkpointing``) in host memory, pinned and copied without blocking the host on CUDA,
+then copied back for the recompute. Either way the bytes are counted (``memory.COUNTERS``) from
+the forward until the checkpoint's graph is freed (its backward ran, or it was dropped)."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..core.streams import alloc_host
+from .memory import COUNTERS
+
+
+def is_kept(item: object) -> bool:
+    """DeepSpeed's rule for what a checkpoint moves: floating-point tensors."""
+    return isinstance(item, torch.Tensor) and item.is_floating_point()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return t.detach()  # the CPU is the host: nothing to move
+    host = alloc_host(t.numel(), t.dtype, pin=True).view(t.shape)
+    # Same stream as the producer: the device tensor may be freed by the caller at once (the
+    # allocator orders its reuse after this copy); the host does not wait for it.
+    host.copy_(t, non_blocking=host.is_pinned())
+    return host
+
+
+class Stash:
+    """The arguments of one checkpoint, kept for its recompute: tensors detached (no graph is
+    held), floating-point ones on the device or in host memory, with their ``requires_grad``."""
+
+    def __init__(self, args: tuple, to_host: bool) -> None:
+        self.to_host = to_host
+        self.place = "host" if to_host else "device"
+        self.flags = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
+        self.devices = [a.device if is_kept(a) else None for a in args]
+        self.kept = [(_to_host(a) if to_host else a.detach()) if is_kept(a) else a for a in args]
+        self.nbytes = sum(_nbytes(a) for a in args if is_kept(a))
+        # Device bytes brought back for the recompute, in a list the finalizer can read once
+        # this object is gone (the finalizer must not hold ``self``).
+        self._back = [0]
+        COUNTERS.add(self.place, self.nbytes)
+        weakref.finalize(self, _release, self.place, self.nbytes, self._back)
+
+    def restore(self) -> list:
+        """The arguments for the recompute: on their devices again (copied from the host with
+        ``cpu_checkpointing``, then counted as device bytes until this stash is freed), each
+        tensor a new leaf with its argument's ``requires_grad``, so the recompute's ops save
+        what the forward's saved and the argument's gradient can be read off it."""
+        out = []
+        for item, device, flag in zip(self.kept, self.devices, self.flags):
+            if self.to_host and device is not None:
+                item = item.to(device, non_blocking=item.is_pinned())
+            if isinstance(item, torch.Tensor):
+                item = item.detach().requires_grad_(flag)
+            out.append(item)
+        if self.to_host and not self._back[0]:  # a second backward reuses the first's count
+            self._back[0] = self.nbytes
+            COUNTERS.add("device", self.nbytes)
+        return out
+
+
+def _release(place: str, nbytes: int, back: list[int]) -> None:
+    COUNTERS.remove(place, nbytes)
+    if back[0]:
+        COUNTERS.remove("device", back[0])
