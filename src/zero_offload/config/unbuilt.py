@@ -69,7 +69,6 @@ DIFFERS: dict[str, str] = {
     "communication_data_type": "gradients are reduced in the gradient dtype, not this one",
     "compile": "DeepCompile is not built; engine.compile() is plain torch.compile",
     "data_efficiency": "no data sampling or routing: the loader's batches are used as given",
-    "disable_python_gc": "Python's cyclic GC stays on",
     "fp16_master_weights_and_grads": "the master weights and gradients stay fp32",
     "bf16_master_weights_and_grads": "the master weights and gradients stay fp32",
     "bf16_optimizer_states": "the optimizer state stays fp32",
