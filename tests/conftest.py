@@ -1,6 +1,6 @@
 """Where the tests run: every test not marked ``cuda`` runs on the CPU, also on a machine with a
 GPU (they compare against CPU references and feed CPU tensors; the ``cuda`` tests cover the GPU
-paths). On such a machine a CPU test also sees no GPU (``_hide_cuda``), so that libraries which
+paths). On such a machine a CPU test also sees no GPU (``cuda_visibility.hide_cuda``), so that libraries which
 pick their own device (transformers, accelerate) pick the CPU the engine runs on.
 ``ZERO_OFFLOAD_TEST_DEVICE=cuda`` runs them all on the GPU instead, to find what is not
 device-agnostic."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from cuda_visibility import hide_cuda
 
 
 @pytest.fixture(autouse=True)
@@ -18,22 +19,7 @@ def _device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         return
     if os.environ.get("ZERO_OFFLOAD_TEST_DEVICE", "cpu") == "cpu":
         monkeypatch.setenv("ZERO_OFFLOAD_DEVICE", "cpu")
-        _hide_cuda(monkeypatch)
-
-
-def _hide_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A CPU test on a machine with a GPU: ``torch.cuda`` answers "no GPU" in this process, and
-    the processes the test starts inherit ``CUDA_VISIBLE_DEVICES=""``. The real answer is asked
-    first: that initialises the CUDA driver with the real device list, which a later change of
-    the variable no longer alters in this process (a ``cuda`` test after this one still sees the
-    GPU; the variable alone, read at the driver's first use, would hide it for good)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+        hide_cuda(monkeypatch)
 
 
 @pytest.fixture(autouse=True)

@@ -83,11 +83,11 @@ def test_pytest_result_is_the_last_summary_line() -> None:
 def test_cpu_tests_see_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a machine with a GPU a CPU test sees none: torch.cuda says so in the process, and the
     processes it starts inherit CUDA_VISIBLE_DEVICES="" (tests/conftest.py)."""
-    from conftest import _hide_cuda
+    from cuda_visibility import hide_cuda
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    _hide_cuda(monkeypatch)
+    hide_cuda(monkeypatch)
     assert not torch.cuda.is_available() and torch.cuda.device_count() == 0
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
 
