@@ -1,0 +1,177 @@
+"""Every host byte of a stage-3 offload run at a real size, accounted: the engine's memory report
+by term against the measured peak anonymous RSS, and DeepSpeed's peak on the same model and
+config beside it.
+
+A Llama built from its config under ``zero.Init`` (nothing is downloaded), fp32 training, stage 3
+with both offloads "cpu", ``reduce_bucket_size`` and ``stage3_max_live_parameters`` 1e7, micro
+batch 1, a few steps of sequence 32, one process per engine. Anonymous RSS is what the process
+allocated (file pages are not counted), sampled every 5 ms from after the imports (the
+baseline) to after the last step. On a CPU the engine's ``device.*`` terms are host memory too,
+so every term counts: the states the engine keeps, the steps' transient peaks
+(``peak.device.*``: reduce buffers, held gradients, gathered params) and malloc's free heap
+(``peak.host.allocator_free``).
+
+    python benchmarks/host_account.py --hidden 1024 --layers 12 [--deepspeed]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+GIB = 2**30
+
+
+def config(bucket: float, live: float) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {
+            "stage": 3,
+            "reduce_bucket_size": bucket,
+            "stage3_max_live_parameters": live,
+            "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": "cpu"},
+        },
+        "steps_per_print": 10**9,
+    }
+
+
+def _llama(args):
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+        num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
+        num_key_value_heads=max(1, args.hidden // 64), tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def _warm_up(args) -> None:
+    """A tiny model's forward and backward before the baseline: the modules a first call
+    imports lazily (the model's code, torch's compiler front end) are loaded outside the
+    measured window, and outside DeepSpeed's zero.Init, whose patched constructors break them."""
+    import torch
+    import transformers
+
+    tiny = argparse.Namespace(**{**vars(args), "hidden": 64, "layers": 1, "vocab": 128})
+    model = transformers.LlamaForCausalLM(_llama(tiny))
+    x = torch.randint(0, 128, (1, 8))
+    model(input_ids=x, labels=x).loss.backward()
+
+
+def child(args) -> None:
+    """One engine in this process; prints one JSON line."""
+    import torch
+    import transformers
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from checkpoint_io import PeakMemory
+
+    torch.manual_seed(0)
+    cfg = config(args.bucket, args.live)
+    if args.engine == "deepspeed":
+        import _ds_compat
+
+        _ds_compat.select_accelerator()
+        for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(args.port)}.items():  # fmt: skip
+            os.environ.setdefault(k, v)
+        import deepspeed as ds
+
+        ds.init_distributed(dist_backend=_ds_compat.backend(), verbose=False)
+    else:
+        import zero_offload as ds
+    _warm_up(args)
+    with PeakMemory() as peak:
+        with ds.zero.Init(config_dict_or_path=cfg):
+            model = transformers.LlamaForCausalLM(_llama(args))
+        params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        set_up = PeakMemory.read()[1] - peak.base[1]
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(args.steps):
+            x = torch.randint(0, args.vocab, (1, args.seq), generator=g)
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss))
+    report = engine.memory_report() if hasattr(engine, "memory_report") else {}
+    print(json.dumps({"params": params, "losses": losses, "peak_anon": peak.delta[1],
+                      "set_up_anon": set_up, "report": report}))  # fmt: skip
+
+
+def run(args, engine: str) -> dict:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, __file__, "--child", engine, "--port", str(port)]
+    for k in ("hidden", "layers", "vocab", "steps", "seq", "bucket", "live"):
+        cmd += [f"--{k}", str(getattr(args, k))]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    if p.returncode != 0:
+        return {"error": p.stderr[-2000:]}
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def account(ours: dict) -> None:
+    """The report's terms (MiB) and their sum against the measured peak above the baseline."""
+    report, measured = ours["report"], ours["peak_anon"]
+    states = {k: v for k, v in report.items() if not k.startswith("peak.")}
+    peaks = {k: v for k, v in report.items() if k.startswith("peak.")}
+    print("| term | MiB |\n| --- | --- |")
+    for k, v in sorted(states.items()) + sorted(peaks.items()):
+        print(f"| {k} | {v / 2**20:.1f} |")
+    total = sum(states.values()) + sum(peaks.values())
+    print(f"| sum of the terms | {total / 2**20:.1f} |")
+    print(f"| measured peak anonymous RSS above the baseline | {measured / 2**20:.1f} |")
+    print(f"terms / measured: {total / measured:.3f} (after set-up: "
+          f"{ours['set_up_anon'] / 2**20:.1f} MiB measured, states "
+          f"{sum(states.values()) / 2**20:.1f})")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--bucket", type=float, default=1e7, help="reduce_bucket_size")
+    ap.add_argument("--live", type=float, default=1e7, help="stage3_max_live_parameters")
+    ap.add_argument("--deepspeed", action="store_true", help="also run DeepSpeed's engine")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--child", choices=["zero_offload", "deepspeed"])
+    ap.add_argument("--port", type=int, default=29500)
+    args = ap.parse_args()
+    if args.child:
+        args.engine = args.child
+        return child(args)
+    from zero_offload.kernels.bench import _cpu_name
+
+    print(f"CPU: {_cpu_name()} ({os.cpu_count()} cores); "
+          f"Llama {args.layers} x {args.hidden}, vocab {args.vocab}, fp32, stage 3 + both "
+          f"offloads cpu, {args.steps} steps of {args.seq} tokens")  # fmt: skip
+    ours = run(args, "zero_offload")
+    if "error" in ours:
+        sys.exit(f"zero_offload failed:\n{ours['error']}")
+    print(f"{ours['params'] / 1e6:.1f}M params; losses {ours['losses']}")
+    account(ours)
+    if args.deepspeed:
+        ds = run(args, "deepspeed")
+        if "error" in ds:
+            print(f"DeepSpeed failed:\n{ds['error']}")
+            return
+        print(f"DeepSpeed: losses {ds['losses']}; peak anonymous RSS above the baseline "
+              f"{ds['peak_anon'] / GIB:.2f} GiB (after set-up {ds['set_up_anon'] / GIB:.2f}); "
+              f"ours / DeepSpeed: {ours['peak_anon'] / ds['peak_anon']:.2f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
