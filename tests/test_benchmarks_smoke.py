@@ -328,3 +328,18 @@ def test_nvme_step_benchmark_runs(tmp_path: Path) -> None:
     for part in parts:
         assert part in done.stdout, done.stdout
     assert not any(tmp_path.rglob("*.swp"))
+
+
+def test_host_account_benchmark_runs() -> None:
+    """The host-memory account at a tiny size (this library's side): every term of the report,
+    their sum and the measured peak are printed, and the states include the aliased master's
+    absence (stage 3, both offloads, fp32: no ``host.master_shard``)."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "host_account.py"), "--hidden", "64",
+         "--layers", "1", "--vocab", "256", "--steps", "2"],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "| host.optimizer_state |" in out and "| sum of the terms |" in out, out
+    assert "host.master_shard" not in out and "terms / measured:" in out, out
