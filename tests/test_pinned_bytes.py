@@ -113,3 +113,20 @@ def test_max_in_cpu_counts_reserved_elements(tmp_path, pin):
         assert nv.nbytes()["host.param_cache"] == cache.cached * 2
     finally:
         nv.close()
+
+
+def test_predicted_host_terms_round_pinned_buffers():
+    """``expected_memory``'s plan on CUDA: each pinned host buffer as the allocator holds it;
+    unpinned (the CPU) the same terms as before."""
+    import dataclasses
+
+    from zero_offload.runtime.engine.memory_model import ZeroPlan, states
+
+    plan = ZeroPlan(stage=2, dtype_bytes=2, world=1, optimizer="host")
+    plain = states(3000, plan)
+    assert plain["host.grad_shard"] == 6000 and plain["host.param_staging"] == 6000
+    pinned = states(3000, dataclasses.replace(plan, pin_optimizer=True))
+    assert pinned["host.grad_shard"] == 8192 and pinned["host.param_staging"] == 8192
+    delayed = dataclasses.replace(plan, pin_optimizer=True, delayed=True)
+    assert states(3000, delayed)["host.grad_shard"] == 2 * 8192  # two buffers, each rounded
+    assert pinned["host.master_shard"] == plain["host.master_shard"]  # pageable
