@@ -33,6 +33,8 @@ def test_host_bytes_of_a_simulated_pinned_buffer(monkeypatch):
     buf = torch.empty(1250, dtype=torch.float32)  # 5000 bytes
     assert host_bytes(buf) == 5000  # not pinned (the CPU)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    assert host_bytes(buf) == 5000  # CUDA not initialized: nothing can be pinned
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert host_bytes(buf) == 8192
     assert host_bytes(buf.view(50, 25)) == 8192  # a view counts its allocation
     pinned_bytes.note_registered(buf)
@@ -64,6 +66,7 @@ def test_large_pinned_buffer_goes_the_registered_path(monkeypatch):
     big = streams.alloc_host(numel, torch.float32, pin=True)
     assert reg.asked == [numel * 4]
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert host_bytes(big) == numel * 4  # exact, not the 128 MiB power of two
     pinned_bytes.note_unregistered(big.data_ptr())
 

@@ -54,6 +54,10 @@ def host_bytes(t: torch.Tensor) -> int:
     its own bytes unless it is pinned by the caching allocator, then its allocation's (the
     storage's, which an aligned view may start inside) power of two."""
     own = t.numel() * t.element_size()
-    if t.device.type != "cpu" or not t.is_pinned() or is_registered(t):
+    # Nothing is pinned before CUDA is initialized; asking first would make a context (on
+    # GPU 0) for a process that trains on the CPU.
+    if t.device.type != "cpu" or not torch.cuda.is_initialized():
+        return own
+    if not t.is_pinned() or is_registered(t):
         return own
     return cached_bytes(t.untyped_storage().nbytes())
