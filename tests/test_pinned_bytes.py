@@ -133,3 +133,16 @@ def test_predicted_host_terms_round_pinned_buffers():
     delayed = dataclasses.replace(plan, pin_optimizer=True, delayed=True)
     assert states(3000, delayed)["host.grad_shard"] == 2 * 8192  # two buffers, each rounded
     assert pinned["host.master_shard"] == plain["host.master_shard"]  # pageable
+
+
+def test_offloaded_states_count_their_host_copies_as_held(monkeypatch):
+    """``offload_states``' host copies: the report's host term is what each copy reserves."""
+    from zero_offload.runtime.engine.storage_move import StorageMover
+
+    mover = StorageMover()
+    mover.offload(torch.ones(1250), {"s"}, "device.master_shard", False, False, True)
+    assert mover.moved_bytes() == mover.held_bytes() == {"device.master_shard": 5000}
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert mover.held_bytes() == {"device.master_shard": 8192}
+    assert mover.moved_bytes() == {"device.master_shard": 5000}  # the device's bytes
