@@ -535,8 +535,8 @@ class ParamStore:
         out: dict[str, int] = {}
         for gi, g in enumerate(self.groups):
             key = f"{where}.param_shard" if self.trainable(gi) else f"{where}.frozen_param_shard"
-            shard = self.shards[gi] if gi < len(self.shards) else None
-            held = g.layout.shard_numel * g.dtype.itemsize
+            shard = self.shards[gi] if where == "host" and gi < len(self.shards) else None
+            held = g.layout.shard_numel * g.dtype.itemsize  # pinned: what the buffer reserves
             out[key] = out.get(key, 0) + (host_bytes(shard) if shard is not None else held)
         for nv in self.swapped.values():
             for k, v in nv.nbytes().items():
