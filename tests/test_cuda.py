@@ -338,3 +338,20 @@ def test_cuda_nvme_many_chunks_equal_host_offload(tmp_path, dtype):
     got = _mlp_run(tmp_path / "swap", "nvme", dtype, 3, pin=True)
     assert got[0] == want[0]
     assert torch.equal(got[1], want[1])
+
+
+def test_cuda_pinned_bytes_count_what_the_host_allocator_holds():
+    """``host_bytes`` of a small pinned buffer is the caching host allocator's own count of the
+    block it holds (a power of two); a registered large one counts its exact size."""
+    from zero_offload.core.pinned_bytes import REGISTER_MIN_BYTES, host_bytes
+    from zero_offload.core.streams import alloc_host
+
+    torch.zeros(1, device="cuda")
+    active = torch.cuda.host_memory_stats()["active_bytes.current"]
+    small = alloc_host(1250, torch.float32, pin=True)  # 5000 bytes
+    assert small.is_pinned() and host_bytes(small) == 8192
+    assert torch.cuda.host_memory_stats()["active_bytes.current"] - active == 8192
+    numel = REGISTER_MIN_BYTES // 4 + 1000
+    big = alloc_host(numel, torch.float32, pin=True)
+    assert big.is_pinned() and host_bytes(big) == numel * 4
+    assert torch.cuda.host_memory_stats()["active_bytes.current"] - active == 8192

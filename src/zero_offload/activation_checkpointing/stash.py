@@ -9,6 +9,7 @@ import weakref
 
 import torch
 
+from ..core.pinned_bytes import host_bytes
 from ..core.streams import alloc_host
 from .memory import COUNTERS
 
@@ -43,11 +44,17 @@ class Stash:
         self.devices = [a.device if is_kept(a) else None for a in args]
         self.kept = [(_to_host(a) if to_host else a.detach()) if is_kept(a) else a for a in args]
         self.nbytes = sum(_nbytes(a) for a in args if is_kept(a))
+        # what the kept copies reserve where they wait (pinned host copies: the allocator's)
+        held = (
+            sum(host_bytes(k) for k, a in zip(self.kept, args) if is_kept(a))
+            if to_host
+            else self.nbytes
+        )
         # Device bytes brought back for the recompute, in a list the finalizer can read once
         # this object is gone (the finalizer must not hold ``self``).
         self._back = [0]
-        COUNTERS.add(self.place, self.nbytes)
-        weakref.finalize(self, _release, self.place, self.nbytes, self._back)
+        COUNTERS.add(self.place, held)
+        weakref.finalize(self, _release, self.place, held, self._back)
 
     def restore(self) -> list:
         """The arguments for the recompute: on their devices again (copied from the host with

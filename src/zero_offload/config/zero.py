@@ -231,7 +231,9 @@ class OffloadParamConfig(Section):
         1_000_000_000,
         ge=0,
         description="Param elements kept in host memory (the read buffers and those kept for "
-        'reuse) for the whole model, with device "nvme" (elements).',
+        'reuse) for the whole model, with device "nvme" (elements); on CUDA a pinned buffer '
+        "counts the elements its bytes as held by the caching host allocator (a power of two "
+        "under 64 MiB) would fit.",
     )
     pin_memory: Bool = Field(
         True,

@@ -16,6 +16,9 @@ import weakref
 
 import torch
 
+from . import pinned_bytes
+from .pinned_bytes import REGISTER_MIN_BYTES
+
 
 class Streams:
     def __init__(self, device: torch.device) -> None:
@@ -50,16 +53,14 @@ class Streams:
             t.record_stream(stream)
 
 
-# Pinned buffers at least this large are registered in place (cudaHostRegister) instead of
-# taken from PyTorch's caching host allocator, which rounds every request up to a power of two:
-# a 12 GB host gradient shard would pin 16 GB. Smaller ones keep the allocator (and its reuse).
-REGISTER_MIN_BYTES = 64 << 20
 _PAGE = 4096
 
 
 def alloc_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """Host buffer; pinned when asked and possible. Pinning can fail (containers, WSL): the
-    caller falls back to pageable memory, warned once by ``pin_failed``."""
+    caller falls back to pageable memory, warned once by ``pin_failed``. Every pinned host
+    buffer of the project comes from here; ``pinned_bytes.host_bytes`` counts what it
+    reserves."""
     if pin:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if nbytes >= REGISTER_MIN_BYTES and torch.cuda.is_available():
@@ -97,6 +98,7 @@ def _registered(numel: int, dtype: torch.dtype, nbytes: int) -> torch.Tensor | N
     if int(err) != 0:
         clear_error()
         return None
+    pinned_bytes.note_registered(t)
     weakref.finalize(t, _unregister, t.data_ptr(), device)
     return t
 
@@ -105,6 +107,7 @@ def _unregister(ptr: int, device: int) -> None:
     """Runs on whichever thread drops the last reference (a worker, the collector, exit), whose
     current device may be GPU 0: synchronizing ``device`` by index makes no context elsewhere
     (a plain ``synchronize()`` on rank k > 0 made one on GPU 0)."""
+    pinned_bytes.note_unregistered(ptr)
     try:
         torch.cuda.synchronize(device)  # no queued copy still reads or writes the pages
         with torch.cuda.device(device):

@@ -45,7 +45,7 @@ from typing import Any, Protocol
 import torch
 
 from .._native import load_optional
-from ..core.streams import pin_failed
+from ..core.streams import alloc_host
 from .trace import tracer
 
 __all__ = [
@@ -106,16 +106,14 @@ def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
         raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
     size = _round_up(nbytes)
     if pin and torch.cuda.is_available():
-        try:
-            # The pinned allocator's blocks are page-aligned as a rule: no extra page, which
-            # would push a power-of-two size into the next size class.
-            raw = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-            if raw.data_ptr() % ALIGN == 0:
-                return raw
-            raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError as e:  # pinning refused: pageable, warned once
-            pin_failed(str(e))
-            raw = torch.empty(size + ALIGN, dtype=torch.uint8)
+        # Through alloc_host (a large buffer registered at its size, a small one from the
+        # caching allocator; pageable if pinning is refused, warned once). Both are
+        # page-aligned as a rule: no extra page, which would push a power-of-two size into the
+        # next size class.
+        raw = alloc_host(size, torch.uint8, pin=True)
+        if raw.data_ptr() % ALIGN == 0:
+            return raw
+        raw = alloc_host(size + ALIGN, torch.uint8, pin=True)
     else:
         raw = torch.empty(size + ALIGN, dtype=torch.uint8)
     start = -raw.data_ptr() % ALIGN

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.pinned_bytes import host_bytes
 from ..core.shard_state import KINDS, Body, Chunk
 from .aio import ALIGN, AioEngine, SwapFile, aligned_empty
 from .checksum import BLOCK, block_sums, first_mismatch
@@ -315,7 +316,7 @@ class NvmeOptimizerState:
         return {
             "nvme.master_shard": self.numel * 4,
             "nvme.optimizer_state": self.numel * 8,
-            "host.nvme_buffers": sum(b.numel() for b in self.pool),
+            "host.nvme_buffers": sum(host_bytes(b) for b in self.pool),
         }
 
 

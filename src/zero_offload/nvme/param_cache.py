@@ -9,7 +9,8 @@ hold for the whole model, not per group:
   cache never grows to the model's size (it did: all of a model's param shard stayed in host
   memory after the first forward whenever it fit within ``max_in_cpu``);
 - cached elements plus the elements of the buffers kept for reuse (spares) at most
-  ``max_in_cpu`` across every shard (DeepSpeed's meaning: the param elements in host memory for
+  ``max_in_cpu`` across every shard (a pinned slice counts what its buffer reserves,
+  ``NvmeParamShard.charge``: the caching host allocator rounds a small one up to a power of two) (DeepSpeed's meaning: the param elements in host memory for
   the whole model);
 - ``peak_bytes``: the most bytes held at once by the cache, the spares and the writes in flight,
   since ``reset_peak`` (``memory_report()``'s ``peak.host.param_buffers``).
@@ -29,7 +30,7 @@ class ParamCache:
         self.max_in_cpu = max_in_cpu
         self.max_slices = max(1, max_slices)
         self.entries: collections.OrderedDict = collections.OrderedDict()
-        self.cached = 0  # elements held by the entries
+        self.cached = 0  # elements held by the entries (``shard.charge``: reserved, pinned)
         self.spare = 0  # elements held by every shard's buffers kept for reuse
         self.shards: list = []  # every shard sharing this cache (for spares and the peak)
         self.peak_bytes = 0
@@ -57,14 +58,14 @@ class ParamCache:
 
     def insert(self, key: tuple, entry: list) -> None:
         self.entries[key] = entry
-        self.cached += key[2] - key[1]
+        self.cached += key[0].charge(key[1], key[2])
         self.peak_slices = max(self.peak_slices, len(self.entries))
         self.trim_spares()
         self.note()
 
     def pop(self, key: tuple) -> list:
         entry = self.entries.pop(key)
-        self.cached -= key[2] - key[1]
+        self.cached -= key[0].charge(key[1], key[2])
         return entry
 
     def trim_spares(self) -> None:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.pinned_bytes import host_bytes, reserved
 from .aio import ALIGN, AioEngine, SwapFile, aligned_empty
 from .checksum import BLOCK, block_sums, first_mismatch
 from .errors import NvmeSwapError
@@ -80,6 +81,15 @@ class NvmeParamShard:
         a = lo * self.itemsize // ALIGN * ALIGN
         b = -(-hi * self.itemsize // ALIGN) * ALIGN
         return a, b
+
+    def charge(self, lo: int, hi: int) -> int:
+        """Elements slice [lo, hi) counts against ``max_in_cpu``: its own, or with pinned
+        buffers (CUDA) the element-equivalents of what its buffer reserves (a small one from
+        the caching allocator is rounded up to a power of two)."""
+        if not self.pin:
+            return hi - lo
+        a, b = self._blocks(lo, hi)
+        return -(-reserved(b - a, True) // self.itemsize)
 
     def _wait(self, req, what: str, lo: int, hi: int) -> None:
         try:
@@ -139,13 +149,13 @@ class NvmeParamShard:
     @property
     def cached(self) -> int:
         """Elements of this shard's slices in the shared cache."""
-        return sum(k[2] - k[1] for k in self.shared.entries if k[0] is self)
+        return sum(self.charge(k[1], k[2]) for k in self.shared.entries if k[0] is self)
 
     def held_bytes(self) -> int:
         """Host bytes this shard holds now: its cached slices' buffers, its spares and the
         buffers of its writes in flight."""
-        cached = sum(e[0].numel() for k, e in self.shared.entries.items() if k[0] is self)
-        return cached + self.spare_bytes + sum(p[2].numel() for p in self.pending)
+        cached = sum(host_bytes(e[0]) for k, e in self.shared.entries.items() if k[0] is self)
+        return cached + self.spare_bytes + sum(host_bytes(p[2]) for p in self.pending)
 
     def flush(self, lo: int = 0, hi: int | None = None) -> None:
         """Wait for the pending writes overlapping elements [lo, hi) (all by default)."""
@@ -172,7 +182,7 @@ class NvmeParamShard:
         key = (self, lo, hi)
         if key in self.shared.entries or hi <= lo:
             return
-        if not self.shared.make_room(hi - lo, used_only=True):
+        if not self.shared.make_room(self.charge(lo, hi), used_only=True):
             return
         self.flush(lo, hi)
         check_swap_file(self.file, "param-shard")
@@ -195,7 +205,7 @@ class NvmeParamShard:
             buf = aligned_empty(b - a, self.pin) if not cache else self._buffer(b - a)
             self._read_checked(a, buf, lo, hi)
             hit = [buf, lo * self.itemsize - a, None, True]
-            if cache and self.shared.make_room(hi - lo, used_only=False):
+            if cache and self.shared.make_room(self.charge(lo, hi), used_only=False):
                 self.shared.insert(key, hit)
         elif hit[2] is not None:
             try:

@@ -102,7 +102,8 @@ def read_settings(e: ZeroOffloadEngine, module, config, lr_scheduler, training_d
     e.local_rank = dist.local_rank()
     zc = config.zero_optimization
     e.stage = zc.stage
-    e.zero_plan = ZeroPlan.from_config(config, e.world_size)  # expected_memory's input
+    # expected_memory's input (pinned host buffers counted as held on CUDA)
+    e.zero_plan = ZeroPlan.from_config(config, e.world_size, e.device)
     e.placement = Placement.from_config(config, e.device, e.global_rank, run_name())
     warn_unpinned(e.device, unpinned_keys(zc))
     nvme = e.placement.nvme

@@ -366,10 +366,11 @@ class ZeroOffloadEngine(
         for part in parts:
             for k, v in part.items():
                 out[k] = out.get(k, 0) + v
+        held = self._offloaded.held_bytes()  # what the host copies reserve (pinned: more)
         for k, v in self._offloaded.moved_bytes().items():  # offload_states(): now on the host
             out[k] = out.get(k, 0) - v
             host = "host." + k.split(".", 1)[1]
-            out[host] = out.get(host, 0) + v
+            out[host] = out.get(host, 0) + held[k]
         for k, v in self.reducer.transient_peaks().items():
             out[f"peak.{k}"] = v
         out.update(CHECKPOINT_BYTES.report())  # deepspeed.checkpointing's kept inputs

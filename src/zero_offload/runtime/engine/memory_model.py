@@ -31,7 +31,10 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
+import torch
+
 from ...core.layout import build_unit_layout
+from ...core.pinned_bytes import reserved
 from ..reduce.reduce_buffers import ALIGN as REDUCE_ALIGN
 from .memory import expected_bytes
 from .model_shape import ModelShape
@@ -85,10 +88,15 @@ class ZeroPlan:
     param_buffers: int = 5
     max_in_cpu: int = 1_000_000_000
     ratio: float = 1.0  # offload_optimizer.ratio: the host's share (optimizer "host", stage 3)
+    # host buffers pinned (CUDA and each section's pin_memory): counted as the allocator holds
+    # them (``core/pinned_bytes.py``); never on the CPU
+    pin_optimizer: bool = False
+    pin_params: bool = False
 
     @classmethod
-    def from_config(cls, config, world: int) -> ZeroPlan:
-        """From a validated ``ZeroOffloadConfig``."""
+    def from_config(cls, config, world: int, device: torch.device | None = None) -> ZeroPlan:
+        """From a validated ``ZeroOffloadConfig``; ``device``: the engine's (CUDA pins the
+        host buffers its offload sections ask to pin)."""
         from ...config.runtime_keys import DTYPES
         from ..update.placement import _FROM_CONFIG, update_chunk
 
@@ -113,7 +121,15 @@ class ZeroPlan:
             param_buffers=int(pc.buffer_count) if pc is not None else 5,
             max_in_cpu=int(pc.max_in_cpu) if pc is not None else 1_000_000_000,
             ratio=float(oc.ratio) if oc is not None and zc.offload_device == "cpu" else 1.0,
+            pin_optimizer=_pins(device, oc, zc.offload_device),
+            pin_params=_pins(device, pc, zc.offload_param_device),
         )
+
+
+def _pins(device: torch.device | None, section, where: str) -> bool:
+    """Whether an offload section's host buffers are pinned (CUDA, offloaded, ``pin_memory``)."""
+    cuda = device is not None and device.type == "cuda"
+    return cuda and section is not None and where in ("cpu", "nvme") and bool(section.pin_memory)
 
 
 def _aliased(plan: ZeroPlan) -> bool:
@@ -149,7 +165,24 @@ def states(numel: int, plan: ZeroPlan, shape: ModelShape | None = None) -> dict[
     persistent = persistent_numel(shape, plan) if plan.stage == 3 and shape is not None else 0
     if persistent:
         out["device.persistent_params"] = persistent * plan.dtype_bytes
+    _reserve_pinned(out, plan)
     return out
+
+
+def _reserve_pinned(out: dict[str, int], plan: ZeroPlan) -> None:
+    """Pinned host terms as the allocator holds them, buffer by buffer (a buffer under 64 MiB
+    is a power of two): the grad shard's (two with the delayed update), the staging, the NVMe
+    optimizer records, one param shard (one group assumed); pinned NVMe param buffers are not
+    kept for reuse (no spares)."""
+    terms = {"host.param_shard": (1, plan.pin_params)}
+    for key, n in (("host.grad_shard", 2 if plan.delayed else 1), ("host.param_staging", 1),
+                   ("host.nvme_buffers", plan.optimizer_buffers)):  # fmt: skip
+        terms[key] = (n, plan.pin_optimizer)
+    for key, (n, pinned) in terms.items():
+        if pinned and out.get(key):
+            out[key] = n * reserved(out[key] // n, True)
+    if plan.pin_params:
+        out.pop("host.param_spares", None)
 
 
 def param_spares(shape: ModelShape, plan: ZeroPlan) -> int:
@@ -182,7 +215,12 @@ def host_working_set(shape: ModelShape, plan: ZeroPlan) -> dict[str, int]:
     if plan.params != "nvme":
         return {}
     unit = -(-max(sum(u) for u in shape.layer_units()) // plan.world)
-    return {"swap_reads": min(plan.max_in_cpu, plan.param_buffers * unit) * plan.dtype_bytes}
+    b = plan.dtype_bytes
+    if plan.pin_params:  # each read's buffer as the allocator holds it
+        return {
+            "swap_reads": min(plan.max_in_cpu * b, plan.param_buffers * reserved(unit * b, True))
+        }
+    return {"swap_reads": min(plan.max_in_cpu, plan.param_buffers * unit) * b}
 
 
 def working_set(shape: ModelShape, step: StepShape, plan: ZeroPlan) -> dict[str, int]:

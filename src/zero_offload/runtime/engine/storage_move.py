@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...core.pinned_bytes import host_bytes
 from ...core.streams import alloc_host
 from .guards import EngineUsageError
 
@@ -118,4 +119,15 @@ class StorageMover:
         for m in self.moved.values():
             if m.category is not None:
                 out[m.category] = out.get(m.category, 0) + m.nbytes
+        return out
+
+    def held_bytes(self) -> dict[str, int]:
+        """Host bytes the moved storages hold per category: what each copy reserves (a pinned
+        one under 64 MiB is the caching host allocator's power of two); a storage with nothing
+        kept counts its moved bytes, as ``moved_bytes``."""
+        out: dict[str, int] = {}
+        for m in self.moved.values():
+            if m.category is not None:
+                held = host_bytes(m.host) if m.host is not None else m.nbytes
+                out[m.category] = out.get(m.category, 0) + held
         return out

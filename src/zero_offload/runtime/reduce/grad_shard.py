@@ -30,6 +30,7 @@ import torch
 from ...core.flat_group import FlatGroup
 from ...core.labels import GRAD_D2H, GRAD_WAIT, label
 from ...core.layout import Bucket, Segment
+from ...core.pinned_bytes import host_bytes
 from ...core.streams import Streams, alloc_host
 from ...kernels.sumsq import sum_of_squares
 
@@ -239,5 +240,5 @@ class GradShard:
         if self.device_shard is not None:
             out["device.grad_shard"] = self.device_shard.numel() * self.device_shard.element_size()
         if self.host:
-            out["host.grad_shard"] = sum(h.numel() * h.element_size() for h in self.host)
+            out["host.grad_shard"] = sum(host_bytes(h) for h in self.host)
         return out

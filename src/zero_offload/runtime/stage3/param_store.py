@@ -38,6 +38,7 @@ import torch
 from ...core import dist
 from ...core.flat_group import FlatGroup
 from ...core.labels import FETCH, label
+from ...core.pinned_bytes import host_bytes
 from ...core.shard_state import ShardState
 from ...core.status import ZeroParamStatus
 from ...core.streams import Streams, alloc_host, release_pinned_cache
@@ -534,7 +535,9 @@ class ParamStore:
         out: dict[str, int] = {}
         for gi, g in enumerate(self.groups):
             key = f"{where}.param_shard" if self.trainable(gi) else f"{where}.frozen_param_shard"
-            out[key] = out.get(key, 0) + g.layout.shard_numel * g.dtype.itemsize
+            shard = self.shards[gi] if where == "host" and gi < len(self.shards) else None
+            held = g.layout.shard_numel * g.dtype.itemsize  # pinned: what the buffer reserves
+            out[key] = out.get(key, 0) + (host_bytes(shard) if shard is not None else held)
         for nv in self.swapped.values():
             for k, v in nv.nbytes().items():
                 out[k] = out.get(k, 0) + v

@@ -22,6 +22,7 @@ import concurrent.futures
 import torch
 
 from ...core.labels import HOST_UPDATE, PARAM_H2D, label
+from ...core.pinned_bytes import host_bytes
 from ...core.streams import alloc_host
 from ...kernels.host_adam import host_adam_step
 from .shard_optimizer import ShardOptimizer
@@ -201,5 +202,5 @@ class HostUpdate(ShardOptimizer):
     def nbytes(self) -> dict[str, int]:
         out = super().nbytes()
         if self.staging is not None and not self.staging_is_home:
-            out["host.param_staging"] = self.staging.numel() * self.staging.element_size()
+            out["host.param_staging"] = host_bytes(self.staging)
         return out
