@@ -3,6 +3,11 @@ optimizer (which owns the shard state) and the placement they were built for.
 
 The engine, the checkpoint code and the tensor-fragment API iterate these objects; the index
 ``index`` is the group's position in the optimizer's ``param_groups`` and in a checkpoint.
+
+The group owns its step, one protocol for every placement (``group_step.py`` runs it over all
+groups): ``prepare`` when the backward that ends a window begins, ``stage(factor, step)``, then
+``commit`` or ``rollback``; ``skip`` for a step that overflowed. Which update path runs, and
+whether it is the delayed one, is the group's business: the engine never asks its placement.
 """
 
 from __future__ import annotations
@@ -43,6 +48,37 @@ class OptimizerGroup:
     def state(self) -> ShardState:
         """The master shard and moments (where ``placement.optimizer`` says)."""
         return self.optimizer.state
+
+    # ---- the step protocol ---------------------------------------------------------------------
+    @property
+    def stage_writes(self) -> bool:
+        """``stage`` writes the update and may fail part way: the ranks agree before a commit."""
+        return self.optimizer.stage_writes
+
+    def prepare(self) -> None:
+        """The backward that ends a window began: start what the update can do already."""
+        self.optimizer.prepare_update()
+
+    def stage(self, factor: float, step: int) -> None:
+        """Stage global step ``step``'s update with the combined grad factor (unscale x clip);
+        from ``placement.delayed_after`` on, the update is the delayed one."""
+        after = self.placement.delayed_after
+        self.optimizer.stage(factor, delayed=after is not None and step >= after)
+
+    def commit(self) -> None:
+        self.optimizer.commit()
+
+    def rollback(self) -> None:
+        """Master, moments, step count and params back to the last committed step."""
+        self.optimizer.rollback()
+
+    def skip(self) -> None:
+        """A step with no update (overflow): a pending delayed update still lands."""
+        self.optimizer.flush()
+
+    def flush(self) -> None:
+        """Apply a pending delayed update now (before eval, saving, editing params)."""
+        self.optimizer.flush()
 
 
 def build_shard_optimizer(
