@@ -309,7 +309,7 @@ class ZeroOffloadEngine(
         """Bytes this rank holds per category ("device.*", "host.*"); ``peak.*``: the most a
         step's transient parts held, among them the inputs ``deepspeed.checkpointing`` keeps
         (``peak.device.activation_checkpoints``, ``peak.host.activation_checkpoints``)."""
-        parts = [gs.nbytes() for gs in self.grad_shards] + [so.nbytes() for so in self.shard_opts]
+        parts = [og.nbytes() for og in self.opt_groups]
         if self.param_store is not None:
             parts.append(self.param_store.nbytes())
         else:
