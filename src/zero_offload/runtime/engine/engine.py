@@ -132,8 +132,8 @@ class ZeroOffloadEngine(
     def zero_grad(self) -> None:
         if self._offloaded:
             self._check_states("engine.zero_grad()", GRADS_NEED)
-        for gs in self.grad_shards:
-            gs.zero()
+        for og in self.opt_groups:
+            og.grads.zero()
 
     def backward(
         self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
@@ -188,8 +188,8 @@ class ZeroOffloadEngine(
         dist.set_step(self.global_steps)
         first, last = self.window.begin_backward(self.global_steps, self.micro_steps)
         if not last:  # a window of several backwards (built with GAS 1: allocated now)
-            for gs in self.grad_shards:
-                gs.ensure_device_accumulator()
+            for og in self.opt_groups:
+                og.grads.ensure_device_accumulator()
         self.reducer.prepare(first, last, factor)
         if last:  # the update follows this backward: start what it can do already
             for og in self.opt_groups:
@@ -240,7 +240,8 @@ class ZeroOffloadEngine(
 
     # ---- the update ----------------------------------------------------------------------------
     def _take_step(self) -> None:
-        sumsq = torch.stack([gs.sumsq for gs in self.grad_shards]).sum()
+        grads = [og.grads for og in self.opt_groups]
+        sumsq = torch.stack([gs.sumsq for gs in grads]).sum()
         if self.stage >= 1:  # each rank holds its share; stage 0 ranks hold identical sums
             dist.all_reduce(sumsq)
         scale = self.loss_scaler.loss_scale
@@ -249,7 +250,7 @@ class ZeroOffloadEngine(
         self._grad_norm = None if overflow or not self._report_grad_norm else norm
         cause = None
         if overflow:
-            cause = overflow_cause(self.grad_shards, scale, self.stage >= 1)
+            cause = overflow_cause(grads, scale, self.stage >= 1)
             self.skipped_steps += 1
             for og in self.opt_groups:
                 og.skip()
