@@ -1,6 +1,6 @@
 """Each placement's update path (DeviceUpdate, HostUpdate, NvmeUpdate) on one flat group equals
-torch's AdamW on the same params; NVMe: a discarded staged step leaves the state at the last
-committed one."""
+torch's AdamW on the same params, driven by the group's step protocol (stage, commit); NVMe: a
+rolled back staged step leaves the state at the last committed one."""
 
 import pytest
 import torch
@@ -31,11 +31,8 @@ def _reference(steps: int) -> list[torch.Tensor]:
 def _run(og, steps: int) -> None:
     for t in range(steps):
         feed(og, list(reversed(_grads(t))))  # flat order is reverse registration order
-        if isinstance(og.optimizer, NvmeUpdate):
-            og.optimizer.stage(1.0)
-            og.optimizer.commit()
-        else:
-            og.optimizer.step(1.0)
+        og.stage(1.0, t)
+        og.commit()
         og.grads.zero()
 
 
@@ -50,15 +47,14 @@ def test_each_placement_equals_torch_adamw(where, tmp_path):
         torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-6)
 
 
-def test_nvme_discard_keeps_the_committed_step(tmp_path):
+def test_nvme_rollback_keeps_the_committed_step(tmp_path):
     params = tiny_params()
     og = optimizer_group(params, "nvme", tmp_path)
     _run(og, 1)
     committed = [p.detach().clone() for p in params]
     feed(og, list(reversed(_grads(1))))
-    og.optimizer.stage(1.0)  # written, some chunks already in the params
-    og.optimizer.discard()
-    og.optimizer.restore_params()
+    og.stage(1.0, 1)  # written, some chunks already in the params
+    og.rollback()
     assert og.optimizer.step_count == 1
     for got, want in zip(params, committed):
         assert torch.equal(got.detach(), want)

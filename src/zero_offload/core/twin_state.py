@@ -27,6 +27,10 @@ class TwinState:
         self.cut = device.numel
         self.numel = device.numel + host.numel
 
+    def parts(self) -> list[MemoryState]:
+        """The device part, then the host part (each a whole state of its own)."""
+        return [self.device, self.host]
+
     def _parts(self, lo: int, hi: int):
         """(part, offset of the part, lo, hi) of each part that ``[lo, hi)`` reaches, in part
         coordinates."""

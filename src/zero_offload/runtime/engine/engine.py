@@ -25,6 +25,7 @@ from ...nvme.trace import mark as trace_mark
 from ..backward_scope import ENGINE, PLAIN, in_backward
 from ..reduce.grad_shard import GradShard
 from ..stage3.memory_efficient_linear import detach as detach_linear
+from ..update.group_step import step_groups
 from ..update.shard_optimizer import ShardOptimizer
 from . import guards
 from .assembly import assemble
@@ -131,8 +132,8 @@ class ZeroOffloadEngine(
     def zero_grad(self) -> None:
         if self._offloaded:
             self._check_states("engine.zero_grad()", GRADS_NEED)
-        for gs in self.grad_shards:
-            gs.zero()
+        for og in self.opt_groups:
+            og.grads.zero()
 
     def backward(
         self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
@@ -187,12 +188,12 @@ class ZeroOffloadEngine(
         dist.set_step(self.global_steps)
         first, last = self.window.begin_backward(self.global_steps, self.micro_steps)
         if not last:  # a window of several backwards (built with GAS 1: allocated now)
-            for gs in self.grad_shards:
-                gs.ensure_device_accumulator()
+            for og in self.opt_groups:
+                og.grads.ensure_device_accumulator()
         self.reducer.prepare(first, last, factor)
         if last:  # the update follows this backward: start what it can do already
-            for so in self.shard_opts:
-                so.prepare_update()
+            for og in self.opt_groups:
+                og.prepare()
 
     def _backward_epilogue(self) -> None:
         self.window.end_backward()
@@ -239,7 +240,8 @@ class ZeroOffloadEngine(
 
     # ---- the update ----------------------------------------------------------------------------
     def _take_step(self) -> None:
-        sumsq = torch.stack([gs.sumsq for gs in self.grad_shards]).sum()
+        grads = [og.grads for og in self.opt_groups]
+        sumsq = torch.stack([gs.sumsq for gs in grads]).sum()
         if self.stage >= 1:  # each rank holds its share; stage 0 ranks hold identical sums
             dist.all_reduce(sumsq)
         scale = self.loss_scaler.loss_scale
@@ -248,11 +250,10 @@ class ZeroOffloadEngine(
         self._grad_norm = None if overflow or not self._report_grad_norm else norm
         cause = None
         if overflow:
-            cause = overflow_cause(self.grad_shards, scale, self.stage >= 1)
+            cause = overflow_cause(grads, scale, self.stage >= 1)
             self.skipped_steps += 1
-            if self.placement.delayed:
-                for so in self.shard_opts:
-                    so.flush()
+            for og in self.opt_groups:
+                og.skip()
         else:
             combined = scale
             if self.clip > 0:
@@ -261,13 +262,14 @@ class ZeroOffloadEngine(
                     combined = scale * coef
             factor = 1.0 / combined
             guards.check_hyperparameters(self.optimizer.param_groups, self.global_steps)
-            after = self.placement.delayed_after
-            delayed = after is not None and self.global_steps >= after
-            if self.placement.optimizer == "nvme":
-                self._nvme_step(factor)
-            else:
-                for so in self.shard_opts:
-                    so.launch(factor) if delayed else so.step(factor)
+            step_groups(
+                self.opt_groups,
+                factor,
+                self.global_steps,
+                self.world_size,
+                self.device,
+                on_rollback=self.zero_grad,  # the window's gradients are spent
+            )
             if self.lr_scheduler is not None:
                 self.optimizer._opt_called = True  # torch's schedulers check the optimizer stepped
                 self.lr_scheduler.step()
@@ -289,53 +291,6 @@ class ZeroOffloadEngine(
         ):
             self._log_wall_clock()
 
-    def _nvme_step(self, factor: float) -> None:
-        """Every group's update written, then committed only if every group on every rank
-        succeeded (one flag all-reduced); otherwise every rank rolls every group back to the
-        last committed step and raises: the master weights and moments never hold a partial
-        step, and the ranks never disagree on which step they hold."""
-        error = None
-        for so in self.shard_opts:
-            try:
-                so.stage(factor)
-            except Exception as e:
-                error = e
-                break
-        failed = 0 if error is None else 1
-        if self.world_size > 1:  # one rank's failure is every rank's
-            flag = torch.tensor([failed], dtype=torch.int32, device=self.device)
-            dist.all_reduce(flag)
-            failed = int(flag.item())
-        if not failed:
-            for so in self.shard_opts:
-                so.commit()
-            return
-        for so in self.shard_opts:  # every group on every rank: no collective from here on
-            so.discard()
-        rollback = None
-        for so in self.shard_opts:
-            try:
-                so.restore_params()
-            except Exception as e:  # the disk may still be failing: restore what can be
-                rollback = rollback or e
-        self.zero_grad()  # the window's gradients are spent: a retry starts a new window
-        if error is not None and not isinstance(error, NvmeSwapError):
-            wrapped = NvmeSwapError(
-                f"the NVMe update failed ({type(error).__name__}: {error}); every rank kept the "
-                "last committed step"
-            )
-            wrapped.__cause__ = error
-            error = wrapped
-        if error is None:
-            error = NvmeSwapError(
-                f"the NVMe update failed on {failed} other rank(s) at step "
-                f"{self.global_steps + 1} (their error names the file); every rank kept the "
-                "last committed step"
-            )
-        if rollback is not None:
-            error.add_note(f"restoring the params from the committed master failed too: {rollback}")
-        raise error
-
     def _before_param_edit(self) -> None:
         """Stage 3, before a ``GatheredParameters(modifier_rank=...)`` block: its exit writes
         the fp32 master shard too, which must be on the device; then the pending update."""
@@ -347,15 +302,15 @@ class ZeroOffloadEngine(
         """With the delayed update: apply the pending host update now (before eval or saving)."""
         if self._offloaded and self.placement.delayed:  # its upload writes the params
             self._check_states("engine.flush_delayed_update()", FORWARD_NEEDS)
-        for so in self.shard_opts:
-            so.flush()
+        for og in self.opt_groups:
+            og.flush()
 
     # ---- reporting -----------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds per category ("device.*", "host.*"); ``peak.*``: the most a
         step's transient parts held, among them the inputs ``deepspeed.checkpointing`` keeps
         (``peak.device.activation_checkpoints``, ``peak.host.activation_checkpoints``)."""
-        parts = [gs.nbytes() for gs in self.grad_shards] + [so.nbytes() for so in self.shard_opts]
+        parts = [og.nbytes() for og in self.opt_groups]
         if self.param_store is not None:
             parts.append(self.param_store.nbytes())
         else:

@@ -2,7 +2,9 @@
 
 DeepSpeed's ``OffloadStateTypeEnum`` names five states; here each is a list of the engine's own
 device-resident tensors (a state already in host memory or on NVMe has none, so offloading it is
-a no-op, as DeepSpeed's exclusions under ``offload_optimizer`` make it):
+a no-op, as DeepSpeed's exclusions under ``offload_optimizer`` make it). Each optimizer group
+lists its own buffers (``OptimizerGroup.buffers``); this file adds what no group owns (the
+params, which an fp32 master may be, and the reduce buffers). The five states:
 
 | state | tensors | memory-report entry |
 | --- | --- | --- |
@@ -16,70 +18,39 @@ a no-op, as DeepSpeed's exclusions under ``offload_optimizer`` make it):
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING
 
 import torch
 
-from ...core.twin_state import TwinState
+from ..update.buffers import OffloadStateType, StateBuffer
 
 if TYPE_CHECKING:
     from .engine import ZeroOffloadEngine
 
-
-class OffloadStateType(str, Enum):
-    """DeepSpeed's ``OffloadStateTypeEnum``."""
-
-    optim_states = "optim_states"
-    hp_params = "hp_params"
-    lp_params = "lp_params"
-    lp_grads = "lp_grads"
-    contiguous_grad_buffer = "contiguous_grad_buffer"
-
-
-@dataclass(frozen=True)
-class StateBuffer:
-    tensor: torch.Tensor
-    category: str | None  # the memory-report entry it is counted under (None: not counted)
-    keep: bool = True  # False: scratch, reloaded with undefined contents
-    also: frozenset = frozenset()  # other states that live in the same storage
+__all__ = ["OffloadStateType", "StateBuffer", "state_buffers"]
 
 
 def state_buffers(e: ZeroOffloadEngine, state: OffloadStateType) -> list[StateBuffer]:
     return list(_BUILDERS[state](e))
 
 
-def _device_parts(state) -> list:
-    """The device-resident parts of a group's shard state (a twin's device part)."""
-    if isinstance(state, TwinState):
-        return [state.device]
-    return [state] if getattr(state, "where", None) == "device" else []
+def _group_buffers(e: ZeroOffloadEngine, state: OffloadStateType) -> Iterator[StateBuffer]:
+    """The groups' own buffers of ``state`` (``OptimizerGroup.buffers``)."""
+    for og in e.opt_groups:
+        yield from (b for b in og.buffers() if b.state is state)
 
 
 def _optim_states(e: ZeroOffloadEngine) -> Iterator[StateBuffer]:
-    for og in e.opt_groups:
-        parts = _device_parts(og.optimizer.state)
-        for part in parts:
-            for t in (part.exp_avg, part.exp_avg_sq):
-                if t is not None:  # Muon's momentum state has no second moment
-                    yield StateBuffer(t, "device.optimizer_state")
-        client = og.optimizer.client
-        if client is not None and parts:  # it runs where the master lives: on the device
-            for v in client.optimizer.state[client.param].values():
-                if isinstance(v, torch.Tensor) and v.device == client.param.device:
-                    yield StateBuffer(v, None)
-            yield StateBuffer(client.grad, None, keep=False)  # rewritten before every step
+    return _group_buffers(e, OffloadStateType.optim_states)
 
 
 def _hp_params(e: ZeroOffloadEngine) -> Iterator[StateBuffer]:
     for og in e.opt_groups:
-        for part in _device_parts(og.optimizer.state):
-            if getattr(part, "aliased", False):  # the fp32 params are the master
-                t, category = _lp_buffer(e, og.index)
-                yield StateBuffer(t, category, also=frozenset({OffloadStateType.lp_params}))
-            else:
-                yield StateBuffer(part.master, "device.master_shard")
+        if og.master_is_params:  # the fp32 params are the master: they move as one storage
+            t, category = _lp_buffer(e, og.index)
+            yield StateBuffer(t, category, also=frozenset({OffloadStateType.lp_params}))
+        else:
+            yield from (b for b in og.buffers() if b.state is OffloadStateType.hp_params)
 
 
 def _lp_buffer(e: ZeroOffloadEngine, gi: int) -> tuple[torch.Tensor, str]:
@@ -101,15 +72,7 @@ def _lp_params(e: ZeroOffloadEngine) -> Iterator[StateBuffer]:
 
 
 def _lp_grads(e: ZeroOffloadEngine) -> Iterator[StateBuffer]:
-    for gs in e.grad_shards:
-        named = (
-            (gs.flat_grad, "device.grads"),
-            (gs.accum, "device.grad_accum"),
-            (gs.device_shard, "device.grad_shard"),
-        )
-        for t, category in named:
-            if t is not None:
-                yield StateBuffer(t, category)
+    return _group_buffers(e, OffloadStateType.lp_grads)
 
 
 def _contiguous_grad_buffer(e: ZeroOffloadEngine) -> Iterator[StateBuffer]:

@@ -3,11 +3,17 @@ optimizer (which owns the shard state) and the placement they were built for.
 
 The engine, the checkpoint code and the tensor-fragment API iterate these objects; the index
 ``index`` is the group's position in the optimizer's ``param_groups`` and in a checkpoint.
+
+The group owns its step, one protocol for every placement (``group_step.py`` runs it over all
+groups): ``prepare`` when the backward that ends a window begins, ``stage(factor, step)``, then
+``commit`` or ``rollback``; ``skip`` for a step that overflowed. Which update path runs, and
+whether it is the delayed one, is the group's business: the engine never asks its placement.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +22,7 @@ from ...core.flat_group import FlatGroup
 from ...core.shard_state import ShardState
 from ...core.streams import Streams
 from ..reduce.grad_shard import GradShard
+from .buffers import OffloadStateType, StateBuffer
 from .device_update import DeviceUpdate
 from .host_muon_update import HostMuonUpdate
 from .host_update import HostUpdate
@@ -43,6 +50,88 @@ class OptimizerGroup:
     def state(self) -> ShardState:
         """The master shard and moments (where ``placement.optimizer`` says)."""
         return self.optimizer.state
+
+    # ---- its buffers ---------------------------------------------------------------------------
+    @property
+    def master_is_params(self) -> bool:
+        """The master on the device is the params' own fp32 values (``core/alias_state.py``):
+        it moves with the params, which the param store or flat buffer own."""
+        return any(getattr(p, "aliased", False) for p in self._device_states())
+
+    def _device_states(self) -> list:
+        """The device-resident parts of the shard state (a twin's device part)."""
+        parts = getattr(self.state, "parts", None)
+        states = parts() if parts is not None else [self.state]
+        return [s for s in states if getattr(s, "where", None) == "device"]
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held per memory-report category: the gradient shard's and the update's."""
+        out = dict(self.grads.nbytes())
+        for k, v in self.optimizer.nbytes().items():
+            out[k] = out.get(k, 0) + v
+        return out
+
+    def buffers(self) -> Iterator[StateBuffer]:
+        """The group's own device buffers, each with its offloadable state: Adam's moments
+        (Muon's momentum) and a client optimizer's state, the master unless it is the params,
+        the gradient buffers."""
+        opt, grads = OffloadStateType.optim_states, OffloadStateType.lp_grads
+        parts = self._device_states()
+        for part in parts:
+            for t in (part.exp_avg, part.exp_avg_sq):
+                if t is not None:  # Muon's momentum state has no second moment
+                    yield StateBuffer(t, "device.optimizer_state", state=opt)
+        client = self.optimizer.client
+        if client is not None and parts:  # it runs where the master lives: on the device
+            for v in client.optimizer.state[client.param].values():
+                if isinstance(v, torch.Tensor) and v.device == client.param.device:
+                    yield StateBuffer(v, None, state=opt)
+            yield StateBuffer(client.grad, None, keep=False, state=opt)  # rewritten every step
+        for part in parts:
+            if not getattr(part, "aliased", False):
+                yield StateBuffer(
+                    part.master, "device.master_shard", state=OffloadStateType.hp_params
+                )
+        g = self.grads
+        named = (
+            (g.flat_grad, "device.grads"),
+            (g.accum, "device.grad_accum"),
+            (g.device_shard, "device.grad_shard"),
+        )
+        for t, category in named:
+            if t is not None:
+                yield StateBuffer(t, category, state=grads)
+
+    # ---- the step protocol ---------------------------------------------------------------------
+    @property
+    def stage_writes(self) -> bool:
+        """``stage`` writes the update and may fail part way: the ranks agree before a commit."""
+        return self.optimizer.stage_writes
+
+    def prepare(self) -> None:
+        """The backward that ends a window began: start what the update can do already."""
+        self.optimizer.prepare_update()
+
+    def stage(self, factor: float, step: int) -> None:
+        """Stage global step ``step``'s update with the combined grad factor (unscale x clip);
+        from ``placement.delayed_after`` on, the update is the delayed one."""
+        after = self.placement.delayed_after
+        self.optimizer.stage(factor, delayed=after is not None and step >= after)
+
+    def commit(self) -> None:
+        self.optimizer.commit()
+
+    def rollback(self) -> None:
+        """Master, moments, step count and params back to the last committed step."""
+        self.optimizer.rollback()
+
+    def skip(self) -> None:
+        """A step with no update (overflow): a pending delayed update still lands."""
+        self.optimizer.flush()
+
+    def flush(self) -> None:
+        """Apply a pending delayed update now (before eval, saving, editing params)."""
+        self.optimizer.flush()
 
 
 def build_shard_optimizer(

@@ -2,10 +2,10 @@
 swap file into a pool buffer ahead of its turn and written back behind it
 (``nvme/optimizer_state.py``).
 
-The engine's NVMe step is every group and every rank, or nothing: ``stage`` writes this step's
-update without committing or publishing it (no collective here, so a rank that fails does not
-leave others waiting); then the engine calls ``commit`` on every group, or ``discard`` and
-``restore_params`` on every group.
+The NVMe step is every group and every rank, or nothing: ``stage`` writes this step's update
+without committing or publishing it (no collective here, so a rank that fails does not leave
+others waiting); then, once the ranks agree (``group_step.py``), ``commit`` on every group, or
+``rollback`` on every group.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from .host_update import HostUpdate
 
 
 class NvmeUpdate(HostUpdate):
+    stage_writes = True  # a failed write fails the step: the ranks agree before any commit
     _reuses_chunk_buffers = True  # the record pool: the next read reuses a chunk's buffer
 
     def __init__(self, *args, **kw) -> None:
@@ -31,8 +32,10 @@ class NvmeUpdate(HostUpdate):
         works while the backward computes (the update starts from records in memory)."""
         self.state.read_ahead()
 
-    def stage(self, factor: float) -> None:
-        """This step's update written, not committed, not published."""
+    def stage(self, factor: float, delayed: bool = False) -> None:
+        """This step's update written, not committed, not published (the config refuses the
+        delayed update on NVMe)."""
+        assert not delayed, "the delayed update runs on the host placement only"
         self.flush()
         self.home.prepare_write()
         self.step_count += 1
@@ -49,6 +52,12 @@ class NvmeUpdate(HostUpdate):
         self.state.commit()
         self._pending_commit = False
         self.home.publish()
+
+    def rollback(self) -> None:
+        """The staged update forgotten, then the params restored from the committed master
+        (the staged pass may have written some of its chunks to them)."""
+        self.discard()
+        self.restore_params()
 
     def discard(self) -> None:
         """Forget a staged update (none staged: nothing to do): the state and the step count are

@@ -9,10 +9,16 @@ Each placement of the optimizer state is one class:
 - ``HostUpdate`` (``host_update.py``): state in host memory, the SIMD host kernel chunk by chunk,
   chunk k travelling host-to-device while chunk k+1 computes; the delayed update;
 - ``NvmeUpdate`` (``nvme_update.py``): the host kernel over chunks streamed from a swap file,
-  staged and then committed or discarded by the engine for every group of every rank.
+  written in ``stage`` and then committed or rolled back for every group of every rank.
 
 A client optimizer that is not Adam(W) (``client_update.py``) replaces the Adam math on the
 device and host paths: it runs over the master shard where it lives.
+
+The step protocol (every placement; the engine drives it through ``OptimizerGroup``):
+``stage(factor)``, then ``commit()`` or ``rollback()``. Here ``stage`` keeps the factor and the
+update runs in ``commit``, so a rollback has nothing to undo; a placement whose update can fail
+part way (NVMe: a failed write) does the work in ``stage`` (``stage_writes``), and the engine
+agrees across ranks before any group commits.
 
 Invariant: ``step_count`` is the number of committed updates; a step that raises leaves it (and
 an NVMe state) at the last committed step.
@@ -76,6 +82,7 @@ class ShardOptimizer:
         self.master_from_params(initial=True)
         self.client = ClientUpdate(client, group.hyper, state.master) if client else None
         self.step_count = 0
+        self._staged_step: tuple[float, bool] | None = None  # (factor, delayed) until commit
 
     @property
     def master(self) -> torch.Tensor:
@@ -128,6 +135,36 @@ class ShardOptimizer:
             eps=float(h["eps"]),
             weight_decay=float(h["weight_decay"]),
         )
+
+    # ---- the step protocol ---------------------------------------------------------------------
+    # Set by a placement whose ``stage`` writes the update (and may fail part way): the engine
+    # then agrees across ranks, once, before any group commits.
+    stage_writes = False
+
+    def stage(self, factor: float, delayed: bool = False) -> None:
+        """This step's update, ready to commit: the factor kept (``delayed``: commit starts the
+        delayed update instead of a synchronous one); nothing is written yet."""
+        self._staged_step = (factor, delayed)
+
+    def commit(self) -> None:
+        """The staged update applied (nothing staged: nothing to do)."""
+        staged, self._staged_step = self._staged_step, None
+        if staged is None:
+            return
+        factor, delayed = staged
+        if delayed:
+            self.launch(factor)
+        else:
+            self.step(factor)
+
+    def rollback(self) -> None:
+        """The staged update forgotten: state, step count and params are the last committed
+        step's (nothing was written)."""
+        self._staged_step = None
+
+    def launch(self, factor: float) -> None:
+        """Start a delayed update (the host placement's, ``host_update.py``)."""
+        raise RuntimeError("the delayed update runs on the host placement only")
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self, factor: float) -> None:

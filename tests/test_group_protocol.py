@@ -1,0 +1,151 @@
+"""The optimizer group's step protocol, one small test per step for each placement, written
+against the group (no ``initialize()``): ``stage`` then ``rollback`` leaves the master, the
+moments, the step count and the params bitwise unchanged; ``stage`` then ``commit`` is the
+update path's own synchronous step, bitwise."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from components import feed, flat_group, placement, tiny_params
+
+from zero_offload.core.streams import Streams
+from zero_offload.nvme.aio import AioEngine
+from zero_offload.runtime.reduce.grad_shard import GradShard
+from zero_offload.runtime.update.group import OptimizerGroup, build_shard_optimizer
+from zero_offload.runtime.update.momentum_state import MomentumState
+from zero_offload.runtime.update.param_home import FlatHome
+from zero_offload.runtime.update.shard_optimizer import UpdatePolicy
+from zero_offload.runtime.update.state_build import build_states
+
+CPU = torch.device("cpu")
+# Each kind: the placement of its optimizer state.
+WHERE = {
+    "device": "device",
+    "host": "host",
+    "nvme": "nvme",
+    "twin": "host",  # ratio 0.5: a device part and a host part
+    "muon": "device",
+    "host-muon": "host",
+    "client": "device",
+    "host-client": "host",
+}
+KINDS = list(WHERE)
+MUON = {"use_muon": True, "momentum": 0.95, "ns_method": "standard"}
+
+
+def _params(kind: str) -> list[torch.nn.Parameter]:
+    """``tiny_params``; Muon's are matrices (it orthogonalizes each param's update)."""
+    if not kind.endswith("muon"):
+        return tiny_params()
+    g = torch.Generator().manual_seed(1)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(7, 5), (6, 4), (40, 60)]]
+
+
+def _build(kind: str, tmp_path: Path) -> tuple[OptimizerGroup, list]:
+    """A stage-2 group at world 1 of ``_params(kind)`` for one placement ``kind``."""
+    params = _params(kind)
+    muon = kind.endswith("muon")
+    place = placement(WHERE[kind], tmp_path / kind)
+    if kind == "twin":
+        place = dataclasses.replace(place, ratio=0.5)
+    g = flat_group(params)
+    if muon:
+        g.hyper.update(MUON)
+    client = torch.optim.SGD(params, lr=0.1, momentum=0.9) if kind.endswith("client") else None
+    if client is not None:  # the engine's group hyperparameters are the client's
+        g.hyper.update({k: v for k, v in client.param_groups[0].items() if k != "params"})
+    adam = client is None and not muon
+    streams = Streams(CPU)
+    aio = AioEngine(place.nvme.aio) if place.nvme is not None else None
+    (state,) = build_states([g], True, place, aio, adam)
+    if muon:
+        state = MomentumState(state)
+    cut = place.host_from(g.shard_numel(True))
+    grads = GradShard(g, 2, place.host_update, 1, streams, False, host_from=cut)
+    home = FlatHome(g, streams, True, 1 << 20)
+    policy = UpdatePolicy(True, True, place)
+    so = build_shard_optimizer(g, grads, home, state, policy, streams, client=client)
+    return OptimizerGroup(g, grads, home, so, place), params
+
+
+def _grads(params: list, step: int) -> list[torch.Tensor]:
+    """One gradient per param, in flat order (reverse registration order)."""
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.shape, generator=g) for p in reversed(params)]
+
+
+def _snapshot(og: OptimizerGroup, params: list) -> list[torch.Tensor]:
+    """Master, moments and params as they are now (copies)."""
+    numel = og.state.numel
+    out = [og.state.read(kind, 0, numel).clone() for kind in ("master", "exp_avg", "exp_avg_sq")]
+    return out + [p.detach().clone() for p in params]
+
+
+def _step(og: OptimizerGroup, params: list, t: int) -> None:
+    feed(og, _grads(params, t))
+    og.stage(0.5, t)
+    og.commit()
+    og.grads.zero()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stage_then_rollback_changes_nothing(kind, tmp_path):
+    og, params = _build(kind, tmp_path)
+    _step(og, params, 0)  # a committed step first: the moments are not zero
+    before, count = _snapshot(og, params), og.optimizer.step_count
+    feed(og, _grads(params, 1))
+    og.stage(0.5, 1)
+    og.rollback()
+    assert og.optimizer.step_count == count == 1
+    for got, want in zip(_snapshot(og, params), before):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stage_then_commit_is_the_step(kind, tmp_path):
+    og, params = _build(kind, tmp_path / "a")
+    ref, ref_params = _build(kind, tmp_path / "b")
+    for t in range(2):
+        _step(og, params, t)
+        feed(ref, _grads(ref_params, t))
+        ref.optimizer.step(0.5)  # the update path's synchronous step, no protocol
+        ref.grads.zero()
+    assert og.optimizer.step_count == ref.optimizer.step_count == 2
+    for got, want in zip(_snapshot(og, params), _snapshot(ref, ref_params)):
+        assert torch.equal(got, want)
+    assert not torch.equal(params[2].detach(), _params(kind)[2].detach())  # it did update
+
+
+def test_commit_without_stage_does_nothing(tmp_path):
+    og, params = _build("host", tmp_path)
+    before = _snapshot(og, params)
+    og.commit()
+    assert og.optimizer.step_count == 0
+    for got, want in zip(_snapshot(og, params), before):
+        assert torch.equal(got, want)
+
+
+def _device_bytes(og: OptimizerGroup) -> tuple[dict[str, int], dict[str, int]]:
+    """The group's device buffers summed per category, and its report's device entries."""
+    listed: dict[str, int] = {}
+    for b in og.buffers():
+        if b.category is not None:
+            n = b.tensor.numel() * b.tensor.element_size()
+            listed[b.category] = listed.get(b.category, 0) + n
+    report = {k: v for k, v in og.nbytes().items() if k.startswith("device.") and v}
+    return {k: v for k, v in listed.items() if v}, report
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if not k.endswith("client")])
+def test_buffers_are_the_device_bytes_reported(kind, tmp_path):
+    """What offload_states moves is what the memory report counts on the device (a client
+    optimizer's state is moved but counted apart: not listed here)."""
+    og, params = _build(kind, tmp_path)
+    _step(og, params, 0)
+    listed, report = _device_bytes(og)
+    assert listed == report
+    assert bool(listed) == (WHERE[kind] == "device" or kind == "twin")
