@@ -127,7 +127,9 @@ def largest(args, engine: str, ladder: tuple) -> dict:
     the smallest that did not."""
     cap = args.cap_gib * GIB
     predicted = [i for i, (n, h) in enumerate(ladder) if predicted_bytes(n, h, args) <= cap]
-    start = predicted[-1] if predicted else 0
+    start = pred_i = predicted[-1] if predicted else 0
+    if args.start_layers:  # a known neighbourhood (another engine's answer) instead
+        start = min(range(len(ladder)), key=lambda i: abs(ladder[i][0] - args.start_layers))
     tried: dict[int, dict] = {}
 
     def fits(i: int) -> bool:
@@ -138,8 +140,8 @@ def largest(args, engine: str, ladder: tuple) -> dict:
         return "error" not in row
 
     lo, hi = search(len(ladder), start, fits)
-    return {"engine": engine, "offload": args.offload, "predicted": ladder[start] if predicted else None,
-            "predicted_params": params_of(*ladder[start], args.vocab) if predicted else 0,
+    return {"engine": engine, "offload": args.offload, "predicted": ladder[pred_i] if predicted else None,
+            "predicted_params": params_of(*ladder[pred_i], args.vocab) if predicted else 0,
             "fit": tried.get(lo), "next": tried.get(hi), "attempts": list(tried.values())}  # fmt: skip
 
 
@@ -164,6 +166,7 @@ def main() -> None:
     ap.add_argument("--engines", nargs="+", default=["zero_offload", "deepspeed"])
     ap.add_argument("--placements", nargs="+", default=["cpu", "nvme"], choices=["cpu", "nvme"])
     ap.add_argument("--attempt-timeout", type=float, default=900.0)
+    ap.add_argument("--start-layers", type=int, help="start at this depth, not the prediction")
     ap.add_argument("--tiny", action="store_true", help="a toy ladder (smoke run)")
     ap.add_argument("--json", help="write every attempt here")
     args = ap.parse_args()
