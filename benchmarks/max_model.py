@@ -42,7 +42,9 @@ def params_of(layers: int, hidden: int, vocab: int) -> int:
 
 
 def predicted_bytes(layers: int, hidden: int, args) -> int:
-    """The memory model's step peak for ours: host and device totals added (one memory here)."""
+    """``estimate``'s step peak for ours on a CPU: host and device totals added (one memory
+    here) and the process's own bytes (malloc's free heap, the interpreter and torch)."""
+    from zero_offload.cli.estimate_step import CPU_PROCESS_BYTES
     from zero_offload.config.load import load_config
     from zero_offload.runtime.engine.memory_model import StepShape, ZeroPlan, predict
     from zero_offload.runtime.engine.model_shape import ModelShape
@@ -52,7 +54,7 @@ def predicted_bytes(layers: int, hidden: int, args) -> int:
     heads = max(1, hidden // 64)
     shape = ModelShape.llama(layers, hidden, heads, args.vocab, hidden * 11 // 4, heads)
     pred = predict(shape, StepShape(1, args.seq), plan)
-    return pred["peak.device.total"] + pred["peak.host.total"]
+    return pred["peak.device.total"] + pred["peak.host.total"] + CPU_PROCESS_BYTES
 
 
 def _cgroup(cap: int) -> Path | None:
