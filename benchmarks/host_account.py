@@ -21,11 +21,15 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 GIB = 2**30
 
 
-def config(bucket: float, live: float) -> dict:
+def config(bucket: float, live: float, offload: str = "cpu", nvme_path: str = "") -> dict:
+    """The run's DeepSpeed config: both offloads on ``offload`` ("cpu" or "nvme", the latter
+    under ``nvme_path``)."""
+    where = {"device": offload} | ({"nvme_path": nvme_path} if offload == "nvme" else {})
     return {
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
@@ -33,8 +37,8 @@ def config(bucket: float, live: float) -> dict:
             "stage": 3,
             "reduce_bucket_size": bucket,
             "stage3_max_live_parameters": live,
-            "offload_optimizer": {"device": "cpu"},
-            "offload_param": {"device": "cpu"},
+            "offload_optimizer": dict(where),
+            "offload_param": dict(where),
         },
         "steps_per_print": 10**9,
     }
@@ -72,7 +76,7 @@ def child(args) -> None:
     from checkpoint_io import PeakMemory
 
     torch.manual_seed(0)
-    cfg = config(args.bucket, args.live)
+    cfg = config(args.bucket, args.live, args.offload, args.nvme_path)
     if args.engine == "deepspeed":
         import _ds_compat
 
@@ -93,27 +97,34 @@ def child(args) -> None:
         engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         set_up = PeakMemory.read()[1] - peak.base[1]
         g = torch.Generator().manual_seed(1)
-        losses = []
+        losses, start = [], time.perf_counter()
         for _ in range(args.steps):
             x = torch.randint(0, args.vocab, (1, args.seq), generator=g)
             loss = engine(input_ids=x, labels=x).loss
             engine.backward(loss)
             engine.step()
             losses.append(float(loss))
+        steps_s = time.perf_counter() - start
     report = engine.memory_report() if hasattr(engine, "memory_report") else {}
     print(json.dumps({"params": params, "losses": losses, "peak_anon": peak.delta[1],
-                      "set_up_anon": set_up, "report": report}))  # fmt: skip
+                      "set_up_anon": set_up, "report": report, "steps_s": steps_s}))  # fmt: skip
 
 
-def run(args, engine: str) -> dict:
+def child_command(args, engine: str) -> list[str]:
+    """The command line of one engine's run in a fresh process (a free port for DeepSpeed)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, __file__, "--child", engine, "--port", str(port)]
-    for k in ("hidden", "layers", "vocab", "steps", "seq", "bucket", "live"):
+    for k in ("hidden", "layers", "vocab", "steps", "seq", "bucket", "live", "offload"):
         cmd += [f"--{k}", str(getattr(args, k))]
+    return cmd + ["--nvme-path", str(getattr(args, "nvme_path", "") or "")]
+
+
+def run(args, engine: str) -> dict:
+    cmd = child_command(args, engine)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if p.returncode != 0:
         return {"error": p.stderr[-2000:]}
@@ -149,6 +160,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--child", choices=["zero_offload", "deepspeed"])
     ap.add_argument("--port", type=int, default=29500)
+    ap.add_argument("--offload", choices=["cpu", "nvme"], default="cpu", help="both offloads")
+    ap.add_argument("--nvme-path", default="", help="nvme_path of the nvme offloads")
     args = ap.parse_args()
     if args.child:
         args.engine = args.child

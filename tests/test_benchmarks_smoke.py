@@ -343,3 +343,15 @@ def test_host_account_benchmark_runs() -> None:
     out = done.stdout
     assert "| host.optimizer_state |" in out and "| sum of the terms |" in out, out
     assert "host.master_shard" not in out and "terms / measured:" in out, out
+
+
+def test_max_model_benchmark_runs() -> None:
+    """The largest-model search at a toy size (this library's side, host offload): it searches
+    the toy ladder, and every rung fits, so the largest is the top one with no next rung."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "max_model.py"), "--tiny", "--cap-gib", "3",
+         "--engines", "zero_offload", "--placements", "cpu"],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| zero_offload | cpu | 0.00B (4 x 64) |" in done.stdout, done.stdout

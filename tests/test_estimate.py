@@ -127,6 +127,31 @@ def test_max_model_fits_and_one_more_layer_does_not(capsys):
     assert over["peak.device.total"] > 2e9 or over["peak.host.total"] > 16e9  # the deepest
 
 
-def test_max_model_needs_device_memory(capsys):
+def test_max_model_needs_a_memory(capsys):
     assert main(["estimate", "--max-model"]) == 2
     assert "--device-memory" in capsys.readouterr().err
+
+
+def test_max_model_on_a_cpu_adds_device_and_host(capsys):
+    """Without --device-memory (a CPU run) the device's terms are host memory too: the largest
+    model's two peaks together, with the process's own bytes (malloc's free heap, the interpreter
+    and torch), fit --host-memory and one more layer's do not."""
+    from zero_offload.cli.estimate_step import CPU_PROCESS_BYTES
+    from zero_offload.runtime.engine.memory_model import StepShape, ZeroPlan, predict
+    from zero_offload.runtime.engine.model_shape import ModelShape
+
+    args = ["--max-model", "--host-memory", "4", "--stage", "3", "--model", "llama",
+            "--seq-length", "32", "--vocab-size", "32000", "--dtype", "fp32"]  # fmt: skip
+    assert main(["estimate", *args]) == 0
+    out = capsys.readouterr().out
+    line = [x for x in out.splitlines() if x.split()[:3] == ["3", "cpu", "cpu"]][0]
+    layers, hidden = int(line.split()[4]), int(line.split()[5])
+    heads = {768: 12, 1024: 16, 1536: 16, 2048: 16, 2560: 32}[hidden]
+    ffn = 256 * -(-(8 * hidden // 3) // 256)
+    plan = ZeroPlan(stage=3, dtype_bytes=4, optimizer="host", params="host")
+
+    def total(n: int) -> int:
+        pred = predict(ModelShape.llama(n, hidden, heads, 32000, ffn), StepShape(1, 32), plan)
+        return pred["peak.device.total"] + pred["peak.host.total"] + CPU_PROCESS_BYTES
+
+    assert total(layers) <= 4e9 < total(layers + 1)

@@ -29,6 +29,11 @@ NAMES = {"device": "none", "host": "cpu", "nvme": "nvme"}
 # Widths and head counts of the shapes --max-model tries (GPT-3's table), layers searched.
 WIDTHS = ((768, 12), (1024, 16), (1536, 16), (2048, 16), (2560, 32), (4096, 32), (5120, 40),
           (6144, 48), (8192, 64), (12288, 96))  # fmt: skip
+# A CPU run's host memory beyond the engine's states and working set, measured at a 220M and a
+# 1.06B Llama (stage 3, both offloads, fp32): malloc's free heap, the report's
+# ``peak.host.allocator_free`` (0.83 and 0.88 GiB, not growing with the model), and the process
+# itself (interpreter, torch and their libraries: 0.3 GiB).
+CPU_PROCESS_BYTES = int(1.2 * 2**30)
 MAX_LAYERS = 128  # deeper than any of those models: a plausible shape, not a 500-layer tower
 
 
@@ -46,7 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-heads", type=int, default=0, help="llama: key/value heads")
     p.add_argument("--max-model", action="store_true",
                    help="the largest GPT-2 (or --model llama) that fits, per placement")  # fmt: skip
-    p.add_argument("--device-memory", type=float, help="GB of device memory per rank")
+    p.add_argument("--device-memory", type=float,
+                   help="GB of device memory per rank; without it (--max-model on a CPU) the "
+                   "device's terms count against --host-memory")  # fmt: skip
     p.add_argument("--host-memory", type=float, help="GB of host memory per rank")
     p.add_argument("--nvme-size", type=float, default=0.0, help="GB of NVMe per rank")
 
@@ -136,6 +143,11 @@ def print_step_table(args, shape: ModelShape, dtype_bytes: int) -> None:
 
 
 def fits(pred: dict, args) -> bool:
+    """Within the given memories; without ``--device-memory`` (a CPU run) the device's terms are
+    host memory too, so both peaks and the process's own bytes count against ``--host-memory``."""
+    if args.device_memory is None:
+        total = pred["peak.device.total"] + pred["peak.host.total"] + CPU_PROCESS_BYTES
+        return total <= args.host_memory * GB and nvme_bytes(pred) <= args.nvme_size * GB
     return (
         pred["peak.device.total"] <= args.device_memory * GB
         and (args.host_memory is None or pred["peak.host.total"] <= args.host_memory * GB)
@@ -169,10 +181,13 @@ def make_shape(args, kind: str, layers: int, hidden: int, heads: int) -> ModelSh
 
 
 def print_max_model(args, dtype_bytes: int) -> int:
-    if args.device_memory is None:
-        raise ValueError("--max-model needs --device-memory GB (and --host-memory, --nvme-size)")
+    if args.device_memory is None and args.host_memory is None:
+        raise ValueError("--max-model needs --device-memory GB or --host-memory GB (a CPU run)")
     kind = "llama" if args.model == "llama" else "gpt2"
-    print(f"largest {kind} per placement in {args.device_memory:g} GB device, "
+    device = "no device (a CPU run: device terms in host memory)"
+    if args.device_memory is not None:
+        device = f"{args.device_memory:g} GB device"
+    print(f"largest {kind} per placement in {device}, "
           f"{'unbounded' if args.host_memory is None else f'{args.host_memory:g} GB'} host, "
           f"{args.nvme_size:g} GB NVMe per rank, {args.gpus} rank(s), micro batch "
           f"{step_of(args).micro_batch}, seq {args.seq_length}")  # fmt: skip
