@@ -367,6 +367,7 @@ def test_tracker_fork_add_and_seed() -> None:
     assert torch.equal(a, torch.rand(3))  # DeepSpeed's model-parallel seed
 
 
+@pytest.mark.cuda  # run by the GPU check's cuda_tests step (scripts/gpu_check.sh)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cpu_checkpointing_on_cuda_keeps_pinned_host_copies(monkeypatch) -> None:
     ac.configure(None, checkpoint_in_cpu=True)
