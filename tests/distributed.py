@@ -1,4 +1,14 @@
-"""Run a function on N gloo ranks (spawned processes) and collect every rank's return value."""
+"""Run a function on N gloo ranks (spawned processes) and collect every rank's return value.
+
+Ranks start from a fork server that imported torch and zero_offload once per test process
+(``ZERO_OFFLOAD_TEST_START=spawn`` starts each rank as a fresh interpreter instead): a rank is
+then a fork, not an interpreter start-up and a torch import (about 3 s of 2 cores per call).
+Isolation is the same as a fresh process for what a test can change: each rank gets the
+caller's environment at call time (not the server's), and the server never runs any code past
+its imports (no process group, no threads of its own, no CUDA context). What a module reads
+from the environment at import (``ZERO_OFFLOAD_ISA``) is the server's: tests that vary it run
+their own interpreter.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +20,28 @@ import time
 import traceback
 
 import torch.multiprocessing as mp
+
+_PRELOAD = ["torch", "torch.distributed", "zero_offload.runtime.engine.engine", "distributed"]
+_context = None
+
+
+def _start_context():
+    """The fork server's context, created once; ``spawn`` where asked for."""
+    global _context
+    if _context is None:
+        if os.environ.get("ZERO_OFFLOAD_TEST_START", "forkserver") == "spawn":
+            _context = mp.get_context("spawn")
+        else:
+            _context = mp.get_context("forkserver")
+            _context.set_forkserver_preload(_PRELOAD)
+    return _context
+
+
+def _with_env(env: dict, target, *args) -> None:
+    """Run ``target(*args)`` under the caller's environment as it was at the call."""
+    os.environ.clear()
+    os.environ.update(env)
+    target(*args)
 
 
 def _free_port() -> int:
@@ -57,11 +89,13 @@ def run_ranks(world: int, fn, *args, timeout: float = 1200):
 def every_rank(world: int, fn, *args, timeout: float = 1200) -> list:
     """Spawn ``world`` gloo ranks running ``fn(*args)``; return the list of every rank's result,
     indexed by rank. Any rank's error fails the call with that rank's traceback."""
-    ctx = mp.get_context("spawn")
+    ctx = _start_context()
     queue = ctx.SimpleQueue()
     port = _free_port()
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)
+        ctx.Process(target=_with_env, args=(env, _entry, r, world, port, fn, args, queue))
+        for r in range(world)
     ]
     for p in procs:
         p.start()
@@ -116,10 +150,13 @@ def answer_of(world: int, target, rank: int = 0, limit: float = 900) -> str:
     ``(rank, message)`` on the queue and ``os._exit``; return ``rank``'s message, then kill
     them all. For runs whose ranks end in a failure (a frozen peer, a timeout) rather than in
     an orderly teardown; ``limit`` seconds is a hang guard only."""
-    ctx = mp.get_context("spawn")
+    ctx = _start_context()
     queue = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, port, queue)) for r in range(world)]
+    env = dict(os.environ)
+    procs = [
+        ctx.Process(target=_with_env, args=(env, target, r, port, queue)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     got, t0 = {}, time.monotonic()
