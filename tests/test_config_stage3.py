@@ -20,7 +20,7 @@ from zero_offload.config import (
     load_config,
     resolve_auto_sizes,
 )
-from zero_offload.config.zero import ZERO_NOT_IMPLEMENTED
+from zero_offload.config.zero.zero_optimization import ZERO_NOT_IMPLEMENTED
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from parity import assert_partitioned_if_asked
 
-from zero_offload.config.load import load_config
+from zero_offload.config.loading.load import load_config
 from zero_offload.runtime.engine.memory_model import StepShape, ZeroPlan, predict
 from zero_offload.runtime.engine.model_shape import ModelShape
 

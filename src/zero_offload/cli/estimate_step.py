@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def load(args: argparse.Namespace):
     """``--config`` validated for ``--gpus`` ranks (``--micro-batch`` supplies its batch size)."""
-    from ..config.load import load_config
+    from ..config.loading.load import load_config
 
     return load_config(args.config, args.gpus, micro_batch_size=args.micro_batch)
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...activation_checkpointing import CheckpointPolicy, configure_from_engine
-from ...config.auto_sizes import resolve_auto_sizes
+from ...config.loading.auto_sizes import resolve_auto_sizes
 from ...config.runtime_keys import DTYPES
 from ...core import dist
 from ...core.consistency import synchronize_start

@@ -21,7 +21,7 @@ import warnings
 from types import ModuleType
 from typing import Any
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 _DELIMITERS = set('{}[],:"') | set(" \t\r\n")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .errors import json_repr
+from ..errors import json_repr
 
 # Resolved by the engine from the model (reduce_bucket_size = hidden**2, prefetch =
 # 0.9 * hidden**2, persistence threshold = 10 * hidden): no default is claimed for them here.

@@ -12,9 +12,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from .errors import join_path, json_repr
-from .fields import DEFAULT_ONLY, Bool, DsFloat, DsInt, Int, Section, Str, pydantic_int, rule_error
-from .keys import describe_errors
+from ..errors import join_path, json_repr
+from ..fields import DEFAULT_ONLY, Bool, DsFloat, DsInt, Int, Section, Str, pydantic_int, rule_error
+from ..loading.keys import describe_errors
 from .leaf_module import LeafModuleConfig
 
 # 5e8 elements: DeepSpeed's default for both bucket sizes.

@@ -15,8 +15,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .errors import join_path, json_repr, unknown_key_message
-from .fields import Section, sections_in
+from ..errors import join_path, json_repr, unknown_key_message
+from ..fields import Section, sections_in
 
 AUTO = "auto"
 

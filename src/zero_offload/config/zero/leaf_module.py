@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from .fields import Section, Str
+from ..fields import Section, Str
 
 DEFAULT_LEAF_CLASSES = [
     "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",

@@ -7,7 +7,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
-from .fields import Float, Section
+from ..fields import Float, Section
 
 Beta = Annotated[Float, Field(ge=0.0, lt=1.0)]
 Rate = Annotated[Float, Field(ge=0.0, le=1e3)]  # beyond 1e3 no optimizer trains: a typo

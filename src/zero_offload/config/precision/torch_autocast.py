@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from pydantic import Field, field_validator
 
-from .errors import json_repr
-from .fields import Bool, Section, Str
+from ..errors import json_repr
+from ..fields import Bool, Section, Str
 
 # DeepSpeed's spellings of the two autocast dtypes (its DtypeEnum's names).
 AUTOCAST_DTYPES: dict[str, torch.dtype] = {

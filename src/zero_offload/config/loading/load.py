@@ -9,14 +9,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ..errors import ConfigError, NotImplementedSettingWarning, SettingSpellingWarning
+from ..models import ZeroOffloadConfig
 from . import unbuilt
 from .auto import AutoValueWarning, auto_report
 from .dotted import expand_dotted_keys
-from .errors import ConfigError, NotImplementedSettingWarning, SettingSpellingWarning
 from .finite import non_finite_numbers
 from .json_text import read_json_file
 from .keys import Prepared, describe_errors, prepare
-from .models import ZeroOffloadConfig
 from .origin import origin_of
 from .removed import removed_problems, without_removed
 

@@ -7,8 +7,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from .errors import json_repr
-from .fields import Bool, Float, Section
+from ..errors import json_repr
+from ..fields import Bool, Float, Section
 from .muon_params import MuonParams
 
 SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "Muon")

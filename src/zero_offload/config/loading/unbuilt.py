@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import json_repr
+from ..errors import json_repr
 
 # Keys (the last part of the path) that never change what a training step computes: speed,
 # memory layout, logging and permissions. Never warned.

@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from .fields import (
+from ..fields import (
     Bool,
     DsInt,
     Section,

@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
-from .errors import json_repr
-from .fields import Float, Int, Section, rule_error
+from ..errors import json_repr
+from ..fields import Float, Int, Section, rule_error
 
 WarmupType = Literal["log", "linear"]
 

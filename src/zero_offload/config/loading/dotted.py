@@ -22,9 +22,9 @@ import math
 import typing
 from typing import Annotated, Any
 
-from .errors import json_repr, unknown_key_message
-from .fields import Section, sections_in
-from .zero import STAGE3_SPELLINGS
+from ..errors import json_repr, unknown_key_message
+from ..fields import Section, sections_in
+from ..zero.zero_optimization import STAGE3_SPELLINGS
 
 # every spelling of a stage-3 setting -> all its spellings
 _SPELLINGS = {

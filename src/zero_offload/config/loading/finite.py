@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .errors import join_path
+from ..errors import join_path
 
 
 def non_finite_numbers(raw: Any, path: str = "") -> list[str]:

@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from .fields import Bool, Int, Section
+from ..fields import Bool, Int, Section
 
 # DeepSpeed's defaults (AIO_DEFAULT_DICT).
 AIO_BLOCK_SIZE = 1_048_576

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ConfigError
-from .fields import INT64_MAX
-from .models import ZeroOffloadConfig
+from ..errors import ConfigError
+from ..fields import INT64_MAX
+from ..models import ZeroOffloadConfig
 
 log = logging.getLogger("zero_offload")
 
