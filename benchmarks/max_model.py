@@ -44,7 +44,7 @@ def params_of(layers: int, hidden: int, vocab: int) -> int:
 def predicted_bytes(layers: int, hidden: int, args) -> int:
     """``estimate``'s step peak for ours on a CPU: host and device totals added (one memory
     here) and the process's own bytes (malloc's free heap, the interpreter and torch)."""
-    from zero_offload.cli.estimate_step import CPU_PROCESS_BYTES
+    from zero_offload.cli.estimate.step import CPU_PROCESS_BYTES
     from zero_offload.config.loading.load import load_config
     from zero_offload.runtime.engine.memory_model import StepShape, ZeroPlan, predict
     from zero_offload.runtime.engine.model_shape import ModelShape

@@ -136,7 +136,7 @@ def test_max_model_on_a_cpu_adds_device_and_host(capsys):
     """Without --device-memory (a CPU run) the device's terms are host memory too: the largest
     model's two peaks together, with the process's own bytes (malloc's free heap, the interpreter
     and torch), fit --host-memory and one more layer's do not."""
-    from zero_offload.cli.estimate_step import CPU_PROCESS_BYTES
+    from zero_offload.cli.estimate.step import CPU_PROCESS_BYTES
     from zero_offload.runtime.engine.memory_model import StepShape, ZeroPlan, predict
     from zero_offload.runtime.engine.model_shape import ModelShape
 

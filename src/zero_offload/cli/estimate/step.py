@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..runtime.engine.memory_model import StepShape, ZeroPlan, predict
-from ..runtime.engine.model_shape import ModelShape
+from ...runtime.engine.memory_model import StepShape, ZeroPlan, predict
+from ...runtime.engine.model_shape import ModelShape
 
 GB = 1e9
 # (stage, optimizer, params) rows: every stage and placement.
@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def load(args: argparse.Namespace):
     """``--config`` validated for ``--gpus`` ranks (``--micro-batch`` supplies its batch size)."""
-    from ..config.loading.load import load_config
+    from ...config.loading.load import load_config
 
     return load_config(args.config, args.gpus, micro_batch_size=args.micro_batch)
 

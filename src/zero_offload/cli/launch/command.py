@@ -122,7 +122,7 @@ def torchrun_argv(args: argparse.Namespace, cuda_devices: int) -> list[str]:
     if not 1 <= args.master_port <= 65535:
         raise ValueError(f"--master_port must be in [1, 65535], got {args.master_port}")
     if getattr(args, "timeout", None) is not None:
-        from ..core.dist import as_timeout
+        from ...core.dist import as_timeout
 
         try:
             as_timeout(args.timeout)
@@ -170,8 +170,8 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    from ..core.dist import uses_cuda
-    from .launch_nodes import plan_nodes
+    from ...core.dist import uses_cuda
+    from .nodes import plan_nodes
 
     cuda_devices = torch.cuda.device_count() if uses_cuda() else 0
     try:
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     os.environ.update(node_env)  # this node's devices (--include); torchrun passes it on
     ranks_per_node = args.num_gpus if args.num_gpus is not None else max(cuda_devices, 1)
-    from ..core.dist import TIMEOUT_ENV
+    from ...core.dist import TIMEOUT_ENV
 
     user_timeout = os.environ.get(TIMEOUT_ENV)
     if args.timeout is not None:  # read by init_distributed() in every rank

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .train_job import GPT2_FLAGS, Job
+from .job import GPT2_FLAGS, Job
 
 EXPORT_DIR = "hf_model"
 DEFAULT_SEQ_LENGTH = 128

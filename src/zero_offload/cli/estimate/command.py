@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from . import estimate_step
+from . import step as estimate_step
 
 
 def _param_count(text: str) -> int:
@@ -82,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .errors import report
+    from ..errors import report
 
     try:
         return _run(args)
@@ -99,7 +99,7 @@ def _offload(row: dict) -> str:
 
 def _shape(args: argparse.Namespace):
     """The model shape of ``--hf`` or ``--model llama`` (``--model gpt2``: see ``_run``)."""
-    from ..runtime.engine.model_shape import ModelShape
+    from ...runtime.engine.model_shape import ModelShape
 
     if args.hf:
         return ModelShape.from_path(args.hf)
@@ -111,8 +111,8 @@ def _shape(args: argparse.Namespace):
 
 def _gpt2(args: argparse.Namespace):
     """``--model gpt2``: its parameter count and shape (ValueError for sizes it cannot show)."""
-    from ..models.gpt2 import GPT2Config, num_parameters
-    from ..runtime.engine.model_shape import ModelShape
+    from ...models.gpt2 import GPT2Config, num_parameters
+    from ...runtime.engine.model_shape import ModelShape
 
     if args.hidden_size % args.num_attention_heads:
         raise ValueError(
@@ -140,7 +140,7 @@ def _gpt2(args: argparse.Namespace):
 def _run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..runtime.engine.memory import per_param_table
+    from ...runtime.engine.memory import per_param_table
 
     dtype_bytes = 4 if args.dtype == "fp32" else 2
     if args.max_model:

@@ -16,11 +16,11 @@ import os
 import time
 from typing import Any
 
-from .errors import report
+from ..errors import report
+from .hf import add_hf_arguments, check_hf_arguments
+from .job import Job, gpt2_job, model_config
 from .periodic_save import PeriodicSaver
 from .run_folder import METRIC_COLUMNS, RunFolder
-from .train_hf import add_hf_arguments, check_hf_arguments
-from .train_job import Job, gpt2_job, model_config
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -324,7 +324,7 @@ def _build(args: argparse.Namespace):
         check_hf_arguments(args)
         zero_offload.init_distributed(timeout=args.timeout)
         if args.model is not None:
-            from .train_hf import hf_job
+            from .hf import hf_job
 
             job = hf_job(args, ds_config)
         else:
