@@ -20,7 +20,7 @@ from ...core.consistency import synchronize_start
 from ...core.flat_group import FlatGroup
 from ...core.shard_state import ShardState
 from ...core.streams import Streams
-from ...nvme.aio import AioEngine
+from ...nvme.io.aio import AioEngine
 from ...utils.z3_leaf_module import apply_leaf_config
 from ..backward_scope import BackwardScope
 from ..reduce.grad_shard import GradShard

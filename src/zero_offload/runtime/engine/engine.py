@@ -21,7 +21,7 @@ from ...activation_checkpointing import policy as checkpoint_policy
 from ...core import dist, host_heap
 from ...core.flat_group import FlatGroup
 from ...nvme.errors import NvmeSwapError
-from ...nvme.trace import mark as trace_mark
+from ...nvme.io.trace import mark as trace_mark
 from ..backward_scope import ENGINE, PLAIN, in_backward
 from ..reduce.grad_shard import GradShard
 from ..stage3.memory_efficient_linear import detach as detach_linear

@@ -44,8 +44,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .._native import load_optional
-from ..core.streams import alloc_host
+from ..._native import load_optional
+from ...core.streams import alloc_host
 from .trace import tracer
 
 __all__ = [

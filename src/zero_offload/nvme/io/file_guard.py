@@ -11,8 +11,8 @@ from __future__ import annotations
 import fcntl
 import os
 
+from ..errors import NvmeSwapError
 from .aio import SwapFile
-from .errors import NvmeSwapError
 
 RESTART = "keep nvme_path free of cleaners and other writers, and restart from the last checkpoint"
 
