@@ -17,10 +17,9 @@ from pathlib import Path
 
 import torch
 
-from . import atomic, rng
-from .collective import agree, agree_on_tag
-from .finite_state import check_tensor, checked
-from .format import (
+from .. import atomic, rng
+from ..collective import agree, agree_on_tag
+from ..format import (
     FORMAT,
     FORMAT_VERSION,
     LAYOUT_KEY,
@@ -38,9 +37,10 @@ from .format import (
     shard_tensor,
     writing,
 )
-from .module_state import alias_map, frozen_param_names, module_state, param_names
-from .script_source import recovery_script_source
-from .tensor_file import Entry, write_file
+from ..module_state import alias_map, frozen_param_names, module_state, param_names
+from ..scripts.script_source import SCRIPTS_DIR, recovery_script_source
+from ..tensor_file import Entry, write_file
+from .finite_state import check_tensor, checked
 
 log = logging.getLogger("zero_offload")
 
@@ -83,7 +83,7 @@ def _common_meta(engine, tag: str, client_state) -> dict:
     """Rank-independent metadata; raises before anything is written when it cannot be JSON."""
     import safetensors
 
-    from .. import __version__
+    from ... import __version__
 
     sched = engine.lr_scheduler
     groups = []
@@ -238,7 +238,7 @@ def _write_recovery_script(root: Path, name: str = RECOVERY_SCRIPT) -> None:
     if name == RECOVERY_SCRIPT:
         source = recovery_script_source()
     else:
-        source = Path(__file__).with_name(RECOVERY_SCRIPTS[name]).read_bytes()
+        source = (SCRIPTS_DIR / RECOVERY_SCRIPTS[name]).read_bytes()
     path = root / name
     atomic.write_bytes_atomic(path, source)
     os.chmod(path, os.stat(path).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
@@ -360,7 +360,7 @@ def save_16bit_model(
     than that is written in Hugging Face's sharded layout (``<stem>-0000k-of-0000n.safetensors``
     and ``<save_filename>.index.json``, whose path is returned). Returns the path written, or
     False when stage 3 is not allowed to gather (below)."""
-    from .sharded import (
+    from ..export.sharded import (
         consolidated_state_dict,
         export_items,
         index_name,

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from . import rng
-from .collective import failed_ranks
-from .format import MODEL_FILE, RNG_CUDA, RNG_TORCH, CheckpointError, shard_tensor
+from .. import rng
+from ..collective import failed_ranks
+from ..format import MODEL_FILE, RNG_CUDA, RNG_TORCH, CheckpointError, shard_tensor
 from .load_plan import COUNTERS, LoadPlan, make_plan
 from .reader import CheckpointReader
 
@@ -115,7 +115,7 @@ def _restore_loss_scaler(engine, meta: dict) -> None:
 
 
 def _refuse_deepspeed_folder(load_dir, tag) -> None:
-    from .deepspeed import is_deepspeed_checkpoint
+    from ..deepspeed import is_deepspeed_checkpoint
 
     if is_deepspeed_checkpoint(load_dir, tag):
         raise CheckpointError(

@@ -39,9 +39,11 @@ from pathlib import Path
 
 import torch
 
-from . import atomic, export_publish, folder_swap
-from .format import CheckpointError
-from .tensor_file import CHUNK_BYTES, byte_chunks, dtype_name
+from .. import atomic
+from ..format import CheckpointError
+from ..tensor_file import CHUNK_BYTES, byte_chunks, dtype_name
+from . import folder_swap
+from . import publish as export_publish
 
 WEIGHTS_NAME = "model.safetensors"
 # transformers 5's ``save_pretrained(max_shard_size="50GB")`` (huggingface_hub's own helper
@@ -374,7 +376,7 @@ def write_stream(
 # ---- engine streams (stage 0-3) ----------------------------------------------------------------
 def _agree(engine, err: BaseException | None, what: str) -> None:
     """Every rank raises if any rank failed ``what`` (a failing rank raises its own error)."""
-    from .collective import agree
+    from ..collective import agree
 
     agree(getattr(engine, "device", torch.device("cpu")), err, what)
 
@@ -418,7 +420,7 @@ def gathered(engine, items: Sequence[Item]) -> Iterator[Item]:
     if store is None:
         yield from items
         return
-    from ..core.status import ZeroParamStatus
+    from ...core.status import ZeroParamStatus
 
     store.quiesce()
     mine: set[int] = set()
@@ -447,7 +449,7 @@ def state_dict_items(
     """Every key of ``module.state_dict()`` in its order, as trained (the training dtype; buffers
     in theirs). ``tied="all"``: a tied param under each of its names (DeepSpeed's 16-bit save);
     ``"once"``: under its first name only (save_pretrained's)."""
-    from .module_state import frozen_param_names
+    from ..module_state import frozen_param_names
 
     sd = module.state_dict(keep_vars=True)
     frozen = frozen_param_names(module) if exclude_frozen else set()

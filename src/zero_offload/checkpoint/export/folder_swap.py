@@ -21,7 +21,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from .atomic import fsync_dir
+from ..atomic import fsync_dir
 
 AT_FDCWD = -100
 RENAME_EXCHANGE = 2

@@ -13,11 +13,12 @@ from pathlib import Path
 BEGIN = "# BEGIN SHARED CHECKS"
 END = "# END SHARED CHECKS"
 _FUTURE = "from __future__ import annotations\n"
+SCRIPTS_DIR = Path(__file__).parent  # the standalone scripts a save copies, read as text
 
 
 def recovery_script_source() -> bytes:
     """``zero_to_fp32_script.py`` with its import of ``meta_checks`` replaced by that file."""
-    here = Path(__file__).parent
+    here = SCRIPTS_DIR
     script = (here / "zero_to_fp32_script.py").read_text(encoding="utf-8")
     checks = (here / "meta_checks.py").read_text(encoding="utf-8")
     begin, end = script.find(BEGIN), script.find(END)

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from .format import MODEL_FILE, CheckpointError, CheckpointNotFoundError, shard_tensor
-from .module_state import tied_patterns
-from .reader import CheckpointReader, GroupMeta
+from ..format import MODEL_FILE, CheckpointError, CheckpointNotFoundError, shard_tensor
+from ..module_state import tied_patterns
+from ..read.reader import CheckpointReader, GroupMeta
+from ..tensor_file import DTYPES, Entry
 from .sharded import (
     DEFAULT_MAX_SHARD_SIZE,
     WEIGHTS_NAME,
@@ -30,11 +31,10 @@ from .sharded import (
     Spec,
     write_stream,
 )
-from .tensor_file import DTYPES, Entry
 
 
 def _open(checkpoint_dir, tag) -> CheckpointReader:
-    from .deepspeed import is_deepspeed_checkpoint
+    from ..deepspeed import is_deepspeed_checkpoint
 
     if is_deepspeed_checkpoint(checkpoint_dir, tag):
         raise CheckpointError(
@@ -287,7 +287,7 @@ def _hf_expectations(folder: Path) -> _Expect:
             f"{folder / 'config.json'}: file is missing; --hf-config needs a Hugging Face model "
             "folder (the one training started from, or the run folder's hf_model/)"
         )
-    from ..hf.deps import require_transformers
+    from ...hf.deps import require_transformers
 
     transformers = require_transformers()
     config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
@@ -401,7 +401,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     sharded past ``max_shard_size`` with Hugging Face's index. The same code as the
     ``zero_to_fp32.py`` every save puts into ``save_dir`` (``zero_to_fp32_script.py``). Returns
     the files written."""
-    from . import zero_to_fp32_script as script
+    from ..scripts import zero_to_fp32_script as script
 
     script.parse_size(max_shard_size)  # a bad size fails before anything is read
     _open(checkpoint_dir, tag).close()  # this project's errors: DeepSpeed format, no ``latest``

@@ -13,7 +13,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 
-from .format import (
+from ..format import (
     MODEL_FILE,
     RANK_META_KEY,
     RNG_CUDA,
@@ -22,7 +22,7 @@ from .format import (
     rank_file,
     shard_tensor,
 )
-from .module_state import alias_map, module_state
+from ..module_state import alias_map, module_state
 from .reader import CheckpointReader
 from .reslice import gaps, shard_pieces
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from ..core.layout import FlatLayout, layout_from_buckets
-from . import atomic
-from .format import (
+from ...core.layout import FlatLayout, layout_from_buckets
+from .. import atomic
+from ..format import (
     META_FILE,
     RANK_META_KEY,
     SHARD_KINDS,
@@ -26,9 +26,9 @@ from .format import (
     require,
     shard_tensor,
 )
-from .meta_checks import check_digest_schema, check_group, check_meta, check_rank_layout
+from ..scripts.meta_checks import check_digest_schema, check_group, check_meta, check_rank_layout
+from ..tensor_file import Header, read_header, verify
 from .reslice import Piece, SourceIndex, shard_pieces, source_segments
-from .tensor_file import Header, read_header, verify
 
 log = logging.getLogger("zero_offload")
 

@@ -23,7 +23,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from . import atomic, folder_swap
+from .. import atomic
+from . import folder_swap
 
 PAUSE_BEFORE_SWAP = "export_before_swap"  # ZERO_OFFLOAD_CHECKPOINT_PAUSE points (crash tests)
 PAUSE_BEFORE_INDEX = "export_before_index"

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from .format import CheckpointError
+from ..format import CheckpointError
 
 WHAT = {"master": "fp32 master weights", "exp_avg": "Adam exp_avg", "exp_avg_sq": "Adam exp_avg_sq"}
 SHOWN = 8  # params named in the error

@@ -21,7 +21,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..core.layout import FlatLayout, Segment
+from ...core.layout import FlatLayout, Segment
 
 
 @dataclass(frozen=True)
