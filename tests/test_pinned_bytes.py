@@ -123,7 +123,7 @@ def test_predicted_host_terms_round_pinned_buffers():
     unpinned (the CPU) the same terms as before."""
     import dataclasses
 
-    from zero_offload.runtime.engine.memory_model import ZeroPlan, states
+    from zero_offload.runtime.plan.memory_model import ZeroPlan, states
 
     plan = ZeroPlan(stage=2, dtype_bytes=2, world=1, optimizer="host")
     plain = states(3000, plan)

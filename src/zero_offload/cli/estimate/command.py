@@ -99,7 +99,7 @@ def _offload(row: dict) -> str:
 
 def _shape(args: argparse.Namespace):
     """The model shape of ``--hf`` or ``--model llama`` (``--model gpt2``: see ``_run``)."""
-    from ...runtime.engine.model_shape import ModelShape
+    from ...runtime.plan.model_shape import ModelShape
 
     if args.hf:
         return ModelShape.from_path(args.hf)
@@ -112,7 +112,7 @@ def _shape(args: argparse.Namespace):
 def _gpt2(args: argparse.Namespace):
     """``--model gpt2``: its parameter count and shape (ValueError for sizes it cannot show)."""
     from ...models.gpt2 import GPT2Config, num_parameters
-    from ...runtime.engine.model_shape import ModelShape
+    from ...runtime.plan.model_shape import ModelShape
 
     if args.hidden_size % args.num_attention_heads:
         raise ValueError(
@@ -140,7 +140,7 @@ def _gpt2(args: argparse.Namespace):
 def _run(args: argparse.Namespace) -> int:
     import torch
 
-    from ...runtime.engine.memory import per_param_table
+    from ...runtime.plan.memory import per_param_table
 
     dtype_bytes = 4 if args.dtype == "fp32" else 2
     if args.max_model:

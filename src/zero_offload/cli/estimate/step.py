@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ...runtime.engine.memory_model import StepShape, ZeroPlan, predict
-from ...runtime.engine.model_shape import ModelShape
+from ...runtime.plan.memory_model import StepShape, ZeroPlan, predict
+from ...runtime.plan.model_shape import ModelShape
 
 GB = 1e9
 # (stage, optimizer, params) rows: every stage and placement.
