@@ -18,7 +18,7 @@ and afterwards releases the ones the next item does not need, so at most one ite
 module's params; a LoRA layer's base weight and adapters) are gathered at a time. Rank 0 writes,
 the other ranks only take part in the gathers.
 
-Atomicity (``export_publish.py``): the new export is built whole in a sibling folder and
+Atomicity (``publish.py``): the new export is built whole in a sibling folder and
 swapped in for ``<out>`` in one rename, so a kill at any instant leaves the previous export whole
 or the new one; a folder that cannot be swapped safely (it holds folders or links, is a mount
 point or the working directory) gets the files moved in, the index last.
@@ -288,7 +288,7 @@ class ShardWriter:
     # ---- publishing ----------------------------------------------------------------------------
     def publish(self) -> ExportResult:
         """Complete the staged folder (the index) and make it ``out_dir``
-        (``export_publish.py``: swapped in whole, or moved in place); an earlier export's
+        (``publish.py``: swapped in whole, or moved in place); an earlier export's
         shards that this one does not overwrite go."""
         if self._pos != len(self._order):
             missing = self._order[self._pos][1].name

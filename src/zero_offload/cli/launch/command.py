@@ -5,7 +5,7 @@
 without CUDA each "GPU" is a CPU process on the gloo backend. Several nodes, as DeepSpeed's
 launcher runs them: ``--hostfile`` (``HOST slots=N`` lines) with ``--include/--exclude/
 --num_nodes/--num_gpus``, one torchrun per node started over ssh (``--launcher pdsh``/``ssh``) or
-srun (``--launcher slurm``) (``launch_nodes``, ``multinode``); or the same command on every node
+srun (``--launcher slurm``) (``nodes``, ``multinode``); or the same command on every node
 with its own ``--node_rank`` and the first node's ``--master_addr``; or one task per node under
 ``srun``, which supplies both. The ``deepspeed`` command (``deepspeed.launcher.runner.main``)
 under the opt-in is this command.
@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_multinode_arguments(parser: argparse.ArgumentParser) -> None:
-    """DeepSpeed's launcher flags for several nodes (``launch_nodes`` reads them)."""
+    """DeepSpeed's launcher flags for several nodes (``nodes`` reads them)."""
     parser.add_argument(
         "-H",
         "--hostfile",

@@ -1,5 +1,5 @@
 """What the main job trains: the built-in GPT-2 on byte tokens, or a Hugging Face causal LM
-(``--model``, see train_hf.py). Everything the training loop and the run folder need to know
+(``--model``, see hf.py). Everything the training loop and the run folder need to know
 about the model is in a :class:`Job`."""
 
 from __future__ import annotations
