@@ -7,7 +7,7 @@ the torch ABI and nothing is JIT-compiled at the first optimizer step. The kerne
 baseline ISA (no -march=native): the AVX2 and AVX-512 variants are enabled per function with
 target attributes and chosen at import time from the CPU's features. The extensions are optional:
 if one fails to build, the install still succeeds and zero_offload.kernels.host_adam falls back to
-its pure-PyTorch reference implementation, zero_offload.nvme.aio to a Python thread pool (each
+its pure-PyTorch reference implementation, zero_offload.nvme.io.aio to a Python thread pool (each
 with a warning).
 """
 
@@ -121,8 +121,8 @@ host_adam = Extension(
 
 ext_modules = [host_adam]
 
-# The NVMe offload I/O engine (zero_offload.nvme.aio): pread/pwrite on POSIX threads, outside the
-# GIL. Optional like _host_adam: without it, zero_offload.nvme.aio runs the same requests on a
+# The NVMe offload I/O engine (zero_offload.nvme.io.aio): pread/pwrite on POSIX threads, outside the
+# GIL. Optional like _host_adam: without it, zero_offload.nvme.io.aio runs the same requests on a
 # Python thread pool (with a warning). POSIX only.
 if sys.platform != "win32":
     ext_modules.append(

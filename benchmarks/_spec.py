@@ -109,7 +109,7 @@ class Run:
 def stage3_auto(hidden: int) -> dict[str, int]:
     """``Shape``'s stage-3 sizes as DeepSpeed's ``"auto"`` fills them for this hidden size (the
     library's own rule): ``prefetch_bucket`` and ``persistence_threshold``."""
-    from zero_offload.config.auto_sizes import auto_sizes
+    from zero_offload.config.loading.auto_sizes import auto_sizes
 
     sizes = auto_sizes(hidden)
     return {

@@ -76,7 +76,7 @@ def _legacy_export(ckpt_dir: str, out_path: Path) -> None:
     checkpoint writer (which also hashes every 64 MiB block)."""
     import torch
 
-    from zero_offload.checkpoint import export as ex
+    from zero_offload.checkpoint.export import consolidate as ex
     from zero_offload.checkpoint.tensor_file import write_file
 
     def mmap_read_into(ckpt, name, lo, hi, out, tensor):

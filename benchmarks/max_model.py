@@ -44,10 +44,10 @@ def params_of(layers: int, hidden: int, vocab: int) -> int:
 def predicted_bytes(layers: int, hidden: int, args) -> int:
     """``estimate``'s step peak for ours on a CPU: host and device totals added (one memory
     here) and the process's own bytes (malloc's free heap, the interpreter and torch)."""
-    from zero_offload.cli.estimate_step import CPU_PROCESS_BYTES
-    from zero_offload.config.load import load_config
-    from zero_offload.runtime.engine.memory_model import StepShape, ZeroPlan, predict
-    from zero_offload.runtime.engine.model_shape import ModelShape
+    from zero_offload.cli.estimate.step import CPU_PROCESS_BYTES
+    from zero_offload.config.loading.load import load_config
+    from zero_offload.runtime.plan.memory_model import StepShape, ZeroPlan, predict
+    from zero_offload.runtime.plan.model_shape import ModelShape
 
     cfg = host_account.config(args.bucket, args.live, args.offload, args.nvme_path or "/")
     plan = ZeroPlan.from_config(load_config(cfg, 1), 1)

@@ -103,7 +103,7 @@ def formula_gib(numel: int, run: Run) -> tuple[float, float]:
     """(device, host) GiB of model states by the engine's formula (one rank)."""
     import torch
 
-    from zero_offload.runtime.engine.memory import expected_bytes
+    from zero_offload.runtime.plan.memory import expected_bytes
 
     b = expected_bytes(
         numel, torch.bfloat16, run.stage, run.world, run.offload, offload_param=run.offload_param

@@ -16,7 +16,7 @@ import statistics
 import time
 from pathlib import Path
 
-from zero_offload.nvme.aio import AioEngine, AioPolicy, SwapFile, aligned_empty
+from zero_offload.nvme.io.aio import AioEngine, AioPolicy, SwapFile, aligned_empty
 
 
 def measure_mixed(

@@ -51,7 +51,7 @@ def filesystem(path: Path) -> str:
 
 # ---- 1. the disk ---------------------------------------------------------------------------------
 def disk(path: Path, gib: float, threads: int, queue_depth: int = 8) -> dict:
-    from zero_offload.nvme.aio import AioPolicy, measure_disk_bandwidth
+    from zero_offload.nvme.io.aio import AioPolicy, measure_disk_bandwidth
 
     policy = AioPolicy(threads=threads, queue_depth=queue_depth)
     runs = [measure_disk_bandwidth(path, int(gib * GIB), policy) for _ in range(3)]
@@ -63,7 +63,7 @@ def disk(path: Path, gib: float, threads: int, queue_depth: int = 8) -> dict:
 def update(path: Path, million: float, reps: int, threads: int) -> dict:
     from zero_offload.core.shard_state import MemoryState
     from zero_offload.kernels.host_adam import host_adam_step
-    from zero_offload.nvme.aio import AioEngine, AioPolicy
+    from zero_offload.nvme.io.aio import AioEngine, AioPolicy
     from zero_offload.nvme.optimizer_state import NvmeOptimizerState
     from zero_offload.runtime.update.placement import MAX_CHUNK
 
@@ -300,7 +300,7 @@ def main() -> None:
     if args.child:
         return train_child(args)
 
-    from zero_offload.nvme.aio import io_uring_available
+    from zero_offload.nvme.io.aio import io_uring_available
 
     print(f"cpu: {cpu_name()} ({os.cpu_count()} cores); torch {torch.__version__}")
     print(f"folder: {args.path} ({filesystem(args.path)}); io_uring available: "

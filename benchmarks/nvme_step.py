@@ -46,7 +46,7 @@ import nvme_offload  # noqa: E402  (the child process and the disk measurement)
 from nvme_disk_mixed import measure_mixed  # noqa: E402
 
 from zero_offload.kernels.bench import _cpu_name as cpu_name  # noqa: E402
-from zero_offload.nvme.aio import AioPolicy  # noqa: E402
+from zero_offload.nvme.io.aio import AioPolicy  # noqa: E402
 from zero_offload.runtime.update.placement import CHUNK_ALIGN, MAX_CHUNK  # noqa: E402
 
 GIB = 2**30
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         show("DeepSpeed", ds)
     ratios(ours, ds, floor)
     if args.trace and args.trace.exists():
-        from zero_offload.nvme.trace_report import load, phases, table
+        from zero_offload.nvme.io.trace_report import load, phases, table
 
         print("\n[disk timeline of ours]")
         print(table(phases(load(args.trace))))

@@ -9,7 +9,7 @@ import torch
 
 from zero_offload.core.flat_group import FlatGroup
 from zero_offload.core.streams import Streams
-from zero_offload.nvme.aio import AioEngine
+from zero_offload.nvme.io.aio import AioEngine
 from zero_offload.runtime.reduce.grad_shard import GradShard
 from zero_offload.runtime.update.group import OptimizerGroup, build_shard_optimizer
 from zero_offload.runtime.update.param_home import FlatHome

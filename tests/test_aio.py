@@ -1,4 +1,4 @@
-"""Tests of the NVMe offload I/O engine (zero_offload.nvme.aio and the compiled zero_offload._aio).
+"""Tests of the NVMe offload I/O engine (zero_offload.nvme.io.aio and the compiled zero_offload._aio).
 
 Both backends run every round trip: ``cpp`` (C++ threads; skipped if the module did not build)
 and ``python`` (the thread-pool fallback), chosen with ZERO_OFFLOAD_AIO. No test depends on
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero_offload.nvme import aio
-from zero_offload.nvme.aio import (
+from zero_offload.nvme.io import aio
+from zero_offload.nvme.io.aio import (
     ALIGN,
     AioEngine,
     AioPolicy,

@@ -16,7 +16,7 @@ from parity import Tiny
 import zero_offload
 from zero_offload.checkpoint import CheckpointError, CheckpointNotFoundError
 from zero_offload.checkpoint.format import sealed_meta_bytes
-from zero_offload.checkpoint.reader import CheckpointReader
+from zero_offload.checkpoint.read.reader import CheckpointReader
 from zero_offload.checkpoint.tensor_file import read_header
 
 CASE = {"id": "errors", "stage": 2, "offload": True, "dtype": "fp32", "micro": 2, "gas": 1}

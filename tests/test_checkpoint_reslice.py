@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_offload.checkpoint.reslice import (
+from zero_offload.checkpoint.read.reslice import (
     Piece,
     Read,
     coalesce,

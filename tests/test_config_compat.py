@@ -33,9 +33,9 @@ from zero_offload.config import (
     DeepSpeedConfigError,
     NotImplementedSettingWarning,
     ZeroOffloadConfig,
-    json_text,
     load_config,
 )
+from zero_offload.config.loading import json_text
 
 BASE: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2}
 

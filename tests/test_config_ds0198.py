@@ -21,7 +21,7 @@ import torch
 
 import zero_offload
 from zero_offload.config import ConfigError, NotImplementedSettingWarning, load_config
-from zero_offload.config.removed import REMOVED_TOP_LEVEL, REMOVED_ZERO
+from zero_offload.config.loading.removed import REMOVED_TOP_LEVEL, REMOVED_ZERO
 
 BASE: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
 REMOVED = [({**BASE, key: {"enabled": False}}, key, msg) for key, msg in REMOVED_TOP_LEVEL.items()]

@@ -20,7 +20,7 @@ from zero_offload.config import (
     load_config,
     resolve_auto_sizes,
 )
-from zero_offload.config.zero import ZERO_NOT_IMPLEMENTED
+from zero_offload.config.zero.zero_optimization import ZERO_NOT_IMPLEMENTED
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -440,7 +440,7 @@ N_PARAMS = 1_500_000_000  # the seeds' 1.5B model
 
 
 def stage3_bytes(offload: bool, offload_param: bool, **kw) -> dict[str, int]:
-    from zero_offload.runtime.engine.memory import expected_bytes
+    from zero_offload.runtime.plan.memory import expected_bytes
 
     dtype = kw.pop("dtype", torch.float16)
     return expected_bytes(8000, dtype, 3, 8, offload, offload_param=offload_param, **kw)
@@ -487,7 +487,7 @@ def test_stage3_accumulation_delayed_and_fp32() -> None:
 
 
 def test_offload_param_needs_stage3_in_the_formula() -> None:
-    from zero_offload.runtime.engine.memory import expected_bytes
+    from zero_offload.runtime.plan.memory import expected_bytes
 
     with pytest.raises(ValueError, match="offload_param needs stage 3"):
         expected_bytes(8000, torch.float16, 2, 8, True, offload_param=True)
@@ -505,7 +505,7 @@ STAGE3_PER_PARAM = {
 
 @pytest.mark.parametrize("world", [1, 8])
 def test_stage3_rows_for_1p5b(world: int) -> None:
-    from zero_offload.runtime.engine.memory import per_param_table
+    from zero_offload.runtime.plan.memory import per_param_table
 
     rows = {
         (r["offload"], r["offload_param"]): r

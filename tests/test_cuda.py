@@ -198,7 +198,7 @@ def test_cuda_failed_registration_falls_back_and_leaves_no_error_behind(monkeypa
 def test_cuda_pinned_swap_buffers_are_aligned_and_exact():
     """NVMe swap buffers in pinned memory: 4096-byte aligned for direct I/O, and no extra page
     that would double a power-of-two buffer in the pinned allocator."""
-    from zero_offload.nvme.aio import ALIGN, aligned_empty
+    from zero_offload.nvme.io.aio import ALIGN, aligned_empty
 
     for nbytes in (ALIGN, 1 << 20, (1 << 20) + 5):
         buf = aligned_empty(nbytes, pin=True)

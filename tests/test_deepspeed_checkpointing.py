@@ -184,8 +184,8 @@ def test_non_reentrant_needs_no_input_that_requires_grad(cpu: bool) -> None:
 
 def test_memory_model_and_estimate_cpu_checkpointing(capsys) -> None:
     from zero_offload.cli.main import main
-    from zero_offload.runtime.engine.memory_model import StepShape, ZeroPlan, predict
-    from zero_offload.runtime.engine.model_shape import ModelShape
+    from zero_offload.runtime.plan.memory_model import StepShape, ZeroPlan, predict
+    from zero_offload.runtime.plan.model_shape import ModelShape
 
     shape, plan = ModelShape.gpt2(4, 64, 4, 128, 32), ZeroPlan(stage=2)
     on_device = predict(shape, StepShape(2, 32, True), plan)

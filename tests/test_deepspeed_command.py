@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from zero_offload.cli.hosts import HostError, expand_nodelist, parse_hostfile, select_hosts
-from zero_offload.cli.multinode import NodeLaunch, read_env_file, slurm_command, ssh_commands
+from zero_offload.cli.launch.hosts import HostError, expand_nodelist, parse_hostfile, select_hosts
+from zero_offload.cli.launch.multinode import NodeLaunch, read_env_file, slurm_command, ssh_commands
 
 SCRIPT = Path(__file__).parent / "launcher" / "train_ds.py"
 CONFIG = {
@@ -112,7 +112,7 @@ def test_slurm_command_and_equal_slots():
 
 
 def test_under_srun_the_world_comes_from_slurm(monkeypatch, tmp_path):
-    from zero_offload.cli.launch_nodes import plan_nodes
+    from zero_offload.cli.launch.nodes import plan_nodes
     from zero_offload.cli.main import main
 
     monkeypatch.setenv("SLURM_STEP_NUM_NODES", "2")
@@ -135,7 +135,7 @@ def test_under_srun_the_world_comes_from_slurm(monkeypatch, tmp_path):
 def _args(argv):
     import argparse
 
-    from zero_offload.cli.launch import add_arguments
+    from zero_offload.cli.launch.command import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

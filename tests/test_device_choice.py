@@ -45,7 +45,7 @@ def test_launcher_counts_no_gpus_when_cpu_is_forced(gpu_machine, monkeypatch):
     """With the CPU forced, asking for more ranks than GPUs is allowed (they are CPU ranks)."""
     import argparse
 
-    from zero_offload.cli import launch
+    from zero_offload.cli.launch import command as launch
 
     parser = argparse.ArgumentParser()
     launch.add_arguments(parser)

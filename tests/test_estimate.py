@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from zero_offload.cli.main import main
-from zero_offload.runtime.engine.memory import expected_bytes
+from zero_offload.runtime.plan.memory import expected_bytes
 
 
 def test_seed_numbers_1p5b_on_8_ranks(capsys):
@@ -80,8 +80,8 @@ def _step_rows(out: str) -> dict:
 
 
 def test_step_peak_per_placement_is_the_model(capsys):
-    from zero_offload.runtime.engine.memory_model import StepShape, ZeroPlan, predict
-    from zero_offload.runtime.engine.model_shape import ModelShape
+    from zero_offload.runtime.plan.memory_model import StepShape, ZeroPlan, predict
+    from zero_offload.runtime.plan.model_shape import ModelShape
 
     assert main(["estimate", *GPT2_FLAGS, "--micro-batch", "2", "--dtype", "fp32"]) == 0
     rows = _step_rows(capsys.readouterr().out)
@@ -111,8 +111,8 @@ def test_step_peak_of_a_config_and_a_hf_folder(tmp_path, capsys):
 
 
 def test_max_model_fits_and_one_more_layer_does_not(capsys):
-    from zero_offload.runtime.engine.memory_model import StepShape, ZeroPlan, predict
-    from zero_offload.runtime.engine.model_shape import ModelShape
+    from zero_offload.runtime.plan.memory_model import StepShape, ZeroPlan, predict
+    from zero_offload.runtime.plan.model_shape import ModelShape
 
     args = ["--max-model", "--device-memory", "2", "--host-memory", "16", "--stage", "2",
             "--seq-length", "512", "--vocab-size", "50257"]  # fmt: skip
@@ -136,9 +136,9 @@ def test_max_model_on_a_cpu_adds_device_and_host(capsys):
     """Without --device-memory (a CPU run) the device's terms are host memory too: the largest
     model's two peaks together, with the process's own bytes (malloc's free heap, the interpreter
     and torch), fit --host-memory and one more layer's do not."""
-    from zero_offload.cli.estimate_step import CPU_PROCESS_BYTES
-    from zero_offload.runtime.engine.memory_model import StepShape, ZeroPlan, predict
-    from zero_offload.runtime.engine.model_shape import ModelShape
+    from zero_offload.cli.estimate.step import CPU_PROCESS_BYTES
+    from zero_offload.runtime.plan.memory_model import StepShape, ZeroPlan, predict
+    from zero_offload.runtime.plan.model_shape import ModelShape
 
     args = ["--max-model", "--host-memory", "4", "--stage", "3", "--model", "llama",
             "--seq-length", "32", "--vocab-size", "32000", "--dtype", "fp32"]  # fmt: skip

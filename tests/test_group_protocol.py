@@ -13,7 +13,7 @@ import torch
 from components import feed, flat_group, placement, tiny_params
 
 from zero_offload.core.streams import Streams
-from zero_offload.nvme.aio import AioEngine
+from zero_offload.nvme.io.aio import AioEngine
 from zero_offload.runtime.reduce.grad_shard import GradShard
 from zero_offload.runtime.update.group import OptimizerGroup, build_shard_optimizer
 from zero_offload.runtime.update.momentum_state import MomentumState

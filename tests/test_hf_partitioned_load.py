@@ -138,7 +138,7 @@ def test_train_model_at_stage3_never_builds_the_whole_model(tmp_path, monkeypatc
         return model
 
     monkeypatch.setattr(hf_model, "_load_partitioned", spy)
-    from zero_offload.cli.train_hf import _load_plan
+    from zero_offload.cli.train.hf import _load_plan
 
     dtype, zero3 = _load_plan(STAGE3)
     assert dtype == torch.float32 and zero3 is STAGE3

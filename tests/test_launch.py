@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.run import get_args_parser
 
-from zero_offload.cli.launch import add_arguments, threads_per_rank, torchrun_argv
+from zero_offload.cli.launch.command import add_arguments, threads_per_rank, torchrun_argv
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

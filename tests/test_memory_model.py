@@ -10,9 +10,9 @@ import pytest
 import torch
 from parity import assert_partitioned_if_asked
 
-from zero_offload.config.load import load_config
-from zero_offload.runtime.engine.memory_model import StepShape, ZeroPlan, predict
-from zero_offload.runtime.engine.model_shape import ModelShape
+from zero_offload.config.loading.load import load_config
+from zero_offload.runtime.plan.memory_model import StepShape, ZeroPlan, predict
+from zero_offload.runtime.plan.model_shape import ModelShape
 
 # (stage, offload_optimizer, offload_param): the placements
 PLACEMENTS = [(2, None, None), (2, "cpu", None), (3, "cpu", "cpu"), (3, "nvme", "nvme")]

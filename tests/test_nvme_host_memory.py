@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_offload.nvme.aio import AioEngine, AioPolicy
+from zero_offload.nvme.io.aio import AioEngine, AioPolicy
 from zero_offload.nvme.param_cache import ParamCache
 from zero_offload.nvme.param_shard import NvmeParamShard
 

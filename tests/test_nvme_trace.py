@@ -1,4 +1,4 @@
-"""ZERO_OFFLOAD_NVME_TRACE: the opt-in timeline of the NVMe I/O (``nvme/trace.py``) records
+"""ZERO_OFFLOAD_NVME_TRACE: the opt-in timeline of the NVMe I/O (``nvme/io/trace.py``) records
 every request of a stage-3 step with both states on NVMe, with the engine's phase marks, and
 ``trace_report`` reads the disk's busy time and bytes per phase off it."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 import zero_offload
-from zero_offload.nvme import trace
-from zero_offload.nvme.trace_report import load, phases, steps, table
+from zero_offload.nvme.io import trace
+from zero_offload.nvme.io.trace_report import load, phases, steps, table
 
 
 def _engine(tmp_path):

@@ -250,7 +250,7 @@ def test_optimizer_states_offloaded_forward_and_backward_still_run():
 
 def test_refusals_name_the_argument():
     import zero_offload
-    from zero_offload.config.zero import OffloadDeviceEnum
+    from zero_offload.config.zero.zero_optimization import OffloadDeviceEnum
     from zero_offload.runtime.engine.guards import EngineUsageError
 
     engine, *_ = zero_offload.initialize(model=make_model(), config=_cfg(2))

@@ -11,7 +11,10 @@ from pydantic import ValidationError
 
 
 def test_offload_config_models_are_the_projects():
-    from zero_offload.config.zero import OffloadOptimizerConfig, OffloadParamConfig
+    from zero_offload.config.zero.zero_optimization import (
+        OffloadOptimizerConfig,
+        OffloadParamConfig,
+    )
     from zero_offload.deepspeed_compat.runtime.zero.offload_config import (
         DeepSpeedZeroOffloadOptimizerConfig as Opt,
     )

@@ -10,8 +10,8 @@ import torch
 
 from zero_offload.core import pinned_bytes, streams
 from zero_offload.core.pinned_bytes import REGISTER_MIN_BYTES, cached_bytes, host_bytes, reserved
-from zero_offload.nvme import aio as aio_mod
-from zero_offload.nvme.aio import AioEngine, AioPolicy
+from zero_offload.nvme.io import aio as aio_mod
+from zero_offload.nvme.io.aio import AioEngine, AioPolicy
 from zero_offload.nvme.param_cache import ParamCache
 from zero_offload.nvme.param_shard import NvmeParamShard
 
@@ -123,7 +123,7 @@ def test_predicted_host_terms_round_pinned_buffers():
     unpinned (the CPU) the same terms as before."""
     import dataclasses
 
-    from zero_offload.runtime.engine.memory_model import ZeroPlan, states
+    from zero_offload.runtime.plan.memory_model import ZeroPlan, states
 
     plan = ZeroPlan(stage=2, dtype_bytes=2, world=1, optimizer="host")
     plain = states(3000, plan)

@@ -22,7 +22,7 @@ from hf_models import assert_partitioned, ds_config, engine_train, save_tiny, ti
 from hf_models import token_batches as batches
 from safetensors.torch import load_file
 
-from zero_offload.checkpoint.sharded import (
+from zero_offload.checkpoint.export.sharded import (
     ShardWriter,
     Spec,
     parse_size,
@@ -267,8 +267,8 @@ def _stage3(out: str, world: int, lora: bool):
     the store's gathered elements after every gather."""
     import zero_offload
     from zero_offload.checkpoint import save_16bit_model
+    from zero_offload.checkpoint.export.sharded import consolidated_state_dict
     from zero_offload.checkpoint.module_state import module_state
-    from zero_offload.checkpoint.sharded import consolidated_state_dict
     from zero_offload.hf import CausalLMLoss, LoraSpec, apply_lora
     from zero_offload.hf.export import pretrained_items, save_pretrained_streamed, streamable
     from zero_offload.models import param_groups

@@ -12,7 +12,7 @@ import pytest
 
 import zero_offload
 from zero_offload.cli.main import main
-from zero_offload.cli.train import DEFAULT_CONFIG, METRIC_COLUMNS, resolve_config
+from zero_offload.cli.train.command import DEFAULT_CONFIG, METRIC_COLUMNS, resolve_config
 
 REPO = Path(__file__).resolve().parents[1]
 SRC = Path(zero_offload.__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from distributed import run_ranks
 from parity import assert_partitioned_if_asked, displacement_err, grad_rel_err
 
 from zero_offload.config.errors import ConfigError
-from zero_offload.config.load import load_config
+from zero_offload.config.loading.load import load_config
 
 VOCAB, DIM, HID, SEQ, MICRO, STEPS, CLIP = 64, 64, 128, 6, 2, 3, 0.05
 LR, WD, BETAS, EPS = 1e-2, 0.01, (0.9, 0.999), 1e-8

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zero_offload.runtime.engine import memory_bounds
+from zero_offload.runtime.plan import memory_bounds
 
 GIB = 1 << 30
 CUDA0 = torch.device("cuda", 0)

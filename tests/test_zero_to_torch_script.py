@@ -20,7 +20,8 @@ import torch
 from checkpoint_helpers import build, train
 from safetensors.torch import load_file
 
-from zero_offload.checkpoint import get_fp32_state_dict_from_zero_checkpoint, zero_to_torch_script
+from zero_offload.checkpoint import get_fp32_state_dict_from_zero_checkpoint
+from zero_offload.checkpoint.scripts import zero_to_torch_script
 
 FIXTURES = Path(__file__).parent / "ds_fixtures"
 ENV = "ZERO_OFFLOAD_AS_DEEPSPEED"

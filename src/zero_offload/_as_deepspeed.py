@@ -279,7 +279,7 @@ def _patch_pip_show(module) -> None:
 def _patch_hf_config_reader(module) -> None:
     """accelerate's ``HfDeepSpeedConfig`` (transformers' Trainer config subclasses it) reads a
     config file into a dict that reaches ``deepspeed.initialize`` without the file's name: the
-    reader records it (:mod:`zero_offload.config.origin`), so load messages name the file."""
+    reader records it (:mod:`zero_offload.config.loading.origin`), so load messages name the file."""
     reader = getattr(module, "HfDeepSpeedConfig", None)
     orig = getattr(reader, "__init__", None)
     if orig is None or getattr(orig, "_zero_offload", False):
@@ -289,7 +289,7 @@ def _patch_hf_config_reader(module) -> None:
         orig(self, config_file_or_dict, *args, **kwargs)
         path = config_file_or_dict
         if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):
-            from .config.origin import remember
+            from .config.loading.origin import remember
 
             remember(getattr(self, "config", None), path)
 

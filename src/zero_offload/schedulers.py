@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from zero_offload.config.scheduler import SchedulerConfig
+    from zero_offload.config.optim.scheduler import SchedulerConfig
 
 WARMUP_TYPES = ("log", "linear")
 

@@ -18,7 +18,7 @@ MARGIN = 256 * MIB  # left free at the driver: under half the reduce buffers bel
 
 def test_initialize_after_a_freed_block_does_not_raise():
     import zero_offload
-    from zero_offload.runtime.engine.memory_bounds import free_bytes
+    from zero_offload.runtime.plan.memory_bounds import free_bytes
 
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()

@@ -175,7 +175,7 @@ def test_full_disk_names_the_path_and_keeps_the_last_checkpoint(saved, tmp_path,
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(path, *a, **k)
 
-    monkeypatch.setattr("zero_offload.checkpoint.save.write_file", full)
+    monkeypatch.setattr("zero_offload.checkpoint.write.save.write_file", full)
     with pytest.raises(CheckpointError, match=r"model\.safetensors: no space left on device"):
         eng.save_checkpoint(str(root))
     assert (root / "latest").read_text() == TAG

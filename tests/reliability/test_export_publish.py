@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from zero_offload.checkpoint.sharded import ShardWriter, Spec, write_stream
+from zero_offload.checkpoint.export.sharded import ShardWriter, Spec, write_stream
 
 SPECS = [Spec(f"t{i}", torch.float32, (1000,)) for i in range(6)]
 WRITER = """
 import sys, torch
-from zero_offload.checkpoint.sharded import ShardWriter, Spec, write_stream
+from zero_offload.checkpoint.export.sharded import ShardWriter, Spec, write_stream
 specs = [Spec(f"t{i}", torch.float32, (1000,)) for i in range(6)]
 write_stream(ShardWriter(sys.argv[1], specs, 8000), ((s.name, torch.full((1000,), 2.0)) for s in specs))
 """

@@ -75,7 +75,7 @@ def test_invalid_config_is_an_error_naming_the_key(tmp_path, capsys):
 
 
 def test_full_disk_during_periodic_saves(tmp_path, monkeypatch, capsys):
-    from zero_offload.checkpoint import save
+    from zero_offload.checkpoint.write import save
 
     real = save.write_file
 

@@ -169,8 +169,8 @@ def test_one_digit_edits_of_meta_are_all_refused(saved, tmp_path):
 
 def test_the_written_script_holds_the_librarys_checks(saved):
     """The copy a save writes runs the library's own checks (meta_checks.py, inlined)."""
-    from zero_offload.checkpoint import meta_checks
-    from zero_offload.checkpoint.script_source import recovery_script_source
+    from zero_offload.checkpoint.scripts import meta_checks
+    from zero_offload.checkpoint.scripts.script_source import recovery_script_source
 
     written = (saved / "zero_to_fp32.py").read_bytes()
     assert written == recovery_script_source()
@@ -222,7 +222,7 @@ def test_the_command_stops_with_one_line(saved, tmp_path):
 def test_the_shared_checks_import_the_standard_library_only():
     import ast
 
-    from zero_offload.checkpoint import meta_checks
+    from zero_offload.checkpoint.scripts import meta_checks
 
     tree = ast.parse(Path(meta_checks.__file__).read_text())
     names = set()

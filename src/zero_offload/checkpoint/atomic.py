@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from .format import LATEST_FILE, CheckpointNotFoundError
-from .meta_checks import latest_tag
+from .scripts.meta_checks import latest_tag
 
 PAUSE_ENV = "ZERO_OFFLOAD_CHECKPOINT_PAUSE"
 PAUSE_POINTS = ("after_shards", "before_publish", "replaced", "before_latest")

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .meta_checks import (  # noqa: F401 - the checks shared with zero_to_fp32.py, re-exported
+from .scripts.meta_checks import (  # noqa: F401 - the checks shared with zero_to_fp32.py, re-exported
     FORMAT,
     FORMAT_VERSION,
     LATEST_FILE,

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .format import CheckpointError, CheckpointNotFoundError
-from .meta_checks import check_digest_schema
+from .scripts.meta_checks import check_digest_schema
 
 BLOCK_SIZE = 64 << 20
 CHUNK_BYTES = 16 << 20  # unit of device -> host staging and of each write

@@ -70,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..checkpoint import CheckpointError
-    from ..checkpoint.export import export_sharded
-    from ..checkpoint.sharded import DEFAULT_MAX_SHARD_SIZE, parse_size
+    from ..checkpoint.export.consolidate import export_sharded
+    from ..checkpoint.export.sharded import DEFAULT_MAX_SHARD_SIZE, parse_size
 
     if args.single_file and args.max_shard_size is not None:
         print("export: --single-file and --max-shard-size exclude each other", file=sys.stderr)

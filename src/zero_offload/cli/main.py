@@ -1,5 +1,6 @@
 """``zero-offload`` dispatcher. Each command lives in its own module exposing
-``add_arguments(parser)`` and ``run(args) -> int``; only the chosen command's module is imported,
+``add_arguments(parser)`` and ``run(args) -> int`` (a command with helpers of its own has a
+folder, its module ``command.py``); only the chosen command's module is imported,
 so one command's heavy imports never slow or break another."""
 
 from __future__ import annotations
@@ -9,10 +10,16 @@ import importlib
 import sys
 
 COMMANDS = {
-    "train": ("zero_offload.cli.train", "train a GPT-2 on a built-in corpus (the main job)"),
-    "launch": ("zero_offload.cli.launch", "launch a script on N ranks (DeepSpeed launcher flags)"),
+    "train": (
+        "zero_offload.cli.train.command",
+        "train a GPT-2 on a built-in corpus (the main job)",
+    ),
+    "launch": (
+        "zero_offload.cli.launch.command",
+        "launch a script on N ranks (DeepSpeed launcher flags)",
+    ),
     "estimate": (
-        "zero_offload.cli.estimate",
+        "zero_offload.cli.estimate.command",
         "memory per device and host, per stage and placement; the largest model that fits",
     ),
     "env": ("zero_offload.cli.env", "report torch, devices and the active host update kernel"),

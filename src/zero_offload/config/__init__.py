@@ -1,8 +1,5 @@
 """Typed DeepSpeed-style configuration: ``load_config(source, world_size)`` -> ZeroOffloadConfig."""
 
-from .aio import AioConfig
-from .auto import AutoValueWarning
-from .auto_sizes import resolve_auto_sizes
 from .batch import BatchSizes, resolve_batch_sizes
 from .errors import (
     ConfigError,
@@ -11,12 +8,13 @@ from .errors import (
     SettingSpellingWarning,
 )
 from .fields import FrozenConfigError
-from .json_text import parse_json_text, read_json_file
-from .load import ConfigSource, load_config
+from .loading.auto import AutoValueWarning
+from .loading.auto_sizes import resolve_auto_sizes
+from .loading.json_text import parse_json_text, read_json_file
+from .loading.load import ConfigSource, load_config
 from .models import ZeroOffloadConfig
-from .optimizer import AdamParams, OptimizerConfig
-from .precision import BF16Config, FP16Config
-from .scheduler import (
+from .optim.optimizer import AdamParams, OptimizerConfig
+from .optim.scheduler import (
     SchedulerConfig,
     WarmupCosineLRConfig,
     WarmupCosineLRParams,
@@ -25,7 +23,9 @@ from .scheduler import (
     WarmupLRConfig,
     WarmupLRParams,
 )
-from .zero import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+from .precision.fp16_bf16 import BF16Config, FP16Config
+from .zero.aio import AioConfig
+from .zero.zero_optimization import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 __all__ = [
     "AdamParams",

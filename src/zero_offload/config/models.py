@@ -22,24 +22,24 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from .activation_checkpointing import ActivationCheckpointingConfig
-from .aio import AioConfig
 from .batch import resolve_batch_sizes
 from .errors import ConfigError, json_repr
 from .fields import DEFAULT_ONLY, Bool, Float, Int, Section, rule_error
-from .keys import describe_errors
-from .optimizer import OptimizerConfig
-from .precision import BF16Config, FP16Config
+from .loading.keys import describe_errors
+from .optim.optimizer import OptimizerConfig
+from .optim.scheduler import SCHEDULER_CONFIGS, AnySchedulerConfig, canonical_scheduler_type
+from .optim.scheduler import normalize_scheduler as _normalize_scheduler
+from .precision.fp16_bf16 import BF16Config, FP16Config
+from .precision.torch_autocast import TorchAutocastConfig
 from .runtime_keys import CheckpointConfig, DataTypesConfig, allreduce_op
-from .scheduler import SCHEDULER_CONFIGS, AnySchedulerConfig, canonical_scheduler_type
-from .scheduler import normalize_scheduler as _normalize_scheduler
-from .torch_autocast import TorchAutocastConfig
-from .zero import ZeroConfig
+from .zero.aio import AioConfig
+from .zero.zero_optimization import ZeroConfig
 
 # DeepSpeed's top-level keys (deepspeed/runtime/constants.py and the configs it reads) that
 # this project accepts and ignores. Each present one is named in the not-implemented warning.
 TOP_LEVEL_NOT_IMPLEMENTED = frozenset(
     {
-        "allgather_size",  # read only with "zero_optimization": true (config/load.py)
+        "allgather_size",  # read only with "zero_optimization": true (config/loading/load.py)
         "autotuning",
         "comet",
         "comms_logger",
@@ -343,7 +343,7 @@ class ZeroOffloadConfig(Section):
     @property
     def auto_keys(self) -> frozenset[str]:
         """Full paths of the keys the source config set to ``"auto"`` (loaded as the default;
-        :func:`zero_offload.config.auto_sizes.resolve_auto_sizes` fills the size ones)."""
+        :func:`zero_offload.config.loading.auto_sizes.resolve_auto_sizes` fills the size ones)."""
         return self._auto_keys
 
     def updated(self, changes: Mapping[str, Any]) -> ZeroOffloadConfig:

@@ -19,9 +19,9 @@ import annotated_types
 from pydantic.fields import FieldInfo
 
 from .fields import Section, sections_in
+from .loading.removed import REMOVED_OPTIMIZERS, REMOVED_TOP_LEVEL, REMOVED_ZERO
 from .models import ZeroOffloadConfig
-from .removed import REMOVED_OPTIMIZERS, REMOVED_TOP_LEVEL, REMOVED_ZERO
-from .zero import STAGE3_SPELLINGS, ZeroConfig
+from .zero.zero_optimization import STAGE3_SPELLINGS, ZeroConfig
 
 # Other JSON spellings of a field, by section (the key walker accepts them; see zero.py).
 ALIASES: dict[type[Section], dict[str, tuple[str, ...]]] = {ZeroConfig: STAGE3_SPELLINGS}

@@ -12,7 +12,7 @@
 // OSError(errno, message) on failure; done(id) polls.
 //
 // A plain C-API module (no PyTorch headers, no pybind11): buffers arrive as raw addresses
-// (Python ints) that the Python wrapper (zero_offload/nvme/aio.py) has validated, and it keeps
+// (Python ints) that the Python wrapper (zero_offload/nvme/io/aio.py) has validated, and it keeps
 // the buffers and the file descriptors alive until the request is waited for. Several Python
 // threads may submit and wait concurrently.
 //
@@ -405,7 +405,7 @@ PyMethodDef kMethods[] = {
      "Queue a pread (is_write false) or pwrite of nbytes at file offset `offset` from/to the "
      "buffer at address addr, split into block_size pieces run by the pool of `threads` "
      "threads; an urgent request's pieces run before every queued normal one. Returns a request id at once. The buffer and fd must stay valid until wait(). "
-     "No alignment checks: use zero_offload.nvme.aio.AioEngine."},
+     "No alignment checks: use zero_offload.nvme.io.aio.AioEngine."},
     {"wait", py_wait, METH_VARARGS,
      "wait(id): block (GIL released) until the request completes; consumes the id. Raises "
      "OSError(errno, message) with the first error (EIO for a read past the end of the file)."},

@@ -11,7 +11,7 @@ from .._as_deepspeed import (  # noqa: F401
     DeepSpeedNotProvidedError,
     not_provided_getattr,
 )
-from ..config.origin import NamedConfig, origin_of
+from ..config.loading.origin import NamedConfig, origin_of
 
 
 def as_zero_offload_config(config):

@@ -1,7 +1,7 @@
 """The run folder's model export: a ``save_pretrained`` folder ``from_pretrained`` loads.
 
 ``save_pretrained_streamed`` writes it from a live engine, at any ZeRO stage, as a stream: the
-model's tensors in Hugging Face's (sharded) safetensors layout (``checkpoint/sharded.py``), one
+model's tensors in Hugging Face's (sharded) safetensors layout (``checkpoint/export/sharded.py``), one
 tensor at a time, in the training dtype, with ``config.json`` and ``generation_config.json``; at
 stage 3 one module's params gathered at a time (every rank takes part, rank 0 writes), so no
 rank ever holds the whole model. A peft LoRA model is merged layer by layer: each LoRA layer's
@@ -26,8 +26,7 @@ import torch
 
 from ..checkpoint import atomic
 from ..checkpoint.collective import agree
-from ..checkpoint.module_state import tied_patterns
-from ..checkpoint.sharded import (
+from ..checkpoint.export.sharded import (
     DEFAULT_MAX_SHARD_SIZE,
     ExportResult,
     Item,
@@ -35,6 +34,7 @@ from ..checkpoint.sharded import (
     full_shape,
     gathered,
 )
+from ..checkpoint.module_state import tied_patterns
 from ..core.status import require_whole
 
 log = logging.getLogger("zero_offload")

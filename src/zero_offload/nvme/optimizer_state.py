@@ -38,11 +38,11 @@ import torch
 
 from ..core.pinned_bytes import host_bytes
 from ..core.shard_state import KINDS, Body, Chunk
-from .aio import ALIGN, AioEngine, SwapFile, aligned_empty
-from .checksum import BLOCK, block_sums, first_mismatch
 from .errors import NvmeSwapError
-from .file_guard import check_swap_file, hold
-from .scratch import own_file
+from .io.aio import ALIGN, AioEngine, SwapFile, aligned_empty
+from .io.checksum import BLOCK, block_sums, first_mismatch
+from .io.file_guard import check_swap_file, hold
+from .io.scratch import own_file
 
 
 class NvmeOptimizerState:

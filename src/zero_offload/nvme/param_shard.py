@@ -34,12 +34,12 @@ from pathlib import Path
 import torch
 
 from ..core.pinned_bytes import host_bytes, reserved
-from .aio import ALIGN, AioEngine, SwapFile, aligned_empty
-from .checksum import BLOCK, block_sums, first_mismatch
 from .errors import NvmeSwapError
-from .file_guard import RESTART, check_swap_file, hold
+from .io.aio import ALIGN, AioEngine, SwapFile, aligned_empty
+from .io.checksum import BLOCK, block_sums, first_mismatch
+from .io.file_guard import RESTART, check_swap_file, hold
+from .io.scratch import own_file
 from .param_cache import ParamCache
-from .scratch import own_file
 
 MAX_PENDING_WRITES = 4  # writes in flight per shard; a fifth waits for the oldest
 

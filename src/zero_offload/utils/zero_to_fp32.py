@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..checkpoint.export import (
+from ..checkpoint.export.consolidate import (
     convert_zero_checkpoint_to_fp32_state_dict,
     get_fp32_state_dict_from_zero_checkpoint,
 )

@@ -110,7 +110,7 @@ class Init:
         from ..config import load_config
 
         if isinstance(cfg, str | os.PathLike):
-            from ..config.json_text import read_json_file
+            from ..config.loading.json_text import read_json_file
 
             cfg = read_json_file(cfg)
         if isinstance(cfg, dict):

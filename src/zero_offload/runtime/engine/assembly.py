@@ -13,16 +13,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...activation_checkpointing import CheckpointPolicy, configure_from_engine
-from ...config.auto_sizes import resolve_auto_sizes
+from ...config.loading.auto_sizes import resolve_auto_sizes
 from ...config.runtime_keys import DTYPES
 from ...core import dist
 from ...core.consistency import synchronize_start
 from ...core.flat_group import FlatGroup
 from ...core.shard_state import ShardState
 from ...core.streams import Streams
-from ...nvme.aio import AioEngine
+from ...nvme.io.aio import AioEngine
 from ...utils.z3_leaf_module import apply_leaf_config
 from ..backward_scope import BackwardScope
+from ..plan.memory_model import ZeroPlan
 from ..reduce.grad_shard import GradShard
 from ..reduce.reducer import Reducer
 from ..stage3.fetch_schedule import FetchSchedule
@@ -42,7 +43,6 @@ from . import guards
 from .autocast import AutocastPolicy, grad_scaler_for_fp16
 from .keep_in_fp32 import keep_pattern, kept_buffers
 from .loss_scaler import build_loss_scaler
-from .memory_model import ZeroPlan
 from .module_cast import cast_buffers_, cast_params_
 from .overflow import OverflowMonitor
 from .pin_warning import unpinned_keys, warn_unpinned

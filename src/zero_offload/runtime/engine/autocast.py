@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ...config.errors import ConfigError
-from ...config.torch_autocast import TorchAutocastConfig
+from ...config.precision.torch_autocast import TorchAutocastConfig
 from .loss_scaler import DynamicLossScaler
 
 PARAM_COMM_DTYPE_ATTR_NAME = "comm_dtype"

@@ -21,8 +21,12 @@ from ...activation_checkpointing import policy as checkpoint_policy
 from ...core import dist, host_heap
 from ...core.flat_group import FlatGroup
 from ...nvme.errors import NvmeSwapError
-from ...nvme.trace import mark as trace_mark
+from ...nvme.io.trace import mark as trace_mark
 from ..backward_scope import ENGINE, PLAIN, in_backward
+from ..plan.memory import expected_bytes
+from ..plan.memory_bounds import check_working_set, free_bytes
+from ..plan.memory_model import StepShape, predict
+from ..plan.model_shape import ModelShape
 from ..reduce.grad_shard import GradShard
 from ..stage3.memory_efficient_linear import detach as detach_linear
 from ..update.group_step import step_groups
@@ -32,10 +36,6 @@ from .assembly import assemble
 from .compile import CompileAPI
 from .engine_api import DeepSpeedEngineAPI
 from .engine_compat import DeepSpeedCompatAPI
-from .memory import expected_bytes
-from .memory_bounds import check_working_set, free_bytes
-from .memory_model import StepShape, predict
-from .model_shape import ModelShape
 from .offload_states import (
     BACKWARD_NEEDS,
     EVERYTHING,
@@ -376,7 +376,7 @@ class ZeroOffloadEngine(
         if cfg is None:
             raise ValueError(
                 "expected_memory(seq_length=...): the module has no .config to read its shape "
-                "from; use zero_offload.runtime.engine.memory_model.predict with a ModelShape"
+                "from; use zero_offload.runtime.plan.memory_model.predict with a ModelShape"
             )
         if checkpointing is None:
             checkpointing = bool(

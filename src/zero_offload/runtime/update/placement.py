@@ -31,7 +31,7 @@ from typing import Literal
 
 import torch
 
-from ...nvme.aio import AioPolicy
+from ...nvme.io.aio import AioPolicy
 
 Where = Literal["device", "host", "nvme"]
 _FROM_CONFIG: dict[str, Where] = {"none": "device", "cpu": "host", "nvme": "nvme"}

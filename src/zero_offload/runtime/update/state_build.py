@@ -14,7 +14,7 @@ from ...core.alias_state import AliasState
 from ...core.flat_group import FlatGroup
 from ...core.shard_state import MemoryState, ShardState
 from ...core.twin_state import TwinState
-from ...nvme.aio import AioEngine
+from ...nvme.io.aio import AioEngine
 from ...nvme.optimizer_state import NvmeOptimizerState
 from ...nvme.param_shard import NvmeParams
 from ...nvme.preflight import check_nvme_path

@@ -18,11 +18,11 @@ from typing import Any
 
 from pydantic import PrivateAttr, ValidationError
 
-from ....config import unbuilt
 from ....config.errors import ConfigError, NotImplementedSettingWarning
-from ....config.keys import describe_errors, prepare
+from ....config.loading import unbuilt
+from ....config.loading.keys import describe_errors, prepare
 from ....config.models import ZeroOffloadConfig
-from ....config.zero import ZeroConfig
+from ....config.zero.zero_optimization import ZeroConfig
 from ..._common import not_provided_getattr
 from .leaf_module_config import DeepSpeedZeroLeafModuleConfig  # noqa: F401
 from .offload_config import (  # noqa: F401

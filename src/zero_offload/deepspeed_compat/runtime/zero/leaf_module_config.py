@@ -4,7 +4,7 @@ rules)."""
 
 from __future__ import annotations
 
-from ....config.leaf_module import DEFAULT_LEAF_CLASSES, LeafModuleConfig
+from ....config.zero.leaf_module import DEFAULT_LEAF_CLASSES, LeafModuleConfig
 from ..._common import not_provided_getattr
 
 DEFAULT_LEAF_MODULE_CLASSES: list[str] = list(DEFAULT_LEAF_CLASSES)

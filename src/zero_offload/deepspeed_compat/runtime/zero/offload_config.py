@@ -2,7 +2,11 @@
 ``offload_optimizer`` and ``offload_param``, as the project's own (same fields, defaults,
 validation and errors as inside a config file)."""
 
-from ....config.zero import OffloadDeviceEnum, OffloadOptimizerConfig, OffloadParamConfig
+from ....config.zero.zero_optimization import (
+    OffloadDeviceEnum,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+)
 from ....runtime.engine.state_inventory import OffloadStateType as OffloadStateTypeEnum
 from ..._common import not_provided_getattr
 
