@@ -236,7 +236,7 @@ def build_reducer(e: ZeroOffloadEngine) -> None:
 def build_step_policies(e: ZeroOffloadEngine) -> None:
     """The optimizer users see, loss scaling, overflow handling, clipping, reporting."""
     config = e.config
-    e.optimizer = ZeroOptimizer(e.groups, e.shard_opts) if e.groups else None
+    e.optimizer = ZeroOptimizer(e.groups, e.shard_opts, e) if e.groups else None
     # fp16 autocast (fp16 section off) scales the loss as torch's GradScaler does, as DeepSpeed
     scaled = config.fp16.enabled or e.autocast.scales_loss
     if config.fp16.enabled or not scaled:
