@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from ..core import dist
+from ..core import dist, partitioned
 from ..runtime.stage3.init_partition import partition_at_init
 from .init_placement import REMOTE_DEVICES, resolve
 from .init_touch import TouchMode
@@ -130,7 +130,7 @@ class Init:
             for p in m._parameters.values():
                 if p is None or p.is_meta:
                     continue
-                if p.is_floating_point() or hasattr(p, "_z3_init"):
+                if p.is_floating_point() or partitioned.init_shard(p) is not None:
                     partition_at_init(p, self.shard_device, self.dtype, self.pin)
                     p.ds_enable_sanity_checks = self.sanity_checks
 

@@ -33,6 +33,8 @@ from collections.abc import Iterable
 
 import torch
 
+from ..core import partitioned
+
 
 class TraceControl:
     """DeepSpeed's ``PartitionedParameterCoordinator`` as far as trace invalidation goes."""
@@ -77,7 +79,7 @@ class ExternalParameters:
 
 
 def _externals(module: torch.nn.Module) -> Iterable[torch.nn.Parameter]:
-    return module.__dict__.get("_z3_external", ())
+    return partitioned.external_params(module)
 
 
 class ParameterOffload:
