@@ -150,6 +150,7 @@ class FetchSchedule:
         self.replay: list[int] | None = None
         self.pos = 0
         self.suspended = False  # unwrap_model_for_generation: every param held gathered
+        self.parameter_offload = None  # DeepSpeed's adapter (zero.parameter_offload), once asked
         self.order_checked = False
         self.passes = 0  # passes begun: the same count on every rank while they agree
         self.blocks = 0  # GatheredParameters blocks entered
