@@ -5,6 +5,7 @@ slots around its forward and releases them after."""
 import torch
 from components import CPU
 
+from zero_offload.core import partitioned
 from zero_offload.core.flat_group import FlatGroup
 from zero_offload.core.status import ZeroParamStatus
 from zero_offload.core.streams import Streams
@@ -35,7 +36,7 @@ def test_store_partitions_and_gathers_a_slot():
     assert [tuple(p.ds_shape) for p in module.parameters()] == [
         tuple(v.shape) for v in values.values()
     ]
-    slot = module[0].weight._z3_slot
+    slot = partitioned.slot_of(module[0].weight)
     store.fetch([slot])
     assert torch.equal(module[0].weight.detach(), values["0.weight"])
     store.release(slot)

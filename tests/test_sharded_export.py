@@ -31,6 +31,7 @@ from zero_offload.checkpoint.export.sharded import (
     write_stream,
 )
 from zero_offload.cli.main import main as cli
+from zero_offload.core import partitioned
 
 transformers = pytest.importorskip("transformers")
 
@@ -259,7 +260,10 @@ def test_killed_before_the_swap_leaves_the_previous_export(trained_gpt2, tmp_pat
 
 # ---- stage 3: streamed from the engine ---------------------------------------------------------
 def _unit_numels(store, items) -> list[int]:
-    return [sum(store.slots[s].numel for s in {p._z3_slot for p in it.needs}) for it in items]
+    return [
+        sum(store.slots[s].numel for s in {partitioned.slot_of(p) for p in it.needs})
+        for it in items
+    ]
 
 
 def _stage3(out: str, world: int, lora: bool):

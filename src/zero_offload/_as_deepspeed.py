@@ -250,7 +250,7 @@ def _patch_accelerate_state(module) -> None:
     state = getattr(module, "PartialState", None)
     orig = getattr(state, "_prepare_backend", None)
     multi_cpu = getattr(getattr(module, "DistributedType", None), "MULTI_CPU", None)
-    if orig is None or multi_cpu is None or getattr(orig, "_zero_offload", False):
+    if orig is None or multi_cpu is None or getattr(orig, "zero_offload_wrapper", False):
         return  # another accelerate: leave it as it is
 
     def _prepare_backend(self, *args, **kwargs):
@@ -266,7 +266,7 @@ def _patch_accelerate_state(module) -> None:
             return asked or "gloo", multi_cpu
         return found, kind
 
-    _prepare_backend._zero_offload = True
+    _prepare_backend.zero_offload_wrapper = True
     state._prepare_backend = _prepare_backend
 
 
@@ -282,7 +282,7 @@ def _patch_hf_config_reader(module) -> None:
     reader records it (:mod:`zero_offload.config.loading.origin`), so load messages name the file."""
     reader = getattr(module, "HfDeepSpeedConfig", None)
     orig = getattr(reader, "__init__", None)
-    if orig is None or getattr(orig, "_zero_offload", False):
+    if orig is None or getattr(orig, "zero_offload_wrapper", False):
         return
 
     def __init__(self, config_file_or_dict, *args, **kwargs):
@@ -293,7 +293,7 @@ def _patch_hf_config_reader(module) -> None:
 
             remember(getattr(self, "config", None), path)
 
-    __init__._zero_offload = True
+    __init__.zero_offload_wrapper = True
     reader.__init__ = __init__
 
 

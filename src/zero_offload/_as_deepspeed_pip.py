@@ -30,7 +30,7 @@ def patch_pip_show(module) -> None:
     fields = set(getattr(info_type, "_fields", ()))
     if orig is None or not {"name", "version", "location", "summary"} <= fields:
         return
-    if getattr(orig, "_zero_offload", False):
+    if getattr(orig, "zero_offload_wrapper", False):
         return
 
     def search_packages_info(query, *args, **kwargs):
@@ -47,7 +47,7 @@ def patch_pip_show(module) -> None:
                 return
             yield info
 
-    search_packages_info._zero_offload = True
+    search_packages_info.zero_offload_wrapper = True
     module.search_packages_info = search_packages_info
 
 

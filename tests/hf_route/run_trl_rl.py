@@ -87,7 +87,7 @@ def main() -> None:
         else None,
         # TRL's unwrap_model_for_generation reached the stage-3 hooks (GRPO)
         "hooks_unwrapped": getattr(
-            getattr(trainer.model_wrapped, "fetch_schedule", None), "_parameter_offload", None
+            getattr(trainer.model_wrapped, "fetch_schedule", None), "parameter_offload", None
         )
         is not None,
     }

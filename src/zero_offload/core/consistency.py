@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import dist
+from . import dist, partitioned
 
 
 class RankMismatchError(RuntimeError):
@@ -65,7 +65,9 @@ def fingerprint(module: torch.nn.Module, config) -> dict[str, Any]:
     """What every rank must agree on: the config (but rank-local keys), the ZeRO-3 leaf
     modules and the module's tensors."""
     out = _config_fingerprint(config)
-    out["zero-3 leaf modules"] = [n for n, m in module.named_modules() if getattr(m, "_z3_leaf", 0)]
+    out["zero-3 leaf modules"] = [
+        n for n, m in module.named_modules() if partitioned.is_leaf_module(m)
+    ]
     for kind, items in (("param", module.named_parameters()), ("buffer", module.named_buffers())):
         for name, t in items:  # a zero.Init param's shape is its ds_shape
             out[f"{kind} {name}"] = (tuple(getattr(t, "ds_shape", t.shape)), str(t.dtype))
@@ -108,7 +110,9 @@ def broadcast_module(module: torch.nn.Module) -> None:
         return
     seen: set[int] = set()
     for t in [*module.parameters(), *module.buffers()]:
-        if id(t) in seen or hasattr(t, "_z3_init"):  # tied: one tensor; zero.Init: rank 0's
+        if (
+            id(t) in seen or partitioned.init_shard(t) is not None
+        ):  # tied: one tensor; zero.Init: rank 0's
             continue
         seen.add(id(t))
         comm = dist.default_device()

@@ -24,6 +24,7 @@ import re
 
 import torch
 
+from ..core import partitioned
 from .weight_files import WeightFileError, WeightFiles, find_weights
 
 log = logging.getLogger("zero_offload")
@@ -106,7 +107,7 @@ def _load_param(p: torch.nn.Parameter, view, name: str, path) -> None:
     want = tuple(getattr(p, "ds_shape", p.shape))
     if shape != want:
         raise WeightFileError(f"{name}: {path} holds shape {list(shape)}, the model {list(want)}")
-    spec = getattr(p, "_z3_init", None)
+    spec = partitioned.init_shard(p)
     if spec is None:  # not partitioned (zero.Init leaves integer params whole)
         p.data.copy_(view[:].to(p.dtype))
         return

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import activation_checkpointing as ds_checkpointing
+from ..core import partitioned
 
 
 def _recompute(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -235,7 +236,7 @@ def _writable(params: list[nn.Parameter]) -> contextlib.AbstractContextManager:
     engine), ``GatheredParameters`` with rank 0 as the modifier."""
     ours = []
     for p in params:
-        if hasattr(p, "_z3_init") or hasattr(p, "_z3_slot"):
+        if partitioned.is_partitioned(p):
             ours.append(p)
         elif hasattr(p, "ds_tensor"):  # partitioned, but not by this library
             raise RuntimeError(

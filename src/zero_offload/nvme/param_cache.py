@@ -53,7 +53,7 @@ class ParamCache:
             if self.room(n):
                 break
             if self.entries[key][3] or not used_only:
-                key[0]._drop(key)
+                key[0].drop(key)
         return self.room(n)
 
     def insert(self, key: tuple, entry: list) -> None:
@@ -71,7 +71,7 @@ class ParamCache:
     def trim_spares(self) -> None:
         """Free kept buffers, largest first, until they fit beside the cache in max_in_cpu."""
         for shard in self.shards:
-            shard._trim_spares(max(0, self.cached + self.spare - self.max_in_cpu))
+            shard.trim_spares(max(0, self.cached + self.spare - self.max_in_cpu))
 
     def held_bytes(self) -> int:
         return sum(shard.held_bytes() for shard in self.shards)

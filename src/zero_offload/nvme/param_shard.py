@@ -136,7 +136,7 @@ class NvmeParamShard:
         self.spare_bytes += nbytes
         self.shared.spare += nbytes // self.itemsize
 
-    def _trim_spares(self, excess: int) -> None:
+    def trim_spares(self, excess: int) -> None:
         """Free kept buffers, largest first, until ``excess`` elements are freed (or none are
         left)."""
         for size in sorted(self._spare, reverse=True):
@@ -212,7 +212,7 @@ class NvmeParamShard:
                 self._wait(hit[2], "read", lo, hi)
                 self._verify(lo * self.itemsize // ALIGN * ALIGN, hit[0], lo, hi)
             except NvmeSwapError:
-                self._drop(key)
+                self.drop(key)
                 raise
             hit[2] = None
         if key in entries:
@@ -225,9 +225,9 @@ class NvmeParamShard:
     def drop_cached(self) -> None:
         """Forget this shard's cached slices (the next fetches read the file)."""
         for key in [k for k in self.shared.entries if k[0] is self]:
-            self._drop(key)
+            self.drop(key)
 
-    def _drop(self, key: tuple) -> None:
+    def drop(self, key: tuple) -> None:
         buf, _, req, _ = self.shared.pop(key)
         if req is not None:
             try:
@@ -284,7 +284,7 @@ class NvmeParamShard:
 
     def _before_write(self, lo: int, hi: int) -> None:
         for key in [k for k in self.shared.entries if k[0] is self and k[1] < hi and k[2] > lo]:
-            self._drop(key)
+            self.drop(key)
         self.flush(lo, hi)  # two writes of one block in flight could land in either order
 
     def _submit_write(self, lo: int, hi: int, buf: torch.Tensor) -> None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core import dist
+from ..core import dist, partitioned
 from ..core.status import ZeroParamStatus
 from ..kernels.sumsq import sum_of_squares
 from ..nvme.state_range import StateRange
@@ -116,16 +116,15 @@ def _zero3_only(fn: str) -> Zero3OnlyError:
 
 def _lookup(param: torch.Tensor, fn: str, local: bool = False) -> _Where | None:
     """The managed param's place; None for a param no optimizer group owns (frozen)."""
-    ref = getattr(param, "_zero_offload", None)
-    engine = ref[0]() if ref else None
+    link = partitioned.engine_link(param)
+    engine = link.engine() if link is not None else None
     if engine is not None:
         if local and engine.stage != 3:
             raise _zero3_only(fn)
         engine.require_loaded(fn)  # offload_states(): the shards are empty until reload
-        return _locate(engine, ref[1], ref[2], param)
-    ref = getattr(param, "_z3_store", None)
-    store = ref() if ref is not None else None
-    if store is not None and not store.slots[param._z3_slot].trainable:
+        return _locate(engine, link.group, link.index, param)
+    store = partitioned.store_of(param)
+    if store is not None and not store.slots[partitioned.slot_of(param)].trainable:
         return None  # a live stage-3 engine's param that no optimizer group owns
     if local and not hasattr(param, "ds_id"):  # DeepSpeed asserts this before anything else
         raise _zero3_only(fn)
@@ -275,7 +274,7 @@ def _write_16bit(w: _Where, flat: torch.Tensor | None, piece: torch.Tensor) -> N
     store = e.param_store
     if w.local_numel:
         store.shard_write(w.gi, w.in_shard().start, piece)
-    i = w.param._z3_slot
+    i = partitioned.slot_of(w.param)
     if store.slots[i].status is not ZeroParamStatus.AVAILABLE:
         return
     if flat is not None:

@@ -14,12 +14,14 @@ import logging
 
 import torch
 
+from ..core import partitioned
+
 log = logging.getLogger("zero_offload")
 
 
 def z3_leaf_module(model: torch.nn.Module) -> bool:
     """Whether ``model`` is flagged as a leaf."""
-    return bool(getattr(model, "_z3_leaf", False))
+    return partitioned.is_leaf_module(model)
 
 
 def z3_leaf_parameter(model: torch.nn.Parameter) -> bool:
@@ -32,7 +34,7 @@ def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def set_z3_leaf_module(model: torch.nn.Module, flag: bool) -> None:
-    model._z3_leaf = flag
+    partitioned.set_leaf_module(model, flag)
 
 
 def _qualified(module: torch.nn.Module) -> str:
@@ -53,7 +55,7 @@ def _flag_classes(model, classes, flag: bool, raise_if_not_found: bool) -> list[
         )
     found = [m for m in model.modules() if any(_matches(m, c) for c in classes)]
     for m in found:
-        m._z3_leaf = flag
+        partitioned.set_leaf_module(m, flag)
     if not found and raise_if_not_found:
         raise ValueError(
             f"No modules of type {list(classes)} found in model {type(model).__name__}"
@@ -87,7 +89,7 @@ def set_z3_leaf_modules_by_name(
     found = [by_name[n] for n in module_names if n in by_name]
     missing = [n for n in module_names if n not in by_name]
     for m in found:
-        m._z3_leaf = flag
+        partitioned.set_leaf_module(m, flag)
     if missing and raise_if_not_found:
         raise ValueError(f"No modules named {missing} found in model {type(model).__name__}")
     return found, missing
@@ -108,7 +110,7 @@ def set_z3_leaf_modules_by_suffix(
         if not hits:
             missing.append(suffix)
         for m in hits:
-            m._z3_leaf = flag
+            partitioned.set_leaf_module(m, flag)
             found.setdefault(id(m), m)
     if missing and raise_if_not_found:
         raise ValueError(f"No modules matching suffixes {missing} found in {type(model).__name__}")

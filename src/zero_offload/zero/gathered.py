@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from ..core import dist
+from ..core import dist, partitioned
 from ..core.status import ZeroParamStatus
 from ..runtime.stage3.init_partition import full_value, write_back
 
@@ -52,19 +52,20 @@ class GatheredParameters:
         self.init_params = [
             p
             for p in params
-            if hasattr(p, "_z3_init") and p.ds_status is ZeroParamStatus.NOT_AVAILABLE
+            if partitioned.init_shard(p) is not None
+            and p.ds_status is ZeroParamStatus.NOT_AVAILABLE
         ]
         self.by_store: dict[int, tuple] = {}
         self.watched: list = []  # enable_sanity_checks: (param, data_ptr, version) at entry
         self.params = params
         for p in params:
-            ref = getattr(p, "_z3_store", None)
-            store = ref() if ref is not None else None
+            store = partitioned.store_of(p)
             if store is None:
                 continue
             entry = self.by_store.setdefault(id(store), (store, []))
-            if p._z3_slot not in entry[1]:
-                entry[1].append(p._z3_slot)
+            i = partitioned.slot_of(p)
+            if i not in entry[1]:
+                entry[1].append(i)
 
     def __enter__(self) -> None:
         for store, ids in self.by_store.values():  # every rank enters with the same params
@@ -131,13 +132,10 @@ def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Par
     is fetched with ``module``. (Reads through attribute access are also detected on their own.)"""
     if not isinstance(parameter, torch.nn.Parameter):
         raise ValueError("register_external_parameter: 'parameter' must be a torch.nn.Parameter")
-    ext = module.__dict__.setdefault("_z3_external", [])
-    if all(q is not parameter for q in ext):
-        ext.append(parameter)
-    ref = getattr(parameter, "_z3_store", None)
-    store = ref() if ref is not None else None
+    partitioned.add_external_param(module, parameter)
+    store = partitioned.store_of(parameter)
     if store is not None and store.schedule is not None:
-        store.schedule.add_external(module, parameter._z3_slot)
+        store.schedule.add_external(module, partitioned.slot_of(parameter))
 
 
 @contextlib.contextmanager
@@ -149,8 +147,7 @@ def unwrap_model_for_generation(model: torch.nn.Module) -> Iterator[torch.nn.Mod
     params = list(model.parameters())
     stores = {}
     for p in params:
-        ref = getattr(p, "_z3_store", None)
-        store = ref() if ref is not None else None
+        store = partitioned.store_of(p)
         if store is not None and store.schedule is not None:
             stores[id(store)] = store
     with GatheredParameters(params):

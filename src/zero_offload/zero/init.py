@@ -25,15 +25,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import weakref
+from collections.abc import Iterator
 
 import torch
 
-from ..core import dist
+from ..core import dist, partitioned
 from ..runtime.stage3.init_partition import partition_at_init
 from .init_placement import REMOTE_DEVICES, resolve
 from .init_touch import TouchMode
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+# The constructors and ``apply`` functions any ``Init`` wrapped (nested contexts included): a
+# wrapper is never wrapped again.
+_CONSTRUCTORS: weakref.WeakSet = weakref.WeakSet()
+_TOUCHING: weakref.WeakSet = weakref.WeakSet()
 
 
 def _all_subclasses(cls: type) -> list[type]:
@@ -130,7 +137,7 @@ class Init:
             for p in m._parameters.values():
                 if p is None or p.is_meta:
                     continue
-                if p.is_floating_point() or hasattr(p, "_z3_init"):
+                if p.is_floating_point() or partitioned.init_shard(p) is not None:
                     partition_at_init(p, self.shard_device, self.dtype, self.pin)
                     p.ds_enable_sanity_checks = self.sanity_checks
 
@@ -147,63 +154,62 @@ class Init:
 
     def _wrap(self, cls: type) -> None:
         orig = cls.__dict__.get("__init__")
-        if orig is None or getattr(orig, "_z3_wrapped", False):
+        if orig is None or orig in _CONSTRUCTORS:
             return
-        ctx = self
+        building, flush, partition = self._constructing, self._flush, self._partition_module
 
         @functools.wraps(orig)
         def init(module, *args, **kwargs):
             depth = module.__dict__.get("_z3_init_depth", 0)
             module.__dict__["_z3_init_depth"] = depth + 1
-            ctx._begin_building()
-            try:
-                orig(module, *args, **kwargs)
-                if depth == 0:
-                    # Touched params first: their constructor's writes are complete.
-                    ctx._flush()
-                    ctx._partition_module(module)
-            finally:
-                if depth:
-                    module.__dict__["_z3_init_depth"] = depth
-                else:
-                    module.__dict__.pop("_z3_init_depth", None)
-                ctx._end_building()
+            with building():
+                try:
+                    orig(module, *args, **kwargs)
+                    if depth == 0:
+                        # Touched params first: their constructor's writes are complete.
+                        flush()
+                        partition(module)
+                finally:
+                    if depth:
+                        module.__dict__["_z3_init_depth"] = depth
+                    else:
+                        module.__dict__.pop("_z3_init_depth", None)
 
-        init._z3_wrapped = True
+        _CONSTRUCTORS.add(init)
         cls.__init__ = init
         self._patched.append((cls, orig))
 
-    def _begin_building(self) -> None:
+    @contextlib.contextmanager
+    def _constructing(self) -> Iterator[None]:
+        """A constructor (or an ``apply`` fn) runs: the TouchMode is active while any does."""
         if self._building == 0 and self._touch is not None:
             self._touch.__enter__()
         self._building += 1
-
-    def _end_building(self) -> None:
-        self._building -= 1
-        if self._building == 0 and self._touch is not None:
-            self._touch.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            self._building -= 1
+            if self._building == 0 and self._touch is not None:
+                self._touch.__exit__(None, None, None)
 
     def _patch_apply_and_to_empty(self) -> None:
         """``Module.apply(fn)``: each visited module's params gathered for ``fn`` (touched) and
         re-partitioned right after it, one module at a time. ``Module.to_empty``: params that
         were on the meta device are partitioned once they have storage."""
-        ctx = self
+        building, flush, partition_tree = self._constructing, self._flush, self._partition_tree
         orig_apply, orig_to_empty = torch.nn.Module.apply, torch.nn.Module.to_empty
 
         def wrap_fn(fn):
-            if getattr(fn, "_z3_touching", False):
+            if fn in _TOUCHING:
                 return fn
 
             @functools.wraps(fn)
             def touching(m):
-                ctx._begin_building()
-                try:
+                with building():
                     fn(m)
-                    ctx._flush()
-                finally:
-                    ctx._end_building()
+                    flush()
 
-            touching._z3_touching = True
+            _TOUCHING.add(touching)
             return touching
 
         @functools.wraps(orig_apply)
@@ -213,7 +219,7 @@ class Init:
         @functools.wraps(orig_to_empty)
         def to_empty(module, *args, **kwargs):
             out = orig_to_empty(module, *args, **kwargs)
-            ctx._partition_tree(module)
+            partition_tree(module)
             return out
 
         torch.nn.Module.apply, torch.nn.Module.to_empty = apply, to_empty
@@ -228,13 +234,13 @@ class Init:
         self._patch_apply_and_to_empty()
         for cls in [torch.nn.Module, *_all_subclasses(torch.nn.Module)]:
             self._wrap(cls)
-        ctx = self
+        wrap = self._wrap
         self._orig_init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
 
         @classmethod
         def init_subclass(cls, **kwargs):
             super(torch.nn.Module, cls).__init_subclass__(**kwargs)
-            ctx._wrap(cls)
+            wrap(cls)
 
         torch.nn.Module.__init_subclass__ = init_subclass
         return self

@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..core import dist
+from ..core import dist, partitioned
 from ..core.status import ZeroParamStatus
 from ..runtime.stage3.init_partition import full_value, partition_at_init, write_back
 
@@ -82,7 +82,7 @@ SHAPE_FREE = frozenset(
 # single-device answer.
 SHAPE_QUERIES = frozenset({"numel", "nelement", "dim", "ndimension", "ndim", "shape", "size"})
 
-_SPEC_ATTRS = ("_z3_init", "ds_tensor", "ds_numel", "ds_shape", "ds_id", "ds_status")
+_SPEC_ATTRS = ("ds_tensor", "ds_numel", "ds_shape", "ds_id", "ds_status")
 
 
 def _op_name(func) -> str:
@@ -95,7 +95,7 @@ def _op_name(func) -> str:
 def _is_partitioned(t: object) -> bool:
     return (
         isinstance(t, torch.nn.Parameter)
-        and "_z3_init" in t.__dict__
+        and partitioned.init_shard(t) is not None
         and t.__dict__.get("ds_status") is ZeroParamStatus.NOT_AVAILABLE
     )
 
@@ -241,7 +241,7 @@ class TouchMode(TorchFunctionMode):
         self.live -= p.ds_numel
         if p.ds_status is not ZeroParamStatus.AVAILABLE:  # re-partitioned by its owner
             return
-        spec = p._z3_init
+        spec = partitioned.init_shard(p)
         if tuple(p.data.shape) == spec.shape:
             dist.broadcast(p.data, src=0)
             write_back(p, p.data)
@@ -253,6 +253,7 @@ class TouchMode(TorchFunctionMode):
         ds_id = p.ds_id
         shard_device, pin = p.ds_tensor.device, p.ds_tensor.is_pinned()
         dtype = p.ds_tensor.dtype if p.data.is_floating_point() else None
+        partitioned.clear_init_shard(p)
         for attr in _SPEC_ATTRS:
             p.__dict__.pop(attr, None)
         partition_at_init(p, shard_device, dtype, pin)

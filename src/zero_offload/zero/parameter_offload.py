@@ -33,6 +33,8 @@ from collections.abc import Iterable
 
 import torch
 
+from ..core import partitioned
+
 
 class TraceControl:
     """DeepSpeed's ``PartitionedParameterCoordinator`` as far as trace invalidation goes."""
@@ -77,7 +79,7 @@ class ExternalParameters:
 
 
 def _externals(module: torch.nn.Module) -> Iterable[torch.nn.Parameter]:
-    return module.__dict__.get("_z3_external", ())
+    return partitioned.external_params(module)
 
 
 class ParameterOffload:
@@ -124,14 +126,14 @@ class ParameterOffload:
                 "parameter_offload.module"
             )
         if not self.param_coordinator.is_invalid_trace():
-            self.param_coordinator._invalidate_trace()
+            self._schedule.invalidate_trace()
         self._schedule.install_hooks()
 
 
 def parameter_offload_of(schedule) -> ParameterOffload:
     """The one adapter of a fetch schedule (made on first use)."""
-    adapter = getattr(schedule, "_parameter_offload", None)
+    adapter = schedule.parameter_offload
     if adapter is None:
         adapter = ParameterOffload(schedule)
-        schedule._parameter_offload = adapter
+        schedule.parameter_offload = adapter
     return adapter

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from ...core import partitioned
 from .. import atomic
 from ..format import CheckpointError
 from ..tensor_file import CHUNK_BYTES, byte_chunks, dtype_name
@@ -406,7 +407,7 @@ def full_shape(t: torch.Tensor) -> tuple[int, ...]:
 def _slots_of(params) -> list[int]:
     out: list[int] = []
     for p in params:
-        i = getattr(p, "_z3_slot", None)
+        i = partitioned.slot_of(p)
         if i is not None and i not in out:
             out.append(i)
     return out

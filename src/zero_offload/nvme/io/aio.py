@@ -145,6 +145,14 @@ class SwapFile:
         self.direct = direct
         self._pending: weakref.WeakSet[Request] = weakref.WeakSet()
 
+    def track(self, request: Request) -> None:
+        """``request`` is in flight on this file: ``close`` waits for it."""
+        self._pending.add(request)
+
+    def untrack(self, request: Request) -> None:
+        """``request`` has finished."""
+        self._pending.discard(request)
+
     @classmethod
     def create(cls, path: Path, nbytes: int, direct: bool = True) -> SwapFile:
         """Create (or truncate) ``path`` with mode 0o600 and preallocate ``nbytes`` rounded up to
@@ -189,7 +197,7 @@ class SwapFile:
     def close(self) -> None:
         """Wait for the requests in flight on this file, then close it (idempotent)."""
         for request in list(self._pending):
-            request._finish()
+            request.finish()
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
             os.close(fd)
@@ -355,7 +363,7 @@ class Request:
         self._lock = threading.Lock()
         self._finished = False
         self._error: tuple[int, str] | None = None
-        file._pending.add(self)
+        file.track(self)
 
     def done(self) -> bool:
         if self._finished:
@@ -366,11 +374,11 @@ class Request:
             return True
 
     def wait(self) -> None:
-        self._finish()
+        self.finish()
         if self._error is not None:
             raise OSError(*self._error)
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
         """Wait for the I/O and record the outcome; never raises."""
         if self._finished:
             return
@@ -394,11 +402,11 @@ class Request:
                 raise
             self._finished = True
             self._buf = None
-            self.file._pending.discard(self)
+            self.file.untrack(self)
 
     def __del__(self) -> None:
         try:
-            self._finish()
+            self.finish()
         except Exception:  # interpreter shutdown
             pass
 

@@ -7,7 +7,6 @@ policies). The components receive typed parts of it, never the config.
 from __future__ import annotations
 
 import time
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,7 +14,7 @@ import torch
 from ...activation_checkpointing import CheckpointPolicy, configure_from_engine
 from ...config.loading.auto_sizes import resolve_auto_sizes
 from ...config.runtime_keys import DTYPES
-from ...core import dist
+from ...core import dist, partitioned
 from ...core.consistency import synchronize_start
 from ...core.flat_group import FlatGroup
 from ...core.shard_state import ShardState
@@ -182,7 +181,7 @@ def build_groups(
     rest = [
         p
         for p in dict.fromkeys(module.parameters())
-        if id(p) not in trained and (p.is_floating_point() or hasattr(p, "_z3_init"))
+        if id(p) not in trained and (p.is_floating_point() or partitioned.init_shard(p) is not None)
     ]
     return groups, groups + ([group(len(groups), rest, {})] if rest else [])
 
@@ -236,7 +235,7 @@ def build_reducer(e: ZeroOffloadEngine) -> None:
 def build_step_policies(e: ZeroOffloadEngine) -> None:
     """The optimizer users see, loss scaling, overflow handling, clipping, reporting."""
     config = e.config
-    e.optimizer = ZeroOptimizer(e.groups, e.shard_opts) if e.groups else None
+    e.optimizer = ZeroOptimizer(e.groups, e.shard_opts, e) if e.groups else None
     # fp16 autocast (fp16 section off) scales the loss as torch's GradScaler does, as DeepSpeed
     scaled = config.fp16.enabled or e.autocast.scales_loss
     if config.fp16.enabled or not scaled:
@@ -285,7 +284,7 @@ def build_updates(
         if e.stage == 3:
             e.param_store.masters[gi] = so.state
         for i, p in enumerate(g.params):
-            p._zero_offload = (weakref.ref(e), gi, i)
+            partitioned.link_engine(p, e, gi, i)
         out.append(OptimizerGroup(g, gs, home, so, place))
     return out
 

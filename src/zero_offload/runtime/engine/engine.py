@@ -18,7 +18,7 @@ import torch
 
 from ...activation_checkpointing import COUNTERS as CHECKPOINT_BYTES
 from ...activation_checkpointing import policy as checkpoint_policy
-from ...core import dist, host_heap
+from ...core import dist, host_heap, partitioned
 from ...core.flat_group import FlatGroup
 from ...nvme.errors import NvmeSwapError
 from ...nvme.io.trace import mark as trace_mark
@@ -591,8 +591,7 @@ class ZeroOffloadEngine(
         detach_linear(self._linears)
         for g in self.groups:
             for p in g.params:
-                if hasattr(p, "_zero_offload"):
-                    del p._zero_offload
+                partitioned.unlink_engine(p)
 
     def _discard_swap_files(self) -> None:
         """NVMe swap files are scratch: gone with the engine (a checkpoint holds the state)."""

@@ -41,7 +41,13 @@ class DeepSpeedCompatAPI:
         # Streamed: the other ranks hold one gathered slot at a time, never the whole model.
         return consolidated_state_dict(self, exclude_frozen_parameters)
 
-    def _step_overflowed(self) -> bool:
+    @property
+    def scales_loss(self) -> bool:
+        """Whether a plain ``loss.backward()`` needs ``engine.scale(loss)``: fp16, or fp16
+        autocast scaling the loss as torch's GradScaler does (``optimizer.needs_scaler()``)."""
+        return self._fp16
+
+    def last_step_overflowed(self) -> bool:
         """Whether the latest ``step()`` was an accumulation boundary whose update was skipped
         for inf/NaN gradients (``optimizer.overflow``)."""
         counts = self._before_step_counts

@@ -2,7 +2,7 @@
 
 Invariants the engine relies on, enforced here:
 
-- one engine per model: a param already wired to a live engine (its ``_zero_offload`` tag) is
+- one engine per model: a param already wired to a live engine (its ``partitioned.engine_link``) is
   not wired again, since both engines' hooks would then fire on every gradient;
 - ``backward(loss)`` gets the scalar tensor the forward returned, and runs no more after the
   backward that ended the accumulation window (it already reduced) until ``step()``;
@@ -18,6 +18,8 @@ import math
 from collections.abc import Iterable
 
 import torch
+
+from ...core import partitioned
 
 log = logging.getLogger("zero_offload")
 
@@ -41,8 +43,8 @@ def take_over(params: Iterable[torch.nn.Parameter]) -> None:
     it alive through the model's hooks) is released from it first, with a warning; that engine
     then refuses to run. A collective, as initialize() is: every rank destroys the same one."""
     for p in params:
-        tag = getattr(p, "_zero_offload", None)
-        old = tag[0]() if tag is not None else None
+        link = partitioned.engine_link(p)
+        old = link.engine() if link is not None else None
         if old is not None and not old.destroyed:
             log.warning(
                 "initialize(): this model is still wrapped by an earlier engine that was not "
@@ -72,7 +74,7 @@ def check_trained(module: torch.nn.Module, known: set[int]) -> None:
     was told to leave out (``known``: the params that required grad at initialize()). A param created or unfrozen
     later has no optimizer state or gradient buffer, so it would silently never train."""
     for p in module.parameters():
-        if p.requires_grad and id(p) not in known and getattr(p, "_zero_offload", None) is None:
+        if p.requires_grad and id(p) not in known and partitioned.engine_link(p) is None:
             name = next(n for n, q in module.named_parameters() if q is p)
             raise EngineUsageError(
                 f"parameter {name!r} requires grad but this engine does not train it: it was "

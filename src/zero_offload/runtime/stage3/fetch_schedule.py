@@ -41,7 +41,7 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ...core import dist
+from ...core import dist, partitioned
 from ...core.consistency import RankMismatchError
 from ...core.status import ZeroParamStatus
 from ..backward_scope import BackwardScope, in_backward
@@ -85,7 +85,7 @@ def _returned_slots(flat: list, owned: set[int]) -> list[int]:
     for x in flat:
         items = [x] if isinstance(x, torch.Tensor) else list(getattr(x, "__dict__", {}).values())
         for t in items:
-            i = getattr(t, "_z3_slot", None) if isinstance(t, torch.nn.Parameter) else None
+            i = partitioned.slot_of(t) if isinstance(t, torch.nn.Parameter) else None
             if i is not None and i in owned and i not in found:
                 found.append(i)
     return found
@@ -100,7 +100,7 @@ class _ParamDict(dict):
 
     def __getitem__(self, name):
         p = dict.__getitem__(self, name)
-        i = getattr(p, "_z3_slot", None)
+        i = partitioned.slot_of(p)
         if i is not None:
             sched = self._schedule()
             if sched is not None and sched.stack:
@@ -132,8 +132,8 @@ class FetchSchedule:
         store.schedule = self
         for m, owned in scheduled_modules(module):  # a leaf module: its whole subtree
             ids = []
-            for p in [*owned, *getattr(m, "_z3_external", ())]:
-                i = getattr(p, "_z3_slot", None)
+            for p in [*owned, *partitioned.external_params(m)]:
+                i = partitioned.slot_of(p)
                 if i is not None and i not in ids:
                     ids.append(i)
             self.needs[id(m)] = ids
@@ -150,6 +150,7 @@ class FetchSchedule:
         self.replay: list[int] | None = None
         self.pos = 0
         self.suspended = False  # unwrap_model_for_generation: every param held gathered
+        self.parameter_offload = None  # DeepSpeed's adapter (zero.parameter_offload), once asked
         self.order_checked = False
         self.passes = 0  # passes begun: the same count on every rank while they agree
         self.blocks = 0  # GatheredParameters blocks entered
@@ -329,7 +330,7 @@ class FetchSchedule:
         self._demand(ids)
 
     def _grad_final(self, p: torch.Tensor) -> None:
-        i = p._z3_slot
+        i = partitioned.slot_of(p)
         self.grad_pending[i] -= 1
         if self.grad_pending[i] == 0 and not self.stack:
             self.store.release(i)

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ...core import dist
+from ...core import dist, partitioned
 from ...core.status import ZeroParamStatus
 from ...core.streams import alloc_host
 
@@ -26,7 +26,7 @@ def next_ds_id() -> int:
 
 
 class InitShard:
-    """How a ``zero.Init`` param is split; attached to the param as ``p._z3_init``."""
+    """How a ``zero.Init`` param is split; recorded on the param by ``partitioned.set_init_shard``."""
 
     def __init__(self, numel: int, shape: tuple[int, ...], world: int, rank: int) -> None:
         self.numel, self.shape, self.world = numel, shape, world
@@ -40,7 +40,7 @@ def partition_at_init(
 ) -> None:
     """Keep this rank's chunk of ``p`` (rank 0's values: broadcast first, so every rank starts
     from the same weights) and empty ``p.data``."""
-    if hasattr(p, "_z3_init") or hasattr(p, "_z3_slot"):
+    if partitioned.is_partitioned(p):
         return
     comm = dist.default_device()
     data = p.data.to(comm)
@@ -56,7 +56,7 @@ def partition_at_init(
         own.copy_(src)
     else:
         own = src.to(shard_device, copy=True)
-    p._z3_init = spec
+    partitioned.set_init_shard(p, spec)
     p.ds_tensor = own
     p.ds_numel = spec.numel
     p.ds_shape = torch.Size(spec.shape)
@@ -68,7 +68,7 @@ def partition_at_init(
 def full_value(p: torch.nn.Parameter) -> torch.Tensor:
     """The whole param: its data, or for a ``zero.Init`` param the gathered chunks (a collective
     on every rank)."""
-    spec = getattr(p, "_z3_init", None)
+    spec = partitioned.init_shard(p)
     if spec is None:
         return p.data
     comm = dist.default_device()
@@ -82,14 +82,15 @@ def full_value(p: torch.nn.Parameter) -> torch.Tensor:
 
 def materialize(p: torch.nn.Parameter) -> None:
     """Turn a ``zero.Init`` param back into an ordinary full param (for stages 0-2)."""
-    if not hasattr(p, "_z3_init"):
+    if partitioned.init_shard(p) is None:
         return
     p.data = full_value(p).clone()
-    for attr in ("_z3_init", "ds_tensor", "ds_numel", "ds_shape", "ds_id", "ds_status"):
+    partitioned.clear_init_shard(p)
+    for attr in ("ds_tensor", "ds_numel", "ds_shape", "ds_id", "ds_status"):
         delattr(p, attr)
 
 
 def write_back(p: torch.nn.Parameter, full: torch.Tensor) -> None:
     """Store this rank's chunk of ``full`` as the param's shard."""
-    spec = p._z3_init
+    spec = partitioned.init_shard(p)
     p.ds_tensor.copy_(full.reshape(-1)[spec.lo : spec.hi])

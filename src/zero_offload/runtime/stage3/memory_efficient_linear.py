@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...core import partitioned
 from ...core.status import ZeroParamStatus
 
 
@@ -30,11 +31,11 @@ class Zero3Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         input, weight, bias = ctx.saved_tensors  # noqa: A001
-        store = getattr(weight, "_z3_store", None)
+        store = partitioned.store_of(weight)
         gathered_here = None
         if store is not None and weight.ds_status is ZeroParamStatus.NOT_AVAILABLE:
-            gathered_here = weight._z3_slot
-            store().fetch([gathered_here])
+            gathered_here = partitioned.slot_of(weight)
+            store.fetch([gathered_here])
         try:
             grad_input = grad_weight = grad_bias = None
             if ctx.needs_input_grad[0]:
@@ -47,7 +48,7 @@ class Zero3Linear(torch.autograd.Function):
             return grad_input, grad_weight, grad_bias
         finally:
             if gathered_here is not None:
-                store().release(gathered_here)
+                store.release(gathered_here)
 
 
 class _Zero3Forward:

@@ -29,13 +29,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ...core import dist
+from ...core import dist, partitioned
 from ...core.flat_group import FlatGroup
 from ...core.labels import FETCH, label
 from ...core.pinned_bytes import host_bytes
@@ -166,7 +165,7 @@ class ParamStore:
                     slot.persistent = True
                     persistent_left -= data
                 for p in slot.params:
-                    p._z3_slot = slot.index
+                    partitioned.set_slot(p, slot.index)
                     p.ds_persist = slot.persistent  # DeepSpeed's name: stays gathered
                 ids.append(slot.index)
                 self.slots.append(slot)
@@ -203,16 +202,16 @@ class ParamStore:
                     if shard is not None
                     else torch.empty(n_own, dtype=g.dtype, device="meta")
                 )
-                for attr in ("_z3_init", "ds_tensor"):
-                    if hasattr(p, attr):
-                        delattr(p, attr)
+                partitioned.clear_init_shard(p)
+                if hasattr(p, "ds_tensor"):
+                    del p.ds_tensor
                 p.ds_numel = n
                 p.ds_shape = torch.Size(shape)
                 p.ds_tensor = dst  # this rank's piece of the param (may be empty)
                 if not hasattr(p, "ds_id"):
                     p.ds_id = next_ds_id()
                 p.ds_status = ZeroParamStatus.NOT_AVAILABLE
-                p._z3_store = weakref.ref(self)
+                partitioned.attach_store(p, self)
                 p.data = self._empty(g.dtype)
 
     # ---- gather / release ----------------------------------------------------------------------
@@ -483,8 +482,9 @@ class ParamStore:
             for p, (off, n, shape) in zip(slot.params, slot.views):
                 spec = InitShard(n, tuple(shape), self.world, self.rank)
                 p.ds_tensor = slot.buf[off + spec.lo : off + spec.hi].to(where, copy=True)
-                p._z3_init = spec
-                for attr in ("_z3_slot", "_z3_store", "ds_z3_leaf_module", "ds_persist"):
+                partitioned.set_init_shard(p, spec)
+                partitioned.detach_store(p)
+                for attr in ("ds_z3_leaf_module", "ds_persist"):
                     if hasattr(p, attr):
                         delattr(p, attr)
             self.release(slot.index, force=True)

@@ -2,13 +2,14 @@
 
 A param's unit is the first module (in ``module.modules()`` order) that owns it directly; a tied
 param owned by two modules belongs to the first, and the second fetches that unit too. A leaf
-module (``_z3_leaf``, a Mixture-of-Experts block) is one unit with its whole subtree.
+module (``partitioned.is_leaf_module``, a Mixture-of-Experts block) is one unit with its whole subtree.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...core import partitioned
 from ...core.flat_group import FlatGroup
 from ...core.layout import FlatLayout, build_unit_layout
 
@@ -16,11 +17,11 @@ from ...core.layout import FlatLayout, build_unit_layout
 def scheduled_modules(module: torch.nn.Module) -> list[tuple[torch.nn.Module, list]]:
     """(module, the params it fetches) for every module that gets fetch hooks, in
     ``module.modules()`` order: a module fetches the params it owns directly; a leaf module
-    (``_z3_leaf``) fetches its whole subtree's, and its descendants are not scheduled."""
+    (``partitioned.is_leaf_module``) fetches its whole subtree's, and its descendants are not scheduled."""
     out: list[tuple[torch.nn.Module, list]] = []
 
     def visit(m: torch.nn.Module) -> None:
-        if getattr(m, "_z3_leaf", False):
+        if partitioned.is_leaf_module(m):
             params = list(dict.fromkeys(m.parameters()))
             for p in params:
                 p.ds_z3_leaf_module = m

@@ -8,14 +8,31 @@ engine would skip gradient reduction.
 
 from __future__ import annotations
 
+import weakref
+from typing import Any, Protocol
+
 import torch
 
 from ...core.flat_group import FlatGroup
 from .shard_optimizer import ShardOptimizer
 
 
+class OptimizerOwner(Protocol):
+    """What the optimizer asks of the engine it belongs to (held weakly: the engine holds the
+    optimizer)."""
+
+    fetch_schedule: Any  # stage 3: the FetchSchedule; None below
+    scales_loss: bool
+
+    def last_step_overflowed(self) -> bool: ...
+    def offload_states(self, include, device, pin_memory: bool, non_blocking: bool) -> None: ...
+    def reload_states(self, non_blocking: bool) -> None: ...
+
+
 class ZeroOptimizer(torch.optim.Optimizer):
-    def __init__(self, groups: list[FlatGroup], shards: list[ShardOptimizer]) -> None:
+    def __init__(
+        self, groups: list[FlatGroup], shards: list[ShardOptimizer], engine: OptimizerOwner
+    ) -> None:
         defaults = {k: v for k, v in groups[0].hyper.items() if k != "params"}
         super().__init__(
             [
@@ -31,6 +48,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.param_groups = [g.hyper for g in groups]
         self.flat_groups = groups
         self.shards = shards
+        self._engine = weakref.ref(engine)  # the engine, or None once it is gone
 
     @property
     def overflow(self) -> bool:
@@ -38,14 +56,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
         boundary whose update was skipped (inf/NaN gradients). accelerate reads it as
         ``step_was_skipped`` (the Trainer then leaves its LR scheduler alone)."""
         engine = self._engine()
-        return bool(engine is not None and engine._step_overflowed())
+        return bool(engine is not None and engine.last_step_overflowed())
 
     def needs_scaler(self) -> bool:
         """DeepSpeed's ``optimizer.needs_scaler()``: whether a plain ``loss.backward()`` must be
         given a scaled loss (``engine.scale(loss)``): true with fp16, whose loss scale the
         engine refuses to skip; false with bf16 or fp32."""
         engine = self._engine()
-        return bool(engine is not None and engine._fp16)
+        return bool(engine is not None and engine.scales_loss)
 
     @property
     def parameter_offload(self):
@@ -106,13 +124,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         raise DeepSpeedNotProvidedError(
             f"engine.optimizer.{name}", " (DeepSpeed's ZeRO optimizer internals)"
         )
-
-    def _engine(self):
-        for g in self.flat_groups:
-            for p in g.params:
-                link = getattr(p, "_zero_offload", None)  # (engine weakref, group, index)
-                return link[0]() if link is not None else None
-        return None
 
     def step(self, closure=None):  # noqa: D401
         raise RuntimeError(
