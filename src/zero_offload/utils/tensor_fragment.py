@@ -41,8 +41,6 @@ import torch
 
 from ..core import dist
 from ..core.status import ZeroParamStatus
-from ..kernels.sumsq import sum_of_squares
-from ..nvme.state_range import StateRange
 
 
 class Zero3OnlyError(AssertionError, ValueError):
@@ -223,13 +221,7 @@ def _check_grad_window(engine, fn: str) -> None:
 
 def _refresh_norm(engine, gi: int) -> None:
     """The group's squared gradient norm (this rank's part) from its gradient as it is now."""
-    gs = engine.opt_groups[gi].grads
-    views = [v.read() if isinstance(v, StateRange) else v for v in _seg_views(engine, gi, "grad")]
-    sumsq = sum(
-        (sum_of_squares(v).to(engine.device) for v in views),
-        torch.zeros((), dtype=torch.float32, device=engine.device),
-    )
-    gs.set_sumsq(sumsq)
+    engine.opt_groups[gi].refresh_grad_norm(engine.device)
 
 
 # ---- full views ------------------------------------------------------------------------------

@@ -102,7 +102,8 @@ class ZeroOffloadEngine(
     def _adopt(self, parts: EngineParts) -> None:
         """The engine's fixed fields: the assembly's parts (``EngineParts`` says what each is),
         under the same names; the step policies' under a leading underscore."""
-        self.module, self.config = parts.module, parts.config
+        self.module = parts.module
+        self.config = parts.config  # kept whole for DeepSpeed's accessors and checkpoints
         self.lr_scheduler, self.training_dataloader = parts.lr_scheduler, parts.training_dataloader
         self.device, self.dtype, self.grad_accum_dtype = (
             parts.device,

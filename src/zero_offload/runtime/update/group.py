@@ -21,6 +21,8 @@ import torch
 from ...core.flat_group import FlatGroup
 from ...core.shard_state import ShardState
 from ...core.streams import Streams
+from ...kernels.sumsq import sum_of_squares
+from ...nvme.state_range import StateRange
 from ..reduce.grad_shard import GradShard
 from .buffers import OffloadStateType, StateBuffer
 from .device_update import DeviceUpdate
@@ -152,6 +154,17 @@ class OptimizerGroup:
             t = state_tensor(self.optimizer, key, fn)
         segs = self.flat.segments(self.optimizer.sharded)
         return [t[s.shard_start : s.shard_start + s.numel] for s in segs]
+
+    def refresh_grad_norm(self, device: torch.device) -> None:
+        """The squared gradient norm (this rank's part) from the reduced gradient as it is now
+        (after the fragment API wrote it)."""
+        views = self.fragment("grad")
+        views = [v.read() if isinstance(v, StateRange) else v for v in views]
+        sumsq = sum(
+            (sum_of_squares(v).to(device) for v in views),
+            torch.zeros((), dtype=torch.float32, device=device),
+        )
+        self.grads.set_sumsq(sumsq)
 
     # ---- the step protocol ---------------------------------------------------------------------
     @property
