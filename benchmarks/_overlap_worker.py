@@ -66,7 +66,7 @@ class SpanExecutor(concurrent.futures.Executor):
 def time_host_update_thread(engine) -> SpanExecutor | None:
     """Route the engine's delayed host passes through a timing executor (None: no worker)."""
     rec = None
-    for so in engine.shard_opts:
+    for so in (og.optimizer for og in engine.opt_groups):
         if so.executor is not None:
             rec = rec or SpanExecutor(so.executor)
             so.executor = rec

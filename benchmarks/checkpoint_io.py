@@ -132,7 +132,7 @@ def main() -> int:
         engine.save_checkpoint(str(root), tag=f"t{rep}")
 
     def tsave(_rep: int) -> None:
-        so = engine.shard_opts[0]
+        so = engine.opt_groups[0].optimizer
         state = {
             "module": {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()},
             "master": so.master,
@@ -207,7 +207,7 @@ def main() -> int:
             )
         )
 
-    so = engine.shard_opts[0]
+    so = engine.opt_groups[0].optimizer
     host_state = (so.master.numel() + so.exp_avg.numel() + so.exp_avg_sq.numel()) * 4
     print(
         f"GPT-2 {args.layers}x{args.hidden} vocab {args.vocab}: {numel / 1e6:.1f}M params, {args.dtype}, "

@@ -85,7 +85,7 @@ def test_client_torch_optimizer_and_errors():
     del cfg["optimizer"]
     engine, opt, _, _ = zero_offload.initialize(model=model, optimizer=client, config=cfg)
     assert engine.get_lr() == [3e-3] and opt.param_groups[0]["weight_decay"] == 0.1
-    assert engine.shard_opts[0].client is None  # torch AdamW runs as the built-in AdamW
+    assert engine.opt_groups[0].optimizer.client is None  # torch AdamW runs as the built-in AdamW
     # Other client optimizers, and a client optimizer beside a config block: test_client_optimizer
     with pytest.raises(ValueError, match="config"):
         zero_offload.initialize(model=make_model())

@@ -51,12 +51,12 @@ def fresh():
 
 def _refused(engine, model, load_dir, match: str, exc=CheckpointError, **kw) -> None:
     before = snapshot(engine, model)
-    so = engine.shard_opts[0]
+    so = engine.opt_groups[0].optimizer
     state_before = (
         so.exp_avg.clone(),
         so.exp_avg_sq.clone(),
         so.step_count,
-        dict(engine.groups[0].hyper),
+        dict(engine.opt_groups[0].flat.hyper),
     )
     with pytest.raises(exc, match=match):
         engine.load_checkpoint(str(load_dir), **kw)

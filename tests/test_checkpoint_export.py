@@ -106,7 +106,7 @@ def test_load_module_only_and_without_optimizer_states(saved):
     for kw in ({"load_module_only": True}, {"load_optimizer_states": False}):
         engine, model = build(TIED)
         train(engine, TIED, 0, 1)
-        so = engine.shard_opts[0]
+        so = engine.opt_groups[0].optimizer
         m_before, steps_before = so.exp_avg.clone(), so.step_count
         engine.load_checkpoint(str(root), **kw)
         got = snapshot(engine, model)
@@ -150,7 +150,7 @@ def test_two_param_groups_roundtrip_and_mismatch(tmp_path):
     engine, model, case = _two_group_engine(split=True)
     train(engine, case, 0, 2)
     want = snapshot(engine, model)
-    hypers = [dict(g.hyper) for g in engine.groups]
+    hypers = [dict(g.hyper) for g in (og.flat for og in engine.opt_groups)]
     engine.save_checkpoint(str(tmp_path))
     engine.destroy()
 
@@ -159,10 +159,10 @@ def test_two_param_groups_roundtrip_and_mismatch(tmp_path):
     got = snapshot(engine, model)
     for k, v in want["master"].items():
         assert torch.equal(got["master"][k], v), k
-    assert len(engine.groups) == 2
-    for g, h in zip(engine.groups, hypers):
+    assert len(engine.opt_groups) == 2
+    for g, h in zip((og.flat for og in engine.opt_groups), hypers):
         assert g.hyper["lr"] == h["lr"] and g.hyper["weight_decay"] == h["weight_decay"]
-    assert engine.shard_opts[1].step_count == 2
+    assert engine.opt_groups[1].optimizer.step_count == 2
     engine.destroy()
 
     engine, model, _ = _two_group_engine(split=False)

@@ -109,7 +109,7 @@ def _train(kind: str, stage: int, offload: bool, world: int = 1, rank: int = 0):
         for n, p in model.named_parameters()
         if p.requires_grad
     }
-    native = engine.shard_opts[0].client is None
+    native = engine.opt_groups[0].optimizer.client is None
     engine.destroy()
     return out, native
 
@@ -172,7 +172,7 @@ def test_client_optimizer_wins_over_the_config_block_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="zero_offload"):
         engine, *_ = zero_offload.initialize(model=model, optimizer=client, config=cfg)
     assert "using the client optimizer" in caplog.text and "SGD" in caplog.text
-    assert engine.shard_opts[0].client is not None and engine.get_lr() == [0.1]
+    assert engine.opt_groups[0].optimizer.client is not None and engine.get_lr() == [0.1]
     engine.destroy()
 
 

@@ -55,7 +55,7 @@ def test_cuda_delayed_update_and_bf16_offload_runs():
             engine.step()
             losses.append(float(loss))
         assert losses[-1] < losses[0]
-        assert engine.grad_shards[0].host[0].is_pinned()
+        assert engine.opt_groups[0].grads.host[0].is_pinned()
 
 
 def _clear_cublas_workspaces() -> None:
@@ -217,7 +217,7 @@ def test_cuda_delayed_update_uploads_land_before_staging_is_rewritten():
                         dtype="bf16", pin_memory=True, delayed_update=True,
                         delayed_update_after=0)  # fmt: skip
     engine, *_ = zero_offload.initialize(model=make_model(), config=cfg)
-    so = engine.shard_opts[0]
+    so = engine.opt_groups[0].optimizer
     assert so.staging is not None and so.staging.is_pinned() and not so.staging_is_home
     uploaded = []
     host_pass, prepare_write = so._host_pass, so.home.prepare_write
@@ -238,7 +238,7 @@ def test_cuda_delayed_update_uploads_land_before_staging_is_rewritten():
     so._pending.result()
     torch.cuda.synchronize()
     assert not torch.equal(uploaded[1], so.staging)  # pass 2 did rewrite staging
-    assert torch.equal(engine.groups[0].flat, uploaded[1])
+    assert torch.equal(engine.opt_groups[0].flat.flat, uploaded[1])
 
 
 def test_cuda_stage3_zero_init_parity():

@@ -83,7 +83,7 @@ def test_lora_via_peft_trains_only_the_adapters(stage, offload):
     assert err < 1e-3, err
     assert losses == pytest.approx(ref_losses, rel=1e-4)
     assert all(torch.equal(frozen[n], frozen_after[n]) for n in frozen)
-    trained = [n for g in engine.groups for n in g.names]
+    trained = [n for g in (og.flat for og in engine.opt_groups) for n in g.names]
     assert trained and all("lora_" in n for n in trained)
 
 

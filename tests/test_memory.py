@@ -33,7 +33,7 @@ def accounting(dtype: str = "bf16") -> list[dict]:
             )
             engine.step()
         have = engine.memory_report()
-        padded = sum(g.layout.total for g in engine.groups)
+        padded = sum(g.layout.total for g in (og.flat for og in engine.opt_groups))
         data = sum(p.numel() for p in model.parameters() if p.requires_grad)
         out.append(
             {

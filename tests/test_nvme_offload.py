@@ -221,7 +221,7 @@ def _train(engine, steps: range) -> list[float]:
 def _params(engine) -> torch.Tensor:
     """The 16-bit params (fp32 here) in the master's order: gathered, this rank's pieces."""
     out = []
-    for so in engine.shard_opts:
+    for so in (og.optimizer for og in engine.opt_groups):
         out.append(so.home.read(0, so.state.numel).float().cpu())
     return torch.cat(out)
 
@@ -272,7 +272,7 @@ def _one_rank_fails(root: str) -> list:
         "raised": raised,
         "kept": torch.equal(_master(engine), before),
         "params": torch.equal(_params(engine), before),
-        "steps": [so.step_count for so in engine.shard_opts],
+        "steps": [so.step_count for so in (og.optimizer for og in engine.opt_groups)],
     }
     for i in (2, 3):  # the retry
         global_step(engine, *data[i], world=2, rank=rank)
@@ -292,7 +292,12 @@ def test_failure_on_one_rank_rolls_back_every_rank(tmp_path):
 
 
 def _master(engine) -> torch.Tensor:
-    return torch.cat([so.state.read("master", 0, so.state.numel).cpu() for so in engine.shard_opts])
+    return torch.cat(
+        [
+            so.state.read("master", 0, so.state.numel).cpu()
+            for so in (og.optimizer for og in engine.opt_groups)
+        ]
+    )
 
 
 @pytest.mark.parametrize("param", [False, "nvme"])
@@ -334,7 +339,7 @@ def test_io_error_mid_step_keeps_master_and_checkpoint(tmp_path, monkeypatch, op
     engine = _engine(tmp_path / "swap")
     _train(engine, range(2))
     engine.save_checkpoint(tmp_path / "ck")
-    before, steps = _master(engine), engine.shard_opts[0].step_count
+    before, steps = _master(engine), engine.opt_groups[0].optimizer.step_count
     calls = {"n": 0}
     real = getattr(engine.aio, op)
 
@@ -343,12 +348,12 @@ def test_io_error_mid_step_keeps_master_and_checkpoint(tmp_path, monkeypatch, op
         return _Failing(err) if calls["n"] == 1 else real(f, offset, buf)
 
     monkeypatch.setattr(engine.aio, op, flaky)
-    state = engine.shard_opts[0].state
+    state = engine.opt_groups[0].optimizer.state
     with pytest.raises(NvmeSwapError, match=str(state.file.path).replace("\\", "\\\\")):
         _train(engine, range(2, 3))
     monkeypatch.undo()
     assert torch.equal(_master(engine), before), "a failed step changed the committed master"
-    assert engine.shard_opts[0].step_count == steps
+    assert engine.opt_groups[0].optimizer.step_count == steps
     assert torch.equal(_params(engine), before), "the params are not the committed master's"
     engine.destroy()
     fresh = _engine(tmp_path / "swap")  # the last checkpoint loads and equals the state at save
@@ -360,13 +365,13 @@ def test_io_error_mid_step_keeps_master_and_checkpoint(tmp_path, monkeypatch, op
 def test_removed_swap_file_is_named(tmp_path):
     engine = _engine(tmp_path / "swap")
     _train(engine, range(1))
-    before, steps = _params(engine), engine.shard_opts[0].step_count
-    path = engine.shard_opts[0].state.file.path
+    before, steps = _params(engine), engine.opt_groups[0].optimizer.step_count
+    path = engine.opt_groups[0].optimizer.state.file.path
     path.unlink()
     with pytest.raises(NvmeSwapError, match="was removed while the run used it"):
         _train(engine, range(1, 2))
     assert torch.equal(_params(engine), before), "a failed step changed the weights"
-    assert engine.shard_opts[0].step_count == steps
+    assert engine.opt_groups[0].optimizer.step_count == steps
     engine.destroy()
 
 
@@ -437,7 +442,7 @@ def test_module_only_load_keeps_moments_like_host_offload(tmp_path):
         engine.save_checkpoint(tmp_path / f"ck-{where}")
         _train(engine, range(2, 3))
         engine.load_checkpoint(tmp_path / f"ck-{where}", load_module_only=True)
-        st = engine.shard_opts[0].state
+        st = engine.opt_groups[0].optimizer.state
         out[where] = [st.read(k, 0, st.numel).clone() for k in ("master", "exp_avg")]
         assert out[where][1].abs().sum() > 0  # the moments were kept, not zeroed
         engine.destroy()
@@ -536,7 +541,7 @@ def _mlp_run(
     engine, *_ = zero_offload.initialize(model=model, config=cfg)
     assert all(p.numel() == 0 < p.ds_numel for p in model.parameters())
     if where == "nvme":
-        assert len(engine.shard_opts[0].chunks) >= 10
+        assert len(engine.opt_groups[0].optimizer.chunks) >= 10
     g = torch.Generator().manual_seed(3)
     losses = []
     for _ in range(4):
@@ -569,16 +574,16 @@ def test_truncated_swap_file_is_named_and_keeps_the_weights(tmp_path):
     x = torch.randn(4, 48, generator=g)
     engine.backward(engine(x))
     engine.step()
-    state = engine.shard_opts[0].state
+    state = engine.opt_groups[0].optimizer.state
     assert state.nchunks >= 10
-    before, steps = _params(engine), engine.shard_opts[0].step_count
+    before, steps = _params(engine), engine.opt_groups[0].optimizer.step_count
     assert torch.equal(before, _master(engine))  # fp32: the params are the committed master
     os.truncate(state.file.path, 3 * 2 * state.record)  # chunks 0-2 stay whole
     engine.backward(engine(x))
     with pytest.raises(NvmeSwapError, match=f"{state.file.path}.*truncated"):
         engine.step()
     assert torch.equal(_params(engine), before), "a failed step changed the weights"
-    assert engine.shard_opts[0].step_count == steps
+    assert engine.opt_groups[0].optimizer.step_count == steps
     engine.destroy()
 
 

@@ -103,7 +103,7 @@ def test_engine_reads_the_state_ahead_during_the_backward(tmp_path):
     }
     engine, *_ = zero_offload.initialize(model=model, config=cfg)
     assert all(p.numel() == 0 < p.ds_numel for p in engine.module.parameters())
-    state = engine.shard_opts[0].state
+    state = engine.opt_groups[0].optimizer.state
     x = torch.randn(2, 64)
     engine.backward(engine(x).square().mean())  # not the boundary: nothing read yet
     assert not state._early
@@ -151,7 +151,7 @@ def test_bf16_update_writes_its_output_into_the_param_write_buffers(tmp_path, mo
     x = torch.randn(2, 64).bfloat16()
     engine.backward(engine(x).float().square().mean())
     engine.step()
-    assert calls == {"write": 0, "write_target": len(engine.shard_opts[0].chunks)}, calls
+    assert calls == {"write": 0, "write_target": len(engine.opt_groups[0].optimizer.chunks)}, calls
     engine.destroy()
 
 

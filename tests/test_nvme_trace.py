@@ -54,7 +54,7 @@ def test_trace_records_every_request_and_the_phases(tmp_path, monkeypatch):
     assert all(e["done"] is not None and e["done"] >= e["submit"] for e in requests)
     found = steps(phases(events))
     assert [[p.name for p in s] for s in found] == [["forward", "backward", "step", "step_end"]] * 2
-    state = engine.shard_opts[0].state
+    state = engine.opt_groups[0].optimizer.state
     for s in found:
         step = s[2]
         # every record of the state written once per step, inside step()

@@ -195,7 +195,7 @@ def test_fp32_master_that_is_the_params_moves_them_too():
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_states_already_on_the_host_are_a_no_op(stage):
-    from zero_offload.runtime.engine.state_inventory import OffloadStateType as S
+    from zero_offload.runtime.update.buffers import OffloadStateType as S
 
     got, ref = _both(_cfg(stage, offload=True), include=[S.optim_states, S.hp_params])
     assert _same_run(got, ref)

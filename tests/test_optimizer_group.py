@@ -5,12 +5,10 @@ import pytest
 from parity import engine_config, make_model
 
 import zero_offload
-from zero_offload.runtime.update.device_update import DeviceUpdate
-from zero_offload.runtime.update.host_update import HostUpdate
 
 
-@pytest.mark.parametrize("offload, cls", [(False, DeviceUpdate), (True, HostUpdate)])
-def test_one_object_per_param_group(offload, cls):
+@pytest.mark.parametrize("offload, where", [(False, "device"), (True, "host")])
+def test_one_object_per_param_group(offload, where):
     model = make_model()
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     decay = [p for n, p in trained if n.endswith("weight")]
@@ -22,10 +20,11 @@ def test_one_object_per_param_group(offload, cls):
         assert len(engine.opt_groups) == 2
         for i, og in enumerate(engine.opt_groups):
             assert og.index == i and og.placement is engine.placement
-            assert type(og.optimizer) is cls and og.state is og.optimizer.state
+            assert og.state.where == where and og.state is og.optimizer.state
             assert og.optimizer.grads is og.grads and og.optimizer.home is og.home
             assert og.flat.hyper is opt.param_groups[i]
             assert {id(p) for p in og.flat.params} == {id(p) for p in groups[i]["params"]}
-        assert engine.shard_opts == [og.optimizer for og in engine.opt_groups]
+        for view in ("groups", "grad_shards", "shard_opts"):  # the groups, nothing in parallel
+            assert not hasattr(engine, view)
     finally:
         engine.destroy()

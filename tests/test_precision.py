@@ -62,7 +62,7 @@ def overflow_case(stage: int, offload: bool) -> dict:
     engine.step()  # one clean step
     before = [safe_get_full_fp32_param(p) for p in trainable]
     device_before = [p.detach().clone() for p in model.parameters()]
-    adam_steps = [so.step_count for so in engine.shard_opts]
+    adam_steps = [so.step_count for so in (og.optimizer for og in engine.opt_groups)]
     scales = []
     for _ in range(2):
         loss = engine(xs, ys)
@@ -76,7 +76,8 @@ def overflow_case(stage: int, offload: bool) -> dict:
         "device_identical": all(
             torch.equal(a, p.detach()) for a, p in zip(device_before, model.parameters())
         ),
-        "adam_steps_same": adam_steps == [so.step_count for so in engine.shard_opts],
+        "adam_steps_same": adam_steps
+        == [so.step_count for so in (og.optimizer for og in engine.opt_groups)],
         "scales": scales,
         "skipped": engine.skipped_steps,
         "global_steps": engine.global_steps,

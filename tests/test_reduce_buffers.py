@@ -73,7 +73,9 @@ def train(stage: int, bucket: int, steps: int = 3) -> dict:
         "peak_buffers": bufs.peak_buffers,
         "largest": bufs.largest_buffer,
         "cap": bufs.cap,
-        "buckets": [b.numel for g in engine.groups for b in g.layout.buckets],
+        "buckets": [
+            b.numel for g in (og.flat for og in engine.opt_groups) for b in g.layout.buckets
+        ],
         "report": engine.memory_report(),
         "learned": engine.reducer.learned,
         "bounds": engine.reducer.bounds(),

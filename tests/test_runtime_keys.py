@@ -186,7 +186,9 @@ def test_fp32_gradient_accumulation_for_bf16_params(stage, offload):
     engine, *_ = zero_offload.initialize(model=model, config=cfg)
     assert_partitioned_if_asked(model, cfg)
     assert engine.get_data_types() == (torch.bfloat16, torch.float32)
-    assert all(gs.device_shard.dtype == torch.float32 for gs in engine.grad_shards)
+    assert all(
+        gs.device_shard.dtype == torch.float32 for gs in (og.grads for og in engine.opt_groups)
+    )
     for x, y in batches(2, 1, gas, MICRO):  # two windows: the accumulator restarts at zero
         want = _bf16_window_grads(engine, ref, x, y, gas)
         steps = engine.global_steps

@@ -211,7 +211,7 @@ def test_engine_norm_goes_through_the_kernel(monkeypatch):
         engine.backward(engine(x, y))
         engine.step()
         norm = engine.get_global_grad_norm()
-        numel = sum(s.numel for gs in engine.grad_shards for s in gs.segs)
+        numel = sum(s.numel for gs in (og.grads for og in engine.opt_groups) for s in gs.segs)
         engine.destroy()
         return norm, numel
 

@@ -39,7 +39,7 @@ def _overwrite(path: Path, offset: int, data: bytes) -> None:
 def test_an_overwritten_optimizer_record_is_caught_not_trained_on(tmp_path):
     engine = _engine(tmp_path / "swap")
     _train(engine, range(1))
-    state = engine.shard_opts[0].state
+    state = engine.opt_groups[0].optimizer.state
     committed = state._offset(0, state.current[0])  # chunk 0's master, as the next step reads it
     _overwrite(state.file.path, committed, struct.pack("<4f", *[float("inf")] * 4))
     with pytest.raises(NvmeSwapError, match="checksum mismatch") as err:
@@ -84,7 +84,7 @@ def test_a_param_swap_file_changed_under_the_run_is_named(tmp_path, how):
 def test_a_replaced_optimizer_swap_file_is_named(tmp_path):
     engine = _engine(tmp_path / "swap")
     _train(engine, range(1))
-    path = engine.shard_opts[0].state.file.path
+    path = engine.opt_groups[0].optimizer.state.file.path
     shutil.copyfile(path, tmp_path / "copy")
     os.replace(tmp_path / "copy", path)
     with pytest.raises(NvmeSwapError, match="optimizer-state swap file was removed"):
@@ -98,7 +98,7 @@ def test_save_refuses_non_finite_state_naming_the_param(tmp_path, where, kind):
     engine = _engine(tmp_path / "swap", where)
     _train(engine, range(1))
     engine.save_checkpoint(tmp_path / "ck", tag="good")
-    so = engine.shard_opts[0]
+    so = engine.opt_groups[0].optimizer
     at = so.state.numel - 3  # near the end of the shard: the last param of the group
     if where == "nvme":
         so.state.write(kind, at, torch.tensor([float("nan")]))

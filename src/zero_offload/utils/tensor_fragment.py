@@ -41,8 +41,6 @@ import torch
 
 from ..core import dist, partitioned
 from ..core.status import ZeroParamStatus
-from ..kernels.sumsq import sum_of_squares
-from ..nvme.state_range import StateRange
 
 
 class Zero3OnlyError(AssertionError, ValueError):
@@ -133,43 +131,6 @@ def _lookup(param: torch.Tensor, fn: str, local: bool = False) -> _Where | None:
     raise _unmanaged(fn)
 
 
-def _state_tensor(engine, gi: int, key: str, fn: str) -> torch.Tensor:
-    """This rank's shard of optimizer state ``key``: Adam's moments, or with a client optimizer
-    (runtime/update/client_update.py) its own state over the master shard. As DeepSpeed: any state
-    tensor shaped like the master shard has a key ("step" has none). A Muon group's state is
-    its ``"momentum_buffer"`` (DeepSpeed's key; the shard state's ``exp_avg``)."""
-    so = engine.opt_groups[gi].optimizer
-    client = getattr(so, "client", None)
-    if client is None:  # the user's key -> the shard state's kind (Muon: its momentum buffer)
-        kinds = getattr(so, "STATE_KEYS", {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"})
-        return (
-            _state_source(so.state, kinds[key])
-            if key in kinds
-            else _no_key(fn, key, list(kinds), False)
-        )
-    state = client.optimizer.state.get(client.param, {})
-    found = {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == so.master.shape}
-    if key not in found:
-        _no_key(fn, key, sorted(found), True)
-    return found[key]
-
-
-def _no_key(fn: str, key: str, keys: list[str], client: bool):
-    raise ValueError(
-        f"{fn}: optim_state_key {key!r} is not in the optimizer state (keys: {keys}"
-        + ("; a client optimizer creates its state at its first step)" if client else ")")
-    )
-
-
-def _state_source(state, kind: str):
-    """``kind`` of a shard state over the whole shard: the tensor, or for a state on NVMe a
-    range that reads and writes the swap file."""
-    t = getattr(state, kind, None)
-    if t is not None:  # None: an aliased master not stored as one tensor, read through the home
-        return t
-    return StateRange(state, kind, 0, state.numel)
-
-
 def _settle(engine, writing: bool) -> None:
     """Apply a pending delayed update; before a write also let every async copy that reads the
     shards finish (uploads from the host master, gathers from the param shard)."""
@@ -183,45 +144,8 @@ def _settle(engine, writing: bool) -> None:
 
 def _seg_views(engine, gi: int, what: str, key: str = "", fn: str = "") -> list[torch.Tensor]:
     """This rank's pieces of group ``gi``'s ``what`` ("fp32", "grad", or "state" ``key``), one
-    per segment (segment k is the rank's slice of bucket k)."""
-    segs = engine.opt_groups[gi].flat.segments(engine.stage >= 1)
-    if what == "grad":
-        gs = engine.opt_groups[gi].grads
-        if not engine.placement.host_update:
-            return gs.device_grads()
-        t = gs.host_grad() if gs.host_from == 0 else StateRange(_TwinGrads(gs), "grad", 0, gs.numel)
-    elif what == "fp32":
-        t = _state_source(engine.opt_groups[gi].optimizer.state, "master")
-    else:
-        t = _state_tensor(engine, gi, key, fn)
-    return [t[s.shard_start : s.shard_start + s.numel] for s in segs]
-
-
-class _TwinGrads:
-    """A partial offload's reduced gradient in shard coordinates, as ``StateRange`` reads and
-    writes it: the device part ``[0, host_from)`` in the device grad shard, the rest in the host
-    grad shard (whose index 0 is ``host_from``)."""
-
-    def __init__(self, gs) -> None:
-        self.gs = gs
-
-    def _parts(self, lo: int, hi: int) -> list[torch.Tensor]:
-        cut, out = self.gs.host_from, []
-        if lo < cut:
-            out.append(self.gs.device_shard[lo : min(hi, cut)])
-        if hi > cut:
-            out.append(self.gs.host_grad()[max(lo, cut) - cut : hi - cut])
-        return out
-
-    def read(self, kind: str, lo: int, hi: int) -> torch.Tensor:
-        parts = self._parts(lo, hi)
-        return parts[0] if len(parts) == 1 else torch.cat([p.cpu() for p in parts])
-
-    def write(self, kind: str, lo: int, src: torch.Tensor) -> None:
-        at = 0
-        for part in self._parts(lo, lo + src.numel()):
-            part.copy_(src[at : at + part.numel()])
-            at += part.numel()
+    per segment (``OptimizerGroup.fragment``)."""
+    return engine.opt_groups[gi].fragment(what, key, fn)
 
 
 def _gather_bucket(w: _Where, views: list[torch.Tensor]) -> torch.Tensor:
@@ -269,7 +193,7 @@ def _write_16bit(w: _Where, flat: torch.Tensor | None, piece: torch.Tensor) -> N
     ``GatheredParameters`` pins it or it is persistent, gathered again: a collective)."""
     e = w.engine
     if e.param_store is None:
-        e.groups[w.gi].flat[w.off : w.off + w.numel].copy_(flat)
+        e.opt_groups[w.gi].flat.flat[w.off : w.off + w.numel].copy_(flat)
         return
     store = e.param_store
     if w.local_numel:
@@ -296,13 +220,7 @@ def _check_grad_window(engine, fn: str) -> None:
 
 def _refresh_norm(engine, gi: int) -> None:
     """The group's squared gradient norm (this rank's part) from its gradient as it is now."""
-    gs = engine.opt_groups[gi].grads
-    views = [v.read() if isinstance(v, StateRange) else v for v in _seg_views(engine, gi, "grad")]
-    sumsq = sum(
-        (sum_of_squares(v).to(engine.device) for v in views),
-        torch.zeros((), dtype=torch.float32, device=engine.device),
-    )
-    gs.set_sumsq(sumsq)
+    engine.opt_groups[gi].refresh_grad_norm(engine.device)
 
 
 # ---- full views ------------------------------------------------------------------------------

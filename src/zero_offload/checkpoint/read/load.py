@@ -40,21 +40,19 @@ def _apply(
     if use_opt:
         saved = ckpt.groups
         for og, gp, old in zip(engine.opt_groups, plan.groups, saved):
-            g, so = og.flat, og.optimizer
-            if so.client is not None:
-                so.client.prepare_load(old.client)
+            load = og.load()
+            load.begin(old.client)
             for kind in old.kinds:  # kind by kind: an NVMe state's cached region is reused
-                write = _writer(so, kind)
+                write = load.writer(kind)
                 for f, src, dst, n in gp.reads:
-                    write(dst, ckpt.read_slice(f, shard_tensor(g.index, kind), src, src + n))
+                    write(dst, ckpt.read_slice(f, shard_tensor(og.index, kind), src, src + n))
                 for lo, hi in gp.padding:
                     write(lo, torch.zeros(hi - lo, dtype=torch.float32))
-            so.step_count = old.step_count
-            _restore_hyper(g.hyper, old.hyper)
-            so.params_from_master()  # the 16-bit params are the master's cast, as after a step
+            _restore_hyper(og.flat.hyper, old.hyper)
+            load.finish(old.step_count)  # the 16-bit params: the master's cast, as after a step
     else:
         for og in engine.opt_groups:  # master from the loaded 16-bit weights
-            og.optimizer.master_from_params()
+            og.master_from_params()
     if not module_only:
         meta = ckpt.meta
         for k, v in meta["counters"].items():
@@ -74,14 +72,6 @@ def _apply(
             }
             rng.restore(plan.rng_json, tensors, engine.device)
     engine.zero_grad()  # a new accumulation window starts at the loaded step
-
-
-def _writer(so, kind: str):
-    """Where shard ``kind``'s pieces go: the optimizer state, or the client optimizer's."""
-    if kind.startswith("client."):
-        key = kind.removeprefix("client.")
-        return lambda lo, src: so.client.write(key, lo, src)
-    return lambda lo, src: so.state.write(kind, lo, src)
 
 
 def _restore_hyper(hyper: dict, saved: dict) -> None:

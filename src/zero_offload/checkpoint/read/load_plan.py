@@ -67,7 +67,7 @@ def _plan_module(
         if unexpected:
             parts.append(f"the checkpoint has {unexpected[:5]} but the model does not")
         raise CheckpointError(f"{model_file}: state dict keys differ: {'; '.join(parts)}")
-    trainable = {n for g in engine.groups for n in g.names}
+    trainable = {n for og in engine.opt_groups for n in og.flat.names}
     live_alias = alias_map(live, prefer=trainable)
     for key, t in live.items():
         target = saved_alias.get(key, key)
@@ -89,13 +89,13 @@ def _plan_module(
 def _plan_groups(engine, ckpt: CheckpointReader, plan: LoadPlan) -> None:
     where = f"{ckpt.path / 'meta.json'}"
     saved = ckpt.groups
-    if len(saved) != len(engine.groups):
+    if len(saved) != len(engine.opt_groups):
         raise CheckpointError(
-            f"{where}: {len(saved)} param groups saved, the engine has {len(engine.groups)}"
+            f"{where}: {len(saved)} param groups saved, the engine has {len(engine.opt_groups)}"
         )
     plan.groups = []
     for og, old in zip(engine.opt_groups, saved):
-        g, so = og.flat, og.optimizer
+        g, load = og.flat, og.load()
         shapes = [tuple(getattr(p, "ds_shape", p.shape)) for p in g.params]
         if list(g.names) != old.names:
             diff = next(
@@ -113,8 +113,8 @@ def _plan_groups(engine, ckpt: CheckpointReader, plan: LoadPlan) -> None:
                 raise CheckpointError(
                     f"{where}: param {name!r} has shape {list(b)} in the checkpoint, {list(a)} in the model"
                 )
-        _check_client(where, g.index, so.client, old.client)
-        wanted = shard_pieces(g.layout, so.segs, g.names)
+        _check_client(where, g.index, load.client_class, old.client)
+        wanted = shard_pieces(g.layout, load.segs, g.names)
         try:
             reads = old.index_by_name.reads(wanted)
         except ValueError as e:
@@ -131,15 +131,14 @@ def _plan_groups(engine, ckpt: CheckpointReader, plan: LoadPlan) -> None:
         plan.groups.append(
             GroupPlan(
                 [(old.files[r.source], r.src, r.dst, r.numel) for r in reads],
-                gaps(so.state.numel, wanted),
+                gaps(load.numel, wanted),
             )
         )
 
 
-def _check_client(where: str, index: int, client, saved: dict | None) -> None:
+def _check_client(where: str, index: int, mine: str | None, saved: dict | None) -> None:
     """The optimizer state saved is the kind the engine runs: the built-in Adam(W)'s, or the
-    same client optimizer class's."""
-    mine = type(client.optimizer).__name__ if client is not None else None
+    same client optimizer class's (``mine``: its class name; None: the built-in)."""
     theirs = saved["class"] if saved is not None else None
     if mine == theirs:
         return

@@ -87,8 +87,8 @@ def _common_meta(engine, tag: str, client_state) -> dict:
 
     sched = engine.lr_scheduler
     groups = []
-    for g, so in ((og.flat, og.optimizer) for og in engine.opt_groups):
-        layout = g.layout
+    for saved in (og.save() for og in engine.opt_groups):
+        g, layout = saved.flat, saved.flat.layout
         groups.append(
             {
                 "names": list(g.names),
@@ -97,10 +97,10 @@ def _common_meta(engine, tag: str, client_state) -> dict:
                 "bucket_params": [list(b.params) for b in layout.buckets],
                 "align": layout.align,
                 "layout_world_size": layout.world_size,
-                "sharded": bool(so.sharded),
-                "step_count": int(so.step_count),
+                "sharded": saved.sharded,
+                "step_count": saved.step_count,
                 "hyper": _hyper_json(g.hyper),
-                "client": _client_spec(so.client),
+                "client": _client_spec(saved.client),
             }
         )
     return {
@@ -138,13 +138,13 @@ def _write_rank_file(engine, stage: Path, groups: list) -> dict:
     same) and its RNG states."""
     entries = []
     if engine.stage >= 1 or engine.global_rank == 0:
-        for gi, so in enumerate(og.optimizer for og in engine.opt_groups):
-            if so.client is None:
-                entries += [_state_entry(shard_tensor(gi, k), so, k, gi) for k in SHARD_KINDS]
+        for gi, saved in enumerate(og.save() for og in engine.opt_groups):
+            if saved.client is None:
+                entries += [_state_entry(shard_tensor(gi, k), saved, k, gi) for k in SHARD_KINDS]
                 continue
-            entries.append(_state_entry(shard_tensor(gi, "master"), so, "master", gi))
+            entries.append(_state_entry(shard_tensor(gi, "master"), saved, "master", gi))
             entries += [
-                Entry.of(shard_tensor(gi, f"client.{k}"), so.client.shard(k))
+                Entry.of(shard_tensor(gi, f"client.{k}"), saved.client_shard(k))
                 for k in groups[gi]["client"]["shard"]
             ]
     rng_json, rng_tensors = rng.capture(engine.device)
@@ -160,28 +160,25 @@ def _write_rank_file(engine, stage: Path, groups: list) -> dict:
         return write_file(path, entries, {RANK_META_KEY: json.dumps(info)})
 
 
-def _state_entry(name: str, so, kind: str, gi: int) -> Entry:
-    """One kind of a group's optimizer state: the tensor, or streamed chunk by chunk from an
-    NVMe state or an aliased master of several slices (host memory: one chunk at a time);
-    either is refused when not finite."""
-    state = so.state
-    # An aliased master over a sharded flat buffer is one slice per bucket, no one tensor
-    # (``master`` None): read it chunk by chunk through the home, as an NVMe state is.
-    if getattr(state, kind, None) is not None:
-        check_tensor(so.group, so.segs, kind, gi, getattr(state, kind))
-        return Entry.of(name, getattr(state, kind))
-    pieces = lambda: (state.read(kind, lo, hi) for lo, hi in so.chunks)  # noqa: E731
+def _state_entry(name: str, saved, kind: str, gi: int) -> Entry:
+    """One kind of a group's optimizer state (``OptimizerGroup.save``): the tensor, or streamed
+    chunk by chunk from an NVMe state or an aliased master of several slices (host memory: one
+    chunk at a time); either is refused when not finite."""
+    t = saved.tensor(kind)
+    if t is not None:
+        check_tensor(saved.flat, saved.segs, kind, gi, t)
+        return Entry.of(name, t)
     return Entry(
         name,
         torch.float32,
-        (state.numel,),
-        lambda: checked(so.group, so.segs, kind, gi, pieces()),
+        (saved.numel,),
+        lambda: checked(saved.flat, saved.segs, kind, gi, saved.pieces(kind)),
     )
 
 
 def _write_model_file(engine, stage: Path, exclude_frozen: bool) -> tuple[dict, dict]:
     sd = module_state(engine.module, exclude_frozen=exclude_frozen)
-    aliases = alias_map(sd, prefer={n for g in engine.groups for n in g.names})
+    aliases = alias_map(sd, prefer={n for og in engine.opt_groups for n in og.flat.names})
     entries = [Entry.of(k, t) for k, t in sd.items() if k not in aliases]
     with writing(stage / MODEL_FILE):
         digest = write_file(stage / MODEL_FILE, entries, {"format": "pt"})

@@ -6,15 +6,14 @@ policies). The components receive typed parts of it, never the config.
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 
 from ...activation_checkpointing import CheckpointPolicy, configure_from_engine
 from ...config.loading.auto_sizes import resolve_auto_sizes
 from ...config.runtime_keys import DTYPES
-from ...core import dist, partitioned
+from ...core import dist
 from ...core.consistency import synchronize_start
 from ...core.flat_group import FlatGroup
 from ...core.shard_state import ShardState
@@ -44,15 +43,31 @@ from .keep_in_fp32 import keep_pattern, kept_buffers
 from .loss_scaler import build_loss_scaler
 from .module_cast import cast_buffers_, cast_params_
 from .overflow import OverflowMonitor
+from .parts import EngineHooks, EngineParts
 from .pin_warning import unpinned_keys, warn_unpinned
 from .window import Window
 
-if TYPE_CHECKING:
-    from .engine import ZeroOffloadEngine
+
+@dataclass
+class _Building:
+    """The parts as the assembly fills them in, step by step (``EngineParts`` once complete)."""
+
+    hooks: EngineHooks
+    fields: dict = field(default_factory=dict)
+    flat_positions: dict[int, int] = field(default_factory=dict)  # the reducer's param order
+
+    def __getattr__(self, name: str):
+        try:
+            return self.__dict__["fields"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def set(self, **kw) -> None:
+        self.fields.update(kw)
 
 
 def assemble(
-    e: ZeroOffloadEngine,
+    hooks: EngineHooks,
     module: torch.nn.Module,
     config,
     param_groups: list[dict],
@@ -60,69 +75,75 @@ def assemble(
     lr_scheduler=None,
     training_dataloader=None,
     client: torch.optim.Optimizer | None = None,
-) -> None:
-    """The assembly, in order: settings and counters; the module on the device and equal on
-    every rank; the flat groups; the NVMe preflight (before anything is partitioned); the
-    stage-3 param store; per group the grad shard, param home, optimizer state and shard
-    optimizer; the reducer and the fetch schedule; the step's policies."""
+) -> EngineParts:
+    """The assembly, in order: settings; the module on the device and equal on every rank; the
+    flat groups; the NVMe preflight (before anything is partitioned); the stage-3 param store;
+    per group the grad shard, param home, optimizer state and shard optimizer; the reducer and
+    the fetch schedule; the step's policies. ``hooks``: the engine's methods the components
+    call back."""
+    e = _Building(hooks)
     read_settings(e, module, config, lr_scheduler, training_dataloader)
     prepare_module(e)
     flat, store_groups = build_groups(e, param_groups)
     preflight(e.placement, flat, store_groups, e.stage >= 1, client, e.device)
     build_store(e, flat, store_groups)
-    e.opt_groups = build_updates(e, flat, adamw, client)
+    e.set(opt_groups=build_updates(e, flat, adamw, client))
     build_reducer(e)
     build_step_policies(e)
+    return EngineParts(**e.fields)
 
 
-def read_settings(e: ZeroOffloadEngine, module, config, lr_scheduler, training_dataloader) -> None:
-    """What the components are built from; the counters at zero."""
-    e.destroyed = False
+def read_settings(e: _Building, module, config, lr_scheduler, training_dataloader) -> None:
+    """What the components are built from."""
     guards.take_over(module.parameters())
     # Params that require grad now but are left out of the optimizer on purpose (a subset
     # in model_parameters) are allowed; any other trainable param at a step is an error.
-    e._known_params = {id(p) for p in module.parameters() if p.requires_grad}
+    known = {id(p) for p in module.parameters() if p.requires_grad}
     config, _ = resolve_auto_sizes(config, module)  # "auto" sizes from the hidden size
-    e.module, e.config = module, config
-    e.lr_scheduler, e.training_dataloader = lr_scheduler, training_dataloader
-    e.device = dist.default_device()
-    if e.device.type == "cuda":  # streams, events and collectives act on the current one
-        torch.cuda.set_device(e.device)
-    e.dtype = config.dtype
-    e.autocast = AutocastPolicy.from_config(config.torch_autocast, e.device)
+    device = dist.default_device()
+    if device.type == "cuda":  # streams, events and collectives act on the current one
+        torch.cuda.set_device(device)
     # DeepSpeed's activation_checkpointing section: applied to the process-wide checkpointing
     # API unless the script configured it first (deepspeed.checkpointing.configure wins).
-    e.checkpoint_policy = CheckpointPolicy.from_section(config.activation_checkpointing)
-    if e.checkpoint_policy != CheckpointPolicy():
-        configure_from_engine(e.checkpoint_policy)
+    policy = CheckpointPolicy.from_section(config.activation_checkpointing)
+    if policy != CheckpointPolicy():
+        configure_from_engine(policy)
     accum = config.data_types.grad_accum_dtype  # stages 0/1: only fp32 with bf16 (config)
-    e.grad_accum_dtype = DTYPES[accum] if accum is not None else e.dtype
-    e.world_size, e.global_rank = dist.world_size(), dist.rank()
-    e.local_rank = dist.local_rank()
+    world_size, rank = dist.world_size(), dist.rank()
     zc = config.zero_optimization
-    e.stage = zc.stage
-    # expected_memory's input (pinned host buffers counted as held on CUDA)
-    e.zero_plan = ZeroPlan.from_config(config, e.world_size, e.device)
-    e.placement = Placement.from_config(config, e.device, e.global_rank, run_name())
-    warn_unpinned(e.device, unpinned_keys(zc))
-    nvme = e.placement.nvme
-    e.aio = AioEngine(nvme.aio) if nvme is not None else None
-    # managed false: backward() only accumulates; each step() ends the window and updates.
-    e.window = Window(
-        config.gradient_accumulation_steps, bool(config.managed_gradient_accumulation)
+    placement = Placement.from_config(config, device, rank, run_name())
+    warn_unpinned(device, unpinned_keys(zc))
+    nvme = placement.nvme
+    e.set(
+        module=module,
+        config=config,
+        lr_scheduler=lr_scheduler,
+        training_dataloader=training_dataloader,
+        device=device,
+        dtype=config.dtype,
+        grad_accum_dtype=DTYPES[accum] if accum is not None else config.dtype,
+        autocast=AutocastPolicy.from_config(config.torch_autocast, device),
+        checkpoint_policy=policy,
+        world_size=world_size,
+        global_rank=rank,
+        local_rank=dist.local_rank(),
+        stage=zc.stage,
+        # expected_memory's input (pinned host buffers counted as held on CUDA)
+        zero_plan=ZeroPlan.from_config(config, world_size, device),
+        placement=placement,
+        # managed false: backward() only accumulates; each step() ends the window and updates.
+        window=Window(
+            config.gradient_accumulation_steps, bool(config.managed_gradient_accumulation)
+        ),
+        known_params=known,
+        aio=AioEngine(nvme.aio) if nvme is not None else None,
+        linears=[],
+        param_store=None,
+        fetch_schedule=None,
     )
-    e.global_steps = e.global_samples = e.micro_steps = e.skipped_steps = 0
-    e._grad_norm = None
-    e._report_grad_norm = bool(zc.compute_grad_norm)  # false: get_global_grad_norm() is None
-    e._holds_python_gc = False  # taken once the engine is built, released by destroy()
-    e._python_gc_off = bool(config.disable_python_gc)
-    e._loss_scaled = False  # engine.scale(loss) was called since the last backward
-    e._linears = []
-    e.param_store = None
-    e.fetch_schedule = None
 
 
-def prepare_module(e: ZeroOffloadEngine) -> None:
+def prepare_module(e: _Building) -> None:
     """Stages 0-2: params on the device in the training dtype; stage 3: buffers only (params
     are partitioned from wherever they are, one at a time). Then every rank holds rank 0's
     weights and the same config."""
@@ -141,12 +162,14 @@ def prepare_module(e: ZeroOffloadEngine) -> None:
     if data_types.buffer_dtype is not None:  # DeepSpeed's data_types.buffer_dtype
         cast_buffers_(module, DTYPES[data_types.buffer_dtype], kept)
     synchronize_start(module, e.config)  # before any layout
-    e.streams = Streams(e.device)
-    e._executor = HostWorker(e.device, e.placement.threads) if e.placement.delayed else None
+    e.set(
+        streams=Streams(e.device),
+        executor=HostWorker(e.device, e.placement.threads) if e.placement.delayed else None,
+    )
 
 
 def build_groups(
-    e: ZeroOffloadEngine, param_groups: list[dict]
+    e: _Building, param_groups: list[dict]
 ) -> tuple[list[FlatGroup], list[FlatGroup] | None]:
     """One flat group per optimizer param group (its ``hyper`` is the caller's dict itself,
     so a scheduler writing its "lr" reaches the update); stage 3: laid out one bucket per
@@ -155,7 +178,7 @@ def build_groups(
     names = {id(p): n for n, p in module.named_parameters()}
     order = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
     n_total = len(order)
-    e._flat_positions = {pid: n_total - 1 - i for pid, i in order.items()}
+    e.flat_positions = {pid: n_total - 1 - i for pid, i in order.items()}
     units = unit_ids(module) if partitioned else None
 
     def group(gi: int, params: list, hyper: dict) -> FlatGroup:
@@ -187,15 +210,15 @@ def build_groups(
 
 
 def build_store(
-    e: ZeroOffloadEngine, groups: list[FlatGroup], store_groups: list[FlatGroup] | None
+    e: _Building, groups: list[FlatGroup], store_groups: list[FlatGroup] | None
 ) -> None:
     """Stage 3: every param partitioned into the store (device, host or NVMe shards)."""
     if store_groups is None:
         return
     zc = e.config.zero_optimization
     if zc.memory_efficient_linear:
-        e._linears = attach_linear(e.module)
-    e.param_store = ParamStore(
+        e.set(linears=attach_linear(e.module))
+    store = ParamStore(
         store_groups,
         [g in groups for g in store_groups],
         Stage3Policy.from_config(zc, e.placement.params),
@@ -203,62 +226,76 @@ def build_store(
         e.device,
         build_nvme_params(e.placement, e.aio),
     )
+    e.set(param_store=store)
 
 
-def build_reducer(e: ZeroOffloadEngine) -> None:
+def build_reducer(e: _Building) -> None:
     """The gradient path (hooks, buckets, collectives) and, at stage 3, the fetch schedule
     (after the reducer: its hooks read a gradient before a slot is released)."""
     zc = e.config.zero_optimization
-    e.scope = BackwardScope(e._backward_prologue)
-    e.reducer = Reducer(
-        e.groups,
-        e.grad_shards,
+    scope = BackwardScope(e.hooks.backward_prologue)
+    groups = e.opt_groups
+    reducer = Reducer(
+        [og.flat for og in groups],
+        [og.grads for og in groups],
         min(e.stage, 2),
         bool(zc.overlap_comm),
         bool(zc.reduce_scatter),
         e.streams,
-        e._flat_positions,
-        e.scope,
+        e.flat_positions,
+        scope,
         ignore_unused=bool(zc.ignore_unused_parameters),
         average=e.config.gradient_allreduce_op == "mean",
         bucket_size=int(zc.reduce_bucket_size),
     )
-    if e.param_store is not None:
-        e.fetch_schedule = FetchSchedule(e.param_store, e.module, e.param_store.policy, e.scope)
-        e.param_store.settle = e._before_param_edit
-    e.scope.on_end(e._backward_epilogue, lambda: None)  # after the components' ends
+    store = e.param_store
+    if store is not None:
+        e.set(fetch_schedule=FetchSchedule(store, e.module, store.policy, scope))
+        store.settle = e.hooks.before_param_edit
+    scope.on_end(e.hooks.backward_epilogue, lambda: None)  # after the components' ends
     if not e.window.managed:
-        for gs in e.grad_shards:
-            gs.ensure_device_accumulator()
+        for og in groups:
+            og.grads.ensure_device_accumulator()
+    e.set(scope=scope, reducer=reducer)
 
 
-def build_step_policies(e: ZeroOffloadEngine) -> None:
+def build_step_policies(e: _Building) -> None:
     """The optimizer users see, loss scaling, overflow handling, clipping, reporting."""
     config = e.config
-    e.optimizer = ZeroOptimizer(e.groups, e.shard_opts, e) if e.groups else None
+    groups = e.opt_groups
+    optimizer = (
+        ZeroOptimizer([og.flat for og in groups], [og.optimizer for og in groups])
+        if groups
+        else None
+    )
     # fp16 autocast (fp16 section off) scales the loss as torch's GradScaler does, as DeepSpeed
     scaled = config.fp16.enabled or e.autocast.scales_loss
     if config.fp16.enabled or not scaled:
-        e.loss_scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
+        scaler = build_loss_scaler(config.fp16 if config.fp16.enabled else None)
     else:
-        e.loss_scaler = grad_scaler_for_fp16(float(config.fp16.min_loss_scale))
-    e._overflows = OverflowMonitor(
-        e.loss_scaler.dynamic,
+        scaler = grad_scaler_for_fp16(float(config.fp16.min_loss_scale))
+    overflows = OverflowMonitor(
+        scaler.dynamic,
         float(config.fp16.min_loss_scale),
         int(config.max_consecutive_overflows),
         e.global_rank,
     )
-    e.clip = float(config.gradient_clipping)
-    e._fp16 = bool(scaled)  # a plain backward needs engine.scale(loss)
-    e._print_every = config.steps_per_print
-    e._micro_batch = int(config.train_micro_batch_size_per_gpu)
-    e._t_step = time.perf_counter()
-    e.wall_clock = bool(config.wall_clock_breakdown)
-    e._times: dict[str, float] = {}
+    e.set(
+        optimizer=optimizer,
+        loss_scaler=scaler,
+        overflows=overflows,
+        clip=float(config.gradient_clipping),
+        fp16=bool(scaled),
+        print_every=config.steps_per_print,
+        micro_batch=int(config.train_micro_batch_size_per_gpu),
+        wall_clock=bool(config.wall_clock_breakdown),
+        report_grad_norm=bool(config.zero_optimization.compute_grad_norm),
+        python_gc_off=bool(config.disable_python_gc),
+    )
 
 
 def build_updates(
-    e: ZeroOffloadEngine, groups: list[FlatGroup], adamw: bool, client: torch.optim.Optimizer | None
+    e: _Building, groups: list[FlatGroup], adamw: bool, client: torch.optim.Optimizer | None
 ) -> list[OptimizerGroup]:
     """Per trainable group: its grad shard, its param home, its optimizer state (placed by
     ``e.placement``) and the shard optimizer that updates them, as one object."""
@@ -268,7 +305,7 @@ def build_updates(
     states = _states(e, groups, homes, sharded, client)
     policy = UpdatePolicy(sharded, adamw, place)
     out = []
-    for gi, (g, home, state) in enumerate(zip(groups, homes, states)):
+    for g, home, state in zip(groups, homes, states):
         gs = GradShard(
             g,
             min(e.stage, 2),  # stage 3 reduces gradients exactly as stage 2
@@ -280,16 +317,14 @@ def build_updates(
             accum_dtype=e.grad_accum_dtype,
             host_from=place.host_from(g.shard_numel(sharded)),
         )
-        so = build_shard_optimizer(g, gs, home, state, policy, e.streams, e._executor, client)
-        if e.stage == 3:
-            e.param_store.masters[gi] = so.state
-        for i, p in enumerate(g.params):
-            partitioned.link_engine(p, e, gi, i)
+        so = build_shard_optimizer(g, gs, home, state, policy, e.streams, e.executor, client)
         out.append(OptimizerGroup(g, gs, home, so, place))
+    if e.param_store is not None:  # a GatheredParameters edit reaches the master too
+        e.param_store.edit_master = lambda gi, lo, src: out[gi].write_master(lo, src)
     return out
 
 
-def _param_home(e: ZeroOffloadEngine, g: FlatGroup, gi: int, sharded: bool) -> ParamHome:
+def _param_home(e: _Building, g: FlatGroup, gi: int, sharded: bool) -> ParamHome:
     if e.stage == 3:
         return ShardHome(e.param_store, gi)
     zc = e.config.zero_optimization

@@ -19,7 +19,6 @@ import torch
 from ...activation_checkpointing import COUNTERS as CHECKPOINT_BYTES
 from ...activation_checkpointing import policy as checkpoint_policy
 from ...core import dist, host_heap, partitioned
-from ...core.flat_group import FlatGroup
 from ...nvme.errors import NvmeSwapError
 from ...nvme.io.trace import mark as trace_mark
 from ..backward_scope import ENGINE, PLAIN, in_backward
@@ -27,10 +26,8 @@ from ..plan.memory import expected_bytes
 from ..plan.memory_bounds import check_working_set, free_bytes
 from ..plan.memory_model import StepShape, predict
 from ..plan.model_shape import ModelShape
-from ..reduce.grad_shard import GradShard
 from ..stage3.memory_efficient_linear import detach as detach_linear
 from ..update.group_step import step_groups
-from ..update.shard_optimizer import ShardOptimizer
 from . import guards
 from .assembly import assemble
 from .compile import CompileAPI
@@ -42,12 +39,12 @@ from .offload_states import (
     FORWARD_NEEDS,
     GRADS_NEED,
     MASTER_NEEDED,
+    MovedStates,
     OffloadStatesAPI,
 )
 from .overflow_cause import overflow_cause
-from .param_rebind import ParamRebind
+from .parts import EngineHooks, EngineParts
 from .python_gc import PYTHON_GC
-from .storage_move import StorageMover
 
 log = logging.getLogger("zero_offload")
 
@@ -67,13 +64,29 @@ class ZeroOffloadEngine(
     ) -> None:
         """``param_groups`` empty: no optimizer (forward only: inference, a frozen reference
         model); ``client``: a client optimizer to run as itself instead of the built-in Adam.
-        Built by ``assembly.assemble``, the only code that reads the config to build it."""
+        Its parts are built by ``assembly.assemble``, the only code that reads the config."""
         super().__init__()
-        self._offloaded = StorageMover()  # the states offload_states() moved to the host
-        self._rebound = ParamRebind()
-        assemble(
-            self, module, config, param_groups, adamw, lr_scheduler, training_dataloader, client
+        # The engine's own state: counters, and what the last calls left behind.
+        self.destroyed = False
+        self.global_steps = self.global_samples = self.micro_steps = self.skipped_steps = 0
+        self._grad_norm: float | None = None
+        self._loss_scaled = False  # engine.scale(loss) was called since the last backward
+        self._holds_python_gc = False  # taken once the engine is built, released by destroy()
+        self._t_step = time.perf_counter()  # steps_per_print's last report
+        self._times: dict[str, float] = {}  # wall_clock_breakdown's phases since its last report
+        hooks = EngineHooks(
+            self._backward_prologue, self._backward_epilogue, self._before_param_edit
         )
+        self._adopt(
+            assemble(
+                hooks, module, config, param_groups, adamw, lr_scheduler, training_dataloader,
+                client,
+            )
+        )  # fmt: skip
+        self.moved = MovedStates(self.placement.delayed)  # what offload_states() moved
+        for og in self.opt_groups:  # the tensor-fragment API finds a param's group by this
+            for i, p in enumerate(og.flat.params):
+                partitioned.link_engine(p, self, og.index, i)
         check_working_set(self._working_set_bounds(), free_bytes(self.device), self.device.type)
         # Loading and partitioning the model freed its full copies: malloc's heap gives the
         # pages back here once, and what it holds free from now on is a named term.
@@ -85,24 +98,39 @@ class ZeroOffloadEngine(
             PYTHON_GC.acquire()
             self._holds_python_gc = True
 
-    # Views of the optimizer groups, by group index.
-    @property
-    def groups(self) -> list[FlatGroup]:
-        return [og.flat for og in self.opt_groups]
-
-    @property
-    def grad_shards(self) -> list[GradShard]:
-        return [og.grads for og in self.opt_groups]
-
-    @property
-    def shard_opts(self) -> list[ShardOptimizer]:
-        return [og.optimizer for og in self.opt_groups]
+    def _adopt(self, parts: EngineParts) -> None:
+        """The engine's fixed fields: the assembly's parts (``EngineParts`` says what each is),
+        under the same names; the step policies' under a leading underscore."""
+        self.module = parts.module
+        self.config = parts.config  # kept whole for DeepSpeed's accessors and checkpoints
+        self.lr_scheduler, self.training_dataloader = parts.lr_scheduler, parts.training_dataloader
+        self.device, self.dtype, self.grad_accum_dtype = (
+            parts.device,
+            parts.dtype,
+            parts.grad_accum_dtype,
+        )
+        self.autocast, self.checkpoint_policy = parts.autocast, parts.checkpoint_policy
+        self.world_size, self.global_rank = parts.world_size, parts.global_rank
+        self.local_rank, self.stage = parts.local_rank, parts.stage
+        self.zero_plan, self.placement, self.window = parts.zero_plan, parts.placement, parts.window
+        self._known_params = parts.known_params
+        self.streams, self.aio, self._executor = parts.streams, parts.aio, parts.executor
+        self._linears = parts.linears
+        self.param_store, self.fetch_schedule = parts.param_store, parts.fetch_schedule
+        self.opt_groups = parts.opt_groups
+        self.scope, self.reducer = parts.scope, parts.reducer
+        self.optimizer, self.loss_scaler = parts.optimizer, parts.loss_scaler
+        if self.optimizer is not None:
+            self.optimizer.attach(self)  # it asks the engine about overflow and loss scaling
+        self._overflows, self.clip, self._fp16 = parts.overflows, parts.clip, parts.fp16
+        self._print_every, self._micro_batch = parts.print_every, parts.micro_batch
+        self.wall_clock, self._report_grad_norm = parts.wall_clock, parts.report_grad_norm
+        self._python_gc_off = parts.python_gc_off
 
     # ---- DeepSpeed API -------------------------------------------------------------------------
     def forward(self, *inputs, **kwargs):
         guards.check_alive(self.destroyed, "forward")
-        if self._offloaded:
-            self._check_states("engine.forward()", FORWARD_NEEDS)
+        self.moved.require("engine.forward()", FORWARD_NEEDS)
         if self.scope.open and not in_backward():
             self.scope.abandon()  # the last backward raised part way: start clean
         trace_mark("forward")
@@ -130,8 +158,7 @@ class ZeroOffloadEngine(
         return self._grad_norm
 
     def zero_grad(self) -> None:
-        if self._offloaded:
-            self._check_states("engine.zero_grad()", GRADS_NEED)
+        self.moved.require("engine.zero_grad()", GRADS_NEED)
         for og in self.opt_groups:
             og.grads.zero()
 
@@ -175,8 +202,7 @@ class ZeroOffloadEngine(
         """The start of every backward, through ``engine.backward`` (``ENGINE``, whose loss is
         already scaled) or a plain ``loss.backward()`` of the forward's output (``PLAIN``)."""
         guards.check_has_optimizer(self.optimizer, "backward")
-        if self._offloaded:
-            self._check_states("engine.backward()", BACKWARD_NEEDS)
+        self.moved.require("engine.backward()", BACKWARD_NEEDS)
         self.window.check_backward()
         trace_mark("backward")
         factor = 1.0
@@ -206,8 +232,8 @@ class ZeroOffloadEngine(
         guards.check_alive(self.destroyed, "step")
         guards.check_has_optimizer(self.optimizer, "step")
         window = self.window
-        if self._offloaded and (not window.managed or self.is_gradient_accumulation_boundary()):
-            self._check_states("engine.step()", EVERYTHING)  # an update: it reads every state
+        if not window.managed or self.is_gradient_accumulation_boundary():
+            self.moved.require("engine.step()", EVERYTHING)  # an update: it reads every state
         window.begin_step(self.global_steps)
         trace_mark("step")
         self._before_step_counts = (self.global_steps, self.skipped_steps)
@@ -294,14 +320,12 @@ class ZeroOffloadEngine(
     def _before_param_edit(self) -> None:
         """Stage 3, before a ``GatheredParameters(modifier_rank=...)`` block: its exit writes
         the fp32 master shard too, which must be on the device; then the pending update."""
-        if self._offloaded:
-            self._check_states("GatheredParameters(modifier_rank=...)", MASTER_NEEDED)
+        self.moved.require("GatheredParameters(modifier_rank=...)", MASTER_NEEDED)
         self.flush_delayed_update()
 
     def flush_delayed_update(self) -> None:
         """With the delayed update: apply the pending host update now (before eval or saving)."""
-        if self._offloaded and self.placement.delayed:  # its upload writes the params
-            self._check_states("engine.flush_delayed_update()", FORWARD_NEEDS)
+        self.moved.require_flush("engine.flush_delayed_update()")
         for og in self.opt_groups:
             og.flush()
 
@@ -314,18 +338,13 @@ class ZeroOffloadEngine(
         if self.param_store is not None:
             parts.append(self.param_store.nbytes())
         else:
-            parts.append(
-                {"device.params": sum(g.flat.numel() * g.flat.element_size() for g in self.groups)}
-            )
+            flats = [og.flat.flat for og in self.opt_groups]
+            parts.append({"device.params": sum(f.numel() * f.element_size() for f in flats)})
         out: dict[str, int] = {}
         for part in parts:
             for k, v in part.items():
                 out[k] = out.get(k, 0) + v
-        held = self._offloaded.held_bytes()  # what the host copies reserve (pinned: more)
-        for k, v in self._offloaded.moved_bytes().items():  # offload_states(): now on the host
-            out[k] = out.get(k, 0) - v
-            host = "host." + k.split(".", 1)[1]
-            out[host] = out.get(host, 0) + held[k]
+        self.moved.report(out)  # offload_states(): now on the host
         for k, v in self.reducer.transient_peaks().items():
             out[f"peak.{k}"] = v
         out.update(CHECKPOINT_BYTES.report())  # deepspeed.checkpointing's kept inputs
@@ -391,11 +410,12 @@ class ZeroOffloadEngine(
         step = StepShape(micro_batch or self.train_micro_batch_size_per_gpu(), seq_length,
                          checkpointing, cpu_checkpointing)  # fmt: skip
         plan = self.zero_plan
-        total = sum(g.layout.total for g in self.groups)
+        total = sum(og.flat.layout.total for og in self.opt_groups)
         return predict(ModelShape.from_config(cfg), step, plan, numel=total)
 
     def _expected_states(self) -> dict[str, int]:
-        total = sum(g.layout.total for g in self.groups)
+        groups = self.opt_groups
+        total = sum(og.flat.layout.total for og in groups)
         out = expected_bytes(
             total,
             self.dtype,
@@ -407,8 +427,8 @@ class ZeroOffloadEngine(
             offload_param=self.placement.params != "device",
             ratio=self.placement.ratio,
             accum_dtype=self.grad_accum_dtype,
-            alias_master=all(so.aliased for so in self.shard_opts) if self.shard_opts else None,
-            muon_numel=sum(g.layout.total for g in self.groups if g.hyper.get("use_muon")),
+            alias_master=all(og.optimizer.aliased for og in groups) if groups else None,
+            muon_numel=sum(og.flat.layout.total for og in groups if og.flat.hyper.get("use_muon")),
         )
         persistent = self.param_store.persistent_bytes() if self.param_store is not None else 0
         if persistent:  # stage 3: gathered from the first step on (DeepSpeed's persistent params)
@@ -478,8 +498,7 @@ class ZeroOffloadEngine(
     ):
         from ...checkpoint import save_checkpoint
 
-        if self._offloaded:
-            self._check_states("engine.save_checkpoint()", EVERYTHING)
+        self.moved.require("engine.save_checkpoint()", EVERYTHING)
         if not save_dir:  # DeepSpeed's check, before anything else
             raise ValueError(f"save_dir must be a non-empty string, got {save_dir!r}")
         return save_checkpoint(
@@ -504,8 +523,7 @@ class ZeroOffloadEngine(
         """DeepSpeed's signature and argument order."""
         from ...checkpoint import load_checkpoint
 
-        if self._offloaded:
-            self._check_states("engine.load_checkpoint()", EVERYTHING)
+        self.moved.require("engine.load_checkpoint()", EVERYTHING)
         if custom_load_fn is not None:
             raise NotImplementedError(
                 "load_checkpoint(custom_load_fn=...): not supported; zero_offload checkpoints "
@@ -531,8 +549,7 @@ class ZeroOffloadEngine(
         """DeepSpeed's; ``max_shard_size`` (this project's): Hugging Face's sharded layout."""
         from ...checkpoint import save_16bit_model
 
-        if self._offloaded:
-            self._check_states("engine.save_16bit_model()", FORWARD_NEEDS)
+        self.moved.require("engine.save_16bit_model()", FORWARD_NEEDS)
         return save_16bit_model(
             self, save_dir, save_filename, exclude_frozen_parameters, max_shard_size
         )
@@ -572,8 +589,7 @@ class ZeroOffloadEngine(
         lays them out again). A collective at stage 3. The engine then refuses to run."""
         if self.destroyed:
             return
-        if self._offloaded:  # the pending update and stage 3's release read the states
-            self.reload_states()
+        self.moved.reload()  # the pending update and stage 3's release read the states
         self.flush_delayed_update()
         if self.param_store is not None:
             self.param_store.release_to_init_form()
@@ -589,14 +605,14 @@ class ZeroOffloadEngine(
         if self.aio is not None:
             self.aio.close()
         detach_linear(self._linears)
-        for g in self.groups:
-            for p in g.params:
+        for og in self.opt_groups:
+            for p in og.flat.params:
                 partitioned.unlink_engine(p)
 
     def _discard_swap_files(self) -> None:
         """NVMe swap files are scratch: gone with the engine (a checkpoint holds the state)."""
         swapped = self.param_store.swapped.values() if self.param_store is not None else ()
-        for owner in [so.state for so in self.shard_opts] + list(swapped):
+        for owner in [og.state for og in self.opt_groups] + list(swapped):
             close = getattr(owner, "close", None)
             if close is not None:
                 close()

@@ -146,8 +146,8 @@ class DeepSpeedEngineAPI:
             )
         new_gas = train_batch_size // (micro * world)
         if new_gas > 1:
-            for gs in self.grad_shards:
-                gs.ensure_device_accumulator()
+            for og in self.opt_groups:
+                og.grads.ensure_device_accumulator()
         self.window.gas = new_gas
         self.config = self.config.updated(
             {"train_batch_size": train_batch_size, "gradient_accumulation_steps": new_gas}

@@ -2,7 +2,10 @@
 engine's device memory while another engine (a generation server in RLHF) uses the accelerator,
 then put everything back so training goes on bit for bit as if nothing happened.
 
-Each named state (``state_inventory.py``) is moved storage by storage (``storage_move.py``): the
+Each named state (``state_buffers``: each optimizer group's own buffers, ``OptimizerGroup
+.state_buffers``, and what no group owns: the frozen param shards, the reduce buffers) is moved
+storage by storage (``storage_move.py``); ``MovedStates`` holds what moved and is the one check
+every engine call makes (a no-op while nothing is moved). The
 bytes go to host memory (pinned with CUDA when ``pin_memory``), the device storage shrinks to
 zero, every view of it (params, ``p.grad``, the update's operands) stays in place and reads the
 same bits after reload. What DeepSpeed does, and so does this engine:
@@ -21,15 +24,15 @@ same bits after reload. What DeepSpeed does, and so does this engine:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from enum import Enum
 
 import torch
 
 from ...config.zero import OFFLOAD_DEVICES, OffloadDeviceEnum
+from ..update.buffers import OffloadStateType, StateBuffer
 from . import guards
 from .param_rebind import ParamRebind
-from .state_inventory import OffloadStateType, state_buffers
 from .storage_move import StorageMover, check_movable
 
 log = logging.getLogger("zero_offload")
@@ -83,12 +86,71 @@ def parse_device(device) -> str:
     return value
 
 
-class OffloadStatesAPI:
-    """Mixed into ZeroOffloadEngine. ``_offloaded`` (a ``StorageMover``) is empty unless some
-    state is offloaded; the hot path tests only its truth value."""
+class MovedStates:
+    """The states ``offload_states()`` moved to the host: their storages and the module's params
+    pointed at the host copies meanwhile. Empty unless something is offloaded; the engine calls
+    ``require`` before every call that reads a state, unconditionally."""
 
-    _offloaded: StorageMover
-    _rebound: ParamRebind  # the module's params pointed at the host copies meanwhile
+    def __init__(self, delayed: bool) -> None:
+        self.mover = StorageMover()
+        self.rebound = ParamRebind()
+        # a pending delayed update's upload writes the params: flushing it needs them
+        self._flush_needs = FORWARD_NEEDS if delayed else frozenset()
+
+    def require(self, call: str, needs: frozenset) -> None:
+        """Raise if a state ``call`` (as the message names it: "engine.forward()") reads is
+        offloaded."""
+        if not self.mover:
+            return
+        missing = needs & self.mover.owners()
+        if missing:
+            names = ", ".join(sorted(s.value for s in missing))
+            raise guards.EngineUsageError(
+                f"{call}: {names} offloaded by engine.offload_states(); call "
+                "engine.reload_states() first"
+            )
+
+    def require_flush(self, call: str) -> None:
+        self.require(call, self._flush_needs)
+
+    def reload(self, non_blocking: bool = False) -> None:
+        """Every moved storage back, the params bound to it again (nothing moved: a no-op)."""
+        self.mover.reload(non_blocking)
+        self.rebound.restore()
+
+    def report(self, out: dict[str, int]) -> None:
+        """``memory_report``'s entries with what moved counted in host memory, as much as its
+        host copies reserve (pinned: more), instead of on the device."""
+        held = self.mover.held_bytes()
+        for k, v in self.mover.moved_bytes().items():
+            out[k] = out.get(k, 0) - v
+            host = "host." + k.split(".", 1)[1]
+            out[host] = out.get(host, 0) + held[k]
+
+
+def state_buffers(e, state: OffloadStateType) -> list[StateBuffer]:
+    """The engine's device buffers of ``state``: each optimizer group's own, then what no group
+    owns (the frozen params' shards at stage 3, the reducer's pooled reduce buffers)."""
+    out = [b for og in e.opt_groups for b in og.state_buffers(state)]
+    return out + list(_engine_buffers(e, state))
+
+
+def _engine_buffers(e, state: OffloadStateType) -> Iterator[StateBuffer]:
+    store = e.param_store
+    if state is OffloadStateType.lp_params and store is not None:
+        for gi in range(len(e.opt_groups), len(store.groups)):
+            t = store.shards[gi]
+            if t is not None and t.device == e.device:  # not a host (offload_param) shard
+                yield StateBuffer(t, "device.frozen_param_shard")
+    if state is OffloadStateType.contiguous_grad_buffer:
+        for base in e.reducer.bufs.pool.bases:
+            yield StateBuffer(base, None, keep=False)
+
+
+class OffloadStatesAPI:
+    """Mixed into ZeroOffloadEngine; ``moved`` holds what is offloaded."""
+
+    moved: MovedStates
 
     def offload_states(
         self,
@@ -119,10 +181,10 @@ class OffloadStatesAPI:
         pin = bool(pin_memory) and cuda
         for state, buf in plan:
             owners = {state, *buf.also}
-            self._offloaded.offload(buf.tensor, owners, buf.category, pin, non_blocking, buf.keep)
-        self._rebound.rebind(self.module.parameters(), self._offloaded)
+            self.moved.mover.offload(buf.tensor, owners, buf.category, pin, non_blocking, buf.keep)
+        self.moved.rebound.rebind(self.module.parameters(), self.moved.mover)
         if self.param_store is not None:
-            self._rebound.rebind_list(self.param_store.shards, self._offloaded)
+            self.moved.rebound.rebind_list(self.param_store.shards, self.moved.mover)
         if cuda:
             if not non_blocking:
                 torch.cuda.synchronize(self.device)
@@ -132,21 +194,19 @@ class OffloadStatesAPI:
         """Every offloaded state back where it was, with the same bits (DeepSpeed's)."""
         guards.check_alive(self.destroyed, "reload_states")
         self._check_offloadable()
-        self._offloaded.reload(non_blocking)
-        self._rebound.restore()
+        self.moved.reload(non_blocking)
         if self.device.type == "cuda" and non_blocking:
             torch.cuda.synchronize(self.device)  # as DeepSpeed: the states are usable on return
 
     def offloaded_states(self) -> set[OffloadStateType]:
         """The states whose device memory is in host memory now (a state sharing its storage
         with another, the fp32 master that is the params, counts as both)."""
-        return self._offloaded.owners()
+        return self.moved.mover.owners()
 
     def require_loaded(self, call: str) -> None:
         """Raise unless every state is on the device (for callers outside the engine that read
         the shards: the tensor-fragment accessors)."""
-        if self._offloaded:
-            self._check_states(f"{call}()", frozenset(OffloadStateType))
+        self.moved.require(f"{call}()", EVERYTHING)
 
     def _check_offloadable(self) -> None:
         """DeepSpeed's refusals: parameter offload, no optimizer; and stage 0, whose optimizer
@@ -164,15 +224,4 @@ class OffloadStatesAPI:
             raise guards.EngineUsageError(
                 "offload_states/reload_states need zero_optimization.stage 1, 2 or 3 (DeepSpeed's "
                 "ZeRO optimizers provide them; stage 0 has none)"
-            )
-
-    def _check_states(self, call: str, needs: frozenset) -> None:
-        """Raise if a state ``call`` (as the message names it: "engine.forward()") reads is
-        offloaded (the caller tests ``_offloaded`` first)."""
-        missing = needs & self._offloaded.owners()
-        if missing:
-            names = ", ".join(sorted(s.value for s in missing))
-            raise guards.EngineUsageError(
-                f"{call}: {names} offloaded by engine.offload_states(); call "
-                "engine.reload_states() first"
             )

@@ -38,7 +38,6 @@ from ...core import dist, partitioned
 from ...core.flat_group import FlatGroup
 from ...core.labels import FETCH, label
 from ...core.pinned_bytes import host_bytes
-from ...core.shard_state import ShardState
 from ...core.status import ZeroParamStatus
 from ...core.streams import Streams, alloc_host, release_pinned_cache
 from ...nvme.param_shard import NvmeParams, NvmeParamShard
@@ -137,8 +136,9 @@ class ParamStore:
         self.swapped: dict[int, NvmeParamShard] = {}  # group index -> its NVMe shard
         self.slots: list[Slot] = []
         self.group_slots: list[list[int]] = []
-        # group index -> the optimizer state (fp32 master shard, shard_state.py) of a trainable one
-        self.masters: dict[int, ShardState] = {}
+        # A written-back range (shard start, values) of trainable group ``gi``'s shard: the
+        # optimizer group's fp32 master takes it too (the assembly sets it).
+        self.edit_master: Callable[[int, int, torch.Tensor], None] = lambda gi, lo, src: None
         # Applies any pending (delayed) update to the shards and masters; the engine sets it.
         # Invariant: called before a write_back's slots are fetched, so no host pass writes the
         # masters concurrently and no staged update lands on the written values afterwards.
@@ -431,9 +431,8 @@ class ParamStore:
                 dist.broadcast(slot.buf, src=src_rank)
                 own = self._own_slice(slot, slot.buf)
                 self._write_own(slot, own)
-                state = self.masters.get(slot.group.index)
-                if state is not None:
-                    state.write("master", slot.bucket.shard_start, own)
+                if slot.trainable:
+                    self.edit_master(slot.group.index, slot.bucket.shard_start, own)
 
     def _adopt_replaced_data(self, ids) -> None:
         problems = []
@@ -603,6 +602,11 @@ class ShardHome:
         nv = self.store.swapped.get(self.gi)
         if nv is not None:
             nv.flush()
+
+    def device_params(self) -> tuple[torch.Tensor, str] | None:
+        shard = self.store.shards[self.gi]  # None on NVMe
+        on_device = shard is not None and shard.device == self.store.device
+        return (shard, "device.param_shard") if on_device else None
 
     def publish(self) -> None:
         st = self.store.streams

@@ -21,9 +21,12 @@ import torch
 from ...core.flat_group import FlatGroup
 from ...core.shard_state import ShardState
 from ...core.streams import Streams
+from ...kernels.sumsq import sum_of_squares
+from ...nvme.state_range import StateRange
 from ..reduce.grad_shard import GradShard
 from .buffers import OffloadStateType, StateBuffer
 from .device_update import DeviceUpdate
+from .group_state import GroupLoad, GroupSave, grad_source, state_source, state_tensor
 from .host_muon_update import HostMuonUpdate
 from .host_update import HostUpdate
 from .muon_update import MuonUpdate
@@ -101,6 +104,67 @@ class OptimizerGroup:
         for t, category in named:
             if t is not None:
                 yield StateBuffer(t, category, state=grads)
+
+    def state_buffers(self, state: OffloadStateType) -> Iterator[StateBuffer]:
+        """The group's device buffers of DeepSpeed's offloadable ``state`` (what
+        ``offload_states`` moves): its own ``buffers()``, and its params on the device
+        (``lp_params``), which are also the master where the master is the params."""
+        params = self.home.device_params()
+        if state is OffloadStateType.lp_params:
+            if params is not None:
+                yield StateBuffer(*params, state=state)
+            return
+        if state is OffloadStateType.hp_params and self.master_is_params:
+            also = frozenset({OffloadStateType.lp_params})  # one storage: they move as one
+            yield StateBuffer(*params, also=also, state=state)
+            return
+        yield from (b for b in self.buffers() if b.state is state)
+
+    # ---- its saved state and fragments (checkpoints, the tensor-fragment API) ------------------
+    def save(self) -> GroupSave:
+        so = self.optimizer
+        return GroupSave(
+            self.flat, so.segs, bool(so.sharded), int(so.step_count), so.state.numel, so.client,
+            so.state, so.chunks,
+        )  # fmt: skip
+
+    def load(self) -> GroupLoad:
+        return GroupLoad(self.optimizer)
+
+    def master_from_params(self) -> None:
+        """The master takes the 16-bit params' values (a load of the weights alone)."""
+        self.optimizer.master_from_params()
+
+    def write_master(self, lo: int, src: torch.Tensor) -> None:
+        """Master elements [lo, lo + src.numel()) take ``src`` (an edit of the params)."""
+        self.state.write("master", lo, src)
+
+    def fragment(self, what: str, key: str = "", fn: str = "") -> list:
+        """This rank's pieces of ``what`` ("fp32": the master, "grad": the reduced gradient,
+        "state": optimizer-state ``key``), one per segment (segment k: the rank's slice of
+        bucket k); each a tensor or, where the values are not in memory as one tensor, a
+        ``StateRange``. ``fn`` names the caller in errors."""
+        if what == "grad":
+            t = grad_source(self.grads, self.placement.host_update)
+            if isinstance(t, list):
+                return t
+        elif what == "fp32":
+            t = state_source(self.state, "master")
+        else:
+            t = state_tensor(self.optimizer, key, fn)
+        segs = self.flat.segments(self.optimizer.sharded)
+        return [t[s.shard_start : s.shard_start + s.numel] for s in segs]
+
+    def refresh_grad_norm(self, device: torch.device) -> None:
+        """The squared gradient norm (this rank's part) from the reduced gradient as it is now
+        (after the fragment API wrote it)."""
+        views = self.fragment("grad")
+        views = [v.read() if isinstance(v, StateRange) else v for v in views]
+        sumsq = sum(
+            (sum_of_squares(v).to(device) for v in views),
+            torch.zeros((), dtype=torch.float32, device=device),
+        )
+        self.grads.set_sumsq(sumsq)
 
     # ---- the step protocol ---------------------------------------------------------------------
     @property

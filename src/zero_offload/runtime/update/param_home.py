@@ -68,6 +68,11 @@ class ParamHome(Protocol):
 
     def publish(self) -> None: ...
 
+    def device_params(self) -> tuple[torch.Tensor, str] | None:
+        """The home's 16-bit params on the device as one tensor, with their memory-report
+        entry (``offload_states`` moves it); None for a home in host memory or on NVMe."""
+        ...
+
 
 class FlatHome:
     where = "device"
@@ -162,3 +167,6 @@ class FlatHome:
                 hi = min(lo + piece, n)
                 outs = [flat[b.start + r * n + lo : b.start + r * n + hi] for r in range(world)]
                 torch.distributed.all_gather(outs, outs[rank].clone())
+
+    def device_params(self) -> tuple[torch.Tensor, str] | None:
+        return self.group.flat, "device.params"  # the whole flat buffer: every rank holds it

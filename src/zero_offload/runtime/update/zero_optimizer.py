@@ -30,9 +30,7 @@ class OptimizerOwner(Protocol):
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
-    def __init__(
-        self, groups: list[FlatGroup], shards: list[ShardOptimizer], engine: OptimizerOwner
-    ) -> None:
+    def __init__(self, groups: list[FlatGroup], shards: list[ShardOptimizer]) -> None:
         defaults = {k: v for k, v in groups[0].hyper.items() if k != "params"}
         super().__init__(
             [
@@ -48,21 +46,28 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.param_groups = [g.hyper for g in groups]
         self.flat_groups = groups
         self.shards = shards
-        self._engine = weakref.ref(engine)  # the engine, or None once it is gone
+        self._engine: weakref.ref | None = None  # set by ``attach``
+
+    def attach(self, engine: OptimizerOwner) -> None:
+        """The engine this optimizer belongs to (held weakly: the engine holds the optimizer)."""
+        self._engine = weakref.ref(engine)
+
+    def _owner(self) -> OptimizerOwner | None:
+        return self._engine() if self._engine is not None else None
 
     @property
     def overflow(self) -> bool:
         """DeepSpeed's ``optimizer.overflow``: the latest ``engine.step()`` was an accumulation
         boundary whose update was skipped (inf/NaN gradients). accelerate reads it as
         ``step_was_skipped`` (the Trainer then leaves its LR scheduler alone)."""
-        engine = self._engine()
+        engine = self._owner()
         return bool(engine is not None and engine.last_step_overflowed())
 
     def needs_scaler(self) -> bool:
         """DeepSpeed's ``optimizer.needs_scaler()``: whether a plain ``loss.backward()`` must be
         given a scaled loss (``engine.scale(loss)``): true with fp16, whose loss scale the
         engine refuses to skip; false with bf16 or fp32."""
-        engine = self._engine()
+        engine = self._owner()
         return bool(engine is not None and engine.scales_loss)
 
     @property
@@ -70,7 +75,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """DeepSpeed's ``optimizer.parameter_offload`` of a stage-3 engine, for TRL's generation
         unwrap: the module hooks and the recorded fetch order (``zero.parameter_offload``).
         Below stage 3 absent (an AttributeError), as on DeepSpeed's stage-1/2 optimizer."""
-        engine = self._engine()
+        engine = self._owner()
         schedule = getattr(engine, "fetch_schedule", None)
         if schedule is None:
             raise AttributeError("parameter_offload: the engine is not at ZeRO stage 3")
@@ -105,7 +110,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._live_engine("reload_states").reload_states(non_blocking)
 
     def _live_engine(self, call: str):
-        engine = self._engine()
+        engine = self._owner()
         if engine is None:
             raise RuntimeError(f"optimizer.{call}(): the engine this optimizer belongs to is gone")
         return engine

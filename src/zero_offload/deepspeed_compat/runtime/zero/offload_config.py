@@ -7,7 +7,7 @@ from ....config.zero.zero_optimization import (
     OffloadOptimizerConfig,
     OffloadParamConfig,
 )
-from ....runtime.engine.state_inventory import OffloadStateType as OffloadStateTypeEnum
+from ....runtime.update.buffers import OffloadStateType as OffloadStateTypeEnum
 from ..._common import not_provided_getattr
 
 # DeepSpeed's class names for the same sections (isinstance checks on a validated config hold;

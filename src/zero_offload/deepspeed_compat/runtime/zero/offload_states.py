@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ....runtime.engine.state_inventory import OffloadStateType, state_buffers
+from ....runtime.engine.offload_states import state_buffers
+from ....runtime.update.buffers import OffloadStateType
 from ..._common import not_provided_getattr
 
 
