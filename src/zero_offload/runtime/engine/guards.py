@@ -20,18 +20,11 @@ from collections.abc import Iterable
 import torch
 
 from ...core import partitioned
+from ..errors import EngineAssertionError as EngineAssertionError  # re-exported: callers catch it
+from ..errors import EngineUsageError
+from ..errors import check_alive as check_alive  # re-exported: the engine's own guard
 
 log = logging.getLogger("zero_offload")
-
-
-class EngineUsageError(RuntimeError):
-    """The engine's API was called in an order or with a value it cannot act on."""
-
-
-class EngineAssertionError(EngineUsageError, AssertionError):
-    """A use DeepSpeed refuses with an ``assert`` (``no_sync`` at stage 2/3, unused params with
-    ``ignore_unused_parameters`` false): code that catches ``AssertionError`` for it catches
-    this too."""
 
 
 class NonFiniteHyperparameterError(ValueError):
@@ -82,14 +75,6 @@ def check_trained(module: torch.nn.Module, known: set[int]) -> None:
                 "gradient buffers. Set requires_grad and add modules before initialize(), or "
                 "initialize a new engine"
             )
-
-
-def check_alive(destroyed: bool, what: str) -> None:
-    if destroyed:
-        raise EngineUsageError(
-            f"engine.{what}() after engine.destroy(): this engine no longer holds the model "
-            "(its hooks are gone and its state released); initialize() a new engine"
-        )
 
 
 class LossShapeError(ValueError, AssertionError):

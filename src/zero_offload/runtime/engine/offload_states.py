@@ -30,8 +30,8 @@ from enum import Enum
 import torch
 
 from ...config.zero import OFFLOAD_DEVICES, OffloadDeviceEnum
+from .. import errors as guards
 from ..update.buffers import OffloadStateType, StateBuffer
-from . import guards
 from .param_rebind import ParamRebind
 from .storage_move import StorageMover, check_movable
 

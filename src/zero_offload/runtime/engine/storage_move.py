@@ -26,7 +26,7 @@ import torch
 
 from ...core.pinned_bytes import host_bytes
 from ...core.streams import alloc_host
-from .guards import EngineUsageError
+from ..errors import EngineUsageError
 
 
 @dataclass
