@@ -61,7 +61,7 @@ def disk(path: Path, gib: float, threads: int, queue_depth: int = 8) -> dict:
 
 # ---- 2. the update path --------------------------------------------------------------------------
 def update(path: Path, million: float, reps: int, threads: int) -> dict:
-    from zero_offload.core.shard_state import MemoryState
+    from zero_offload.core.state.shard_state import MemoryState
     from zero_offload.kernels.host_adam import host_adam_step
     from zero_offload.nvme.io.aio import AioEngine, AioPolicy
     from zero_offload.nvme.optimizer_state import NvmeOptimizerState

@@ -22,7 +22,7 @@ import torch
 from parity import batches, make_model
 
 import zero_offload
-from zero_offload.runtime.engine.compile import CompileNotSupportedError
+from zero_offload.runtime.engine.deepspeed_api.compile import CompileNotSupportedError
 
 BACKEND = "aot_eager"
 # (stage, offload_optimizer, backend): "eager" traces the forward only; "aot_eager" traces the

@@ -16,7 +16,7 @@ from zero_offload.core.streams import Streams
 from zero_offload.nvme.io.aio import AioEngine
 from zero_offload.runtime.reduce.grad_shard import GradShard
 from zero_offload.runtime.update.group import OptimizerGroup, build_shard_optimizer
-from zero_offload.runtime.update.momentum_state import MomentumState
+from zero_offload.runtime.update.muon.momentum_state import MomentumState
 from zero_offload.runtime.update.param_home import FlatHome
 from zero_offload.runtime.update.shard_optimizer import UpdatePolicy
 from zero_offload.runtime.update.state_build import build_states

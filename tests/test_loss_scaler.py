@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zero_offload.runtime.engine.loss_scaler import DynamicLossScaler, LossScaler
+from zero_offload.runtime.precision.loss_scaler import DynamicLossScaler, LossScaler
 
 
 def test_hysteresis_then_halve_and_floor():

@@ -14,7 +14,7 @@ from parity import batches, global_step, make_model, reference_step
 
 import zero_offload
 from zero_offload.config import ConfigError
-from zero_offload.runtime.update.muon_math import orthogonalized
+from zero_offload.runtime.update.muon.muon_math import orthogonalized
 
 LR, ADAM_LR, MOMENTUM, WD, BETAS, EPS = 0.02, 3e-3, 0.9, 0.01, (0.9, 0.95), 1e-8
 MUON = ("l1.weight", "l2.weight")  # both rectangular (24x16, 16x24): tall and wide

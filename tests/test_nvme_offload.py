@@ -21,7 +21,7 @@ from distributed import run_ranks
 from parity import batches, engine_config, global_step, make_model, run_cases
 
 from zero_offload.config.errors import ConfigError
-from zero_offload.core.shard_state import KINDS, MemoryState
+from zero_offload.core.state.shard_state import KINDS, MemoryState
 from zero_offload.nvme.errors import NvmeSwapError
 from zero_offload.nvme.io.aio import AioEngine, AioPolicy
 from zero_offload.nvme.optimizer_state import NvmeOptimizerState

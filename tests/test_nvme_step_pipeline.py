@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_offload.core.shard_state import KINDS, MemoryState
+from zero_offload.core.state.shard_state import KINDS, MemoryState
 from zero_offload.nvme.io.aio import AioEngine, AioPolicy
 from zero_offload.nvme.optimizer_state import NvmeOptimizerState
 

@@ -10,7 +10,7 @@ import threading
 import torch
 
 from zero_offload.core import streams
-from zero_offload.runtime.update import host_worker
+from zero_offload.runtime.update.paths import host_worker
 
 CUDA1 = torch.device("cuda", 1)
 

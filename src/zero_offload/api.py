@@ -12,7 +12,7 @@ import torch
 
 from .core import dist
 from .runtime.engine.engine import ZeroOffloadEngine
-from .runtime.update.muon_groups import default_flags, muon_param_groups
+from .runtime.update.muon.muon_groups import default_flags, muon_param_groups
 
 log = logging.getLogger("zero_offload")
 

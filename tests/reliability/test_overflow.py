@@ -7,7 +7,7 @@ import logging
 import pytest
 import reliability_helpers as h
 
-from zero_offload.runtime.engine.overflow import OverflowMonitor, OverflowStopError
+from zero_offload.runtime.precision.overflow import OverflowMonitor, OverflowStopError
 
 
 def _nan_steps(eng, n: int) -> None:

@@ -1,5 +1,5 @@
 """The master shard and Adam moments of one flat group in a swap file (``offload_optimizer``
-"nvme"): the state of ``core/shard_state.py`` with host memory bounded by a buffer pool.
+"nvme"): the state of ``core/state/shard_state.py`` with host memory bounded by a buffer pool.
 
 File layout: the shard index space is cut into chunks of ``chunk`` elements (the host update's
 unit, a multiple of 2048); chunk k has a *record* of three regions (master, exp_avg, exp_avg_sq),
@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ..core.pinned_bytes import host_bytes
-from ..core.shard_state import KINDS, Body, Chunk
+from ..core.state.shard_state import KINDS, Body, Chunk
 from .errors import NvmeSwapError
 from .io.aio import ALIGN, AioEngine, SwapFile, aligned_empty
 from .io.checksum import BLOCK, block_sums, first_mismatch

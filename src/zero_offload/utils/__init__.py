@@ -12,7 +12,7 @@ window: use them after the boundary ``backward`` and before ``step``.
 from __future__ import annotations
 
 from ..checkpoint.export.consolidate import get_fp32_state_dict_from_zero_checkpoint  # noqa: F401 (DeepSpeed's name)
-from ..core.dataloader import RepeatingLoader  # noqa: F401 (deepspeed.utils)
+from ..data.dataloader import RepeatingLoader  # noqa: F401 (deepspeed.utils)
 from . import zero_to_fp32  # noqa: F401 (DeepSpeed: deepspeed.utils.zero_to_fp32)
 from .tensor_fragment import (  # noqa: F401
     Zero3OnlyError,

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ...runtime.engine.autocast import DEFAULT_SAFE_MODULES, PARAM_COMM_DTYPE_ATTR_NAME
+from ...runtime.precision.autocast import DEFAULT_SAFE_MODULES, PARAM_COMM_DTYPE_ATTR_NAME
 from .._common import not_provided_getattr
 
 # DeepSpeed's default "lower_precision_safe_modules".

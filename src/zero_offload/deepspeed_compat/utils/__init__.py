@@ -6,7 +6,7 @@ leaf-module names, ``RepeatingLoader``, ``groups`` (the data-parallel queries) a
 
 from __future__ import annotations
 
-from ...core.dataloader import RepeatingLoader  # noqa: F401
+from ...data.dataloader import RepeatingLoader  # noqa: F401
 from ...utils import (  # noqa: F401
     get_z3_leaf_modules,
     safe_get_full_fp32_param,

@@ -16,12 +16,15 @@ from ...config.runtime_keys import DTYPES
 from ...core import dist
 from ...core.consistency import synchronize_start
 from ...core.flat_group import FlatGroup
-from ...core.shard_state import ShardState
+from ...core.state.shard_state import ShardState
 from ...core.streams import Streams
 from ...nvme.io.aio import AioEngine
 from ...utils.z3_leaf_module import apply_leaf_config
 from ..backward_scope import BackwardScope
 from ..plan.memory_model import ZeroPlan
+from ..precision.autocast import AutocastPolicy, grad_scaler_for_fp16
+from ..precision.loss_scaler import build_loss_scaler
+from ..precision.overflow import OverflowMonitor
 from ..reduce.grad_shard import GradShard
 from ..reduce.reducer import Reducer
 from ..stage3.fetch_schedule import FetchSchedule
@@ -30,19 +33,16 @@ from ..stage3.memory_efficient_linear import attach as attach_linear
 from ..stage3.param_store import ParamStore, ShardHome, Stage3Policy
 from ..stage3.partition_units import move_buffers, unit_ids, unit_layout
 from ..update.group import OptimizerGroup, build_shard_optimizer
-from ..update.host_worker import HostWorker
-from ..update.momentum_state import MomentumState
+from ..update.muon.momentum_state import MomentumState
 from ..update.param_home import FlatHome, ParamHome
+from ..update.paths.host_worker import HostWorker
 from ..update.placement import Placement, run_name
 from ..update.shard_optimizer import UpdatePolicy
 from ..update.state_build import alias_state, build_nvme_params, build_states, preflight
 from ..update.zero_optimizer import ZeroOptimizer
 from . import guards
-from .autocast import AutocastPolicy, grad_scaler_for_fp16
 from .keep_in_fp32 import keep_pattern, kept_buffers
-from .loss_scaler import build_loss_scaler
 from .module_cast import cast_buffers_, cast_params_
-from .overflow import OverflowMonitor
 from .parts import EngineHooks, EngineParts
 from .pin_warning import unpinned_keys, warn_unpinned
 from .window import Window

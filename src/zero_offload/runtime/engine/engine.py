@@ -26,14 +26,10 @@ from ..plan.memory import expected_bytes
 from ..plan.memory_bounds import check_working_set, free_bytes
 from ..plan.memory_model import StepShape, predict
 from ..plan.model_shape import ModelShape
+from ..precision.overflow_cause import overflow_cause
 from ..stage3.memory_efficient_linear import detach as detach_linear
 from ..update.group_step import step_groups
-from . import guards
-from .assembly import assemble
-from .compile import CompileAPI
-from .engine_api import DeepSpeedEngineAPI
-from .engine_compat import DeepSpeedCompatAPI
-from .offload_states import (
+from ..update.offload.offload_states import (
     BACKWARD_NEEDS,
     EVERYTHING,
     FORWARD_NEEDS,
@@ -42,7 +38,11 @@ from .offload_states import (
     MovedStates,
     OffloadStatesAPI,
 )
-from .overflow_cause import overflow_cause
+from . import guards
+from .assembly import assemble
+from .deepspeed_api.compile import CompileAPI
+from .deepspeed_api.engine_api import DeepSpeedEngineAPI
+from .deepspeed_api.engine_compat import DeepSpeedCompatAPI
 from .parts import EngineHooks, EngineParts
 from .python_gc import PYTHON_GC
 

@@ -20,15 +20,15 @@ from ...core.streams import Streams
 from ...nvme.io.aio import AioEngine
 from ..backward_scope import BackwardScope
 from ..plan.memory_model import ZeroPlan
+from ..precision.autocast import AutocastPolicy
+from ..precision.overflow import OverflowMonitor
 from ..reduce.reducer import Reducer
 from ..stage3.fetch_schedule import FetchSchedule
 from ..stage3.param_store import ParamStore
 from ..update.group import OptimizerGroup
-from ..update.host_worker import HostWorker
+from ..update.paths.host_worker import HostWorker
 from ..update.placement import Placement
 from ..update.zero_optimizer import ZeroOptimizer
-from .autocast import AutocastPolicy
-from .overflow import OverflowMonitor
 from .window import Window
 
 

@@ -80,7 +80,7 @@ def expected_bytes(
     ``ratio`` (stage 3 with offload) is the host's share of the optimizer state;
     ``accum_dtype`` is the grad shards' dtype (None: ``dtype``).
     ``alias_master``: the fp32 params are the master shard (no ``master_shard`` bytes); default:
-    fp32 with the optimizer and the params in one memory (``core/alias_state.py``): both on the
+    fp32 with the optimizer and the params in one memory (``core/state/alias_state.py``): both on the
     device, or at stage 3 both in host memory (whole offload, no delayed update; the offloads
     here are "cpu": a caller with NVMe passes False).
     ``muon_numel``: the part of ``numel`` in Muon groups (state: a momentum, 4 bytes, where

@@ -19,22 +19,22 @@ from dataclasses import dataclass
 import torch
 
 from ...core.flat_group import FlatGroup
-from ...core.shard_state import ShardState
+from ...core.state.shard_state import ShardState
 from ...core.streams import Streams
 from ...kernels.sumsq import sum_of_squares
 from ...nvme.state_range import StateRange
 from ..reduce.grad_shard import GradShard
 from .buffers import OffloadStateType, StateBuffer
-from .device_update import DeviceUpdate
 from .group_state import GroupLoad, GroupSave, grad_source, state_source, state_tensor
-from .host_muon_update import HostMuonUpdate
-from .host_update import HostUpdate
-from .muon_update import MuonUpdate
-from .nvme_update import NvmeUpdate
+from .muon.host_muon_update import HostMuonUpdate
+from .muon.muon_update import MuonUpdate
 from .param_home import ParamHome
+from .paths.device_update import DeviceUpdate
+from .paths.host_update import HostUpdate
+from .paths.nvme_update import NvmeUpdate
+from .paths.twin_update import TwinUpdate
 from .placement import Placement
 from .shard_optimizer import ShardOptimizer, UpdatePolicy
-from .twin_update import TwinUpdate
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class OptimizerGroup:
     # ---- its buffers ---------------------------------------------------------------------------
     @property
     def master_is_params(self) -> bool:
-        """The master on the device is the params' own fp32 values (``core/alias_state.py``):
+        """The master on the device is the params' own fp32 values (``core/state/alias_state.py``):
         it moves with the params, which the param store or flat buffer own."""
         return any(getattr(p, "aliased", False) for p in self._device_states())
 

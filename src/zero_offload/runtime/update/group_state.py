@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ...core.flat_group import FlatGroup
-from ...core.shard_state import ShardState
+from ...core.state.shard_state import ShardState
 from ...nvme.state_range import StateRange
 from ..reduce.grad_shard import GradShard
 from .shard_optimizer import ShardOptimizer

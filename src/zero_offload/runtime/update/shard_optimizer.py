@@ -31,12 +31,12 @@ from dataclasses import dataclass
 import torch
 
 from ...core.flat_group import FlatGroup
-from ...core.shard_state import ShardState
+from ...core.state.shard_state import ShardState
 from ...core.streams import Streams
 from ..reduce.grad_shard import GradShard
-from .client_update import ClientUpdate
 from .param_home import ParamHome
 from .part import PartHome, Span
+from .paths.client_update import ClientUpdate
 from .placement import Placement
 
 
@@ -100,7 +100,7 @@ class ShardOptimizer:
 
     @property
     def aliased(self) -> bool:
-        """The master is the param home's own fp32 values (``core/alias_state.py``)."""
+        """The master is the param home's own fp32 values (``core/state/alias_state.py``)."""
         return getattr(self.state, "aliased", False)
 
     def master_from_params(self, initial: bool = False) -> None:

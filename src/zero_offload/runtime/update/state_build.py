@@ -10,10 +10,10 @@ import torch
 
 from ...config.errors import ConfigError
 from ...core import dist
-from ...core.alias_state import AliasState
 from ...core.flat_group import FlatGroup
-from ...core.shard_state import MemoryState, ShardState
-from ...core.twin_state import TwinState
+from ...core.state.alias_state import AliasState
+from ...core.state.shard_state import MemoryState, ShardState
+from ...core.state.twin_state import TwinState
 from ...nvme.io.aio import AioEngine
 from ...nvme.optimizer_state import NvmeOptimizerState
 from ...nvme.param_shard import NvmeParams

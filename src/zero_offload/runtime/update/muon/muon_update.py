@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from ...core import dist
+from ....core import dist
+from ..shard_optimizer import ShardOptimizer
 from .muon_math import momentum_step, orthogonalized
-from .shard_optimizer import ShardOptimizer
 
 
 class MuonSteps:

@@ -13,7 +13,7 @@ says so if reached.
 
 from __future__ import annotations
 
-from .host_update import HostUpdate
+from ..paths.host_update import HostUpdate
 from .muon_update import MuonSteps
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from .layout import Segment
+from ..layout import Segment
 from .shard_state import KINDS, Body, Chunk
 
 

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import torch
 
-from . import guards
-from .autocast import DEFAULT_SAFE_MODULES
+from ...precision.autocast import DEFAULT_SAFE_MODULES
+from .. import guards
 
 
 class LossScale(float):

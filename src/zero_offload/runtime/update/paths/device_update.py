@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .shard_optimizer import ShardOptimizer
+from ..shard_optimizer import ShardOptimizer
 
 
 class DeviceUpdate(ShardOptimizer):

@@ -35,7 +35,7 @@ class DeepSpeedCompatAPI:
         it. Stage 3 only (below it ``module.state_dict()`` is whole already)."""
         if not self.zero_optimization_partition_weights():
             raise ValueError("this function requires ZeRO-3 mode")
-        from ...checkpoint.export.sharded import consolidated_state_dict
+        from ....checkpoint.export.sharded import consolidated_state_dict
 
         self.flush_delayed_update()
         # Streamed: the other ranks hold one gathered slot at a time, never the whole model.

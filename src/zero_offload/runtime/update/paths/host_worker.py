@@ -17,7 +17,7 @@ import concurrent.futures
 
 import torch
 
-from ...kernels import default_threads
+from ....kernels import default_threads
 
 LAUNCH_THREADS = 2  # the main thread and autograd's device thread, on CUDA
 

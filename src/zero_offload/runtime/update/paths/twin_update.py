@@ -20,15 +20,15 @@ import concurrent.futures
 
 import torch
 
-from ...core.flat_group import FlatGroup
-from ...core.streams import Streams
-from ...core.twin_state import TwinState
-from ..reduce.grad_shard import GradShard
+from ....core.flat_group import FlatGroup
+from ....core.state.twin_state import TwinState
+from ....core.streams import Streams
+from ...reduce.grad_shard import GradShard
+from ..param_home import ParamHome
+from ..part import Span
+from ..shard_optimizer import ShardOptimizer, UpdatePolicy
 from .device_update import DeviceUpdate
 from .host_update import HostUpdate
-from .param_home import ParamHome
-from .part import Span
-from .shard_optimizer import ShardOptimizer, UpdatePolicy
 
 
 class TwinUpdate(ShardOptimizer):

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from ...core.layout import Segment
-from ...core.shard_state import Body, Chunk, ShardState
+from ....core.layout import Segment
+from ....core.state.shard_state import Body, Chunk, ShardState
 
 
 class MomentumState:

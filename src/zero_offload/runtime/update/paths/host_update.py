@@ -21,11 +21,11 @@ import concurrent.futures
 
 import torch
 
-from ...core.labels import HOST_UPDATE, PARAM_H2D, label
-from ...core.pinned_bytes import host_bytes
-from ...core.streams import alloc_host
-from ...kernels.host_adam import host_adam_step
-from .shard_optimizer import ShardOptimizer
+from ....core.labels import HOST_UPDATE, PARAM_H2D, label
+from ....core.pinned_bytes import host_bytes
+from ....core.streams import alloc_host
+from ....kernels.host_adam import host_adam_step
+from ..shard_optimizer import ShardOptimizer
 
 
 class HostUpdate(ShardOptimizer):

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..errors import EngineUsageError
+from ...errors import EngineUsageError
 
 log = logging.getLogger("zero_offload")
 
