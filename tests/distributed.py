@@ -12,6 +12,7 @@ their own interpreter.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import io
 import os
@@ -38,10 +39,15 @@ def _start_context():
 
 
 def _with_env(env: dict, target, *args) -> None:
-    """Run ``target(*args)`` under the caller's environment as it was at the call."""
+    """Run ``target(*args)`` under the caller's environment as it was at the call, then the
+    process's exit handlers: a forked rank ends in ``os._exit``, which would skip them (an
+    interpreter's normal exit runs them: ``weakref.finalize``, ``atexit`` clean-ups)."""
     os.environ.clear()
     os.environ.update(env)
-    target(*args)
+    try:
+        target(*args)
+    finally:
+        atexit._run_exitfuncs()
 
 
 def _free_port() -> int:
