@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from ..core import dist
+from ..core import dist, host_heap
 from ..runtime.stage3.init_partition import partition_at_init
 from .init_placement import REMOTE_DEVICES, resolve
 from .init_touch import TouchMode
@@ -77,6 +77,8 @@ class Init:
         if dtype is None and loaded is not None:
             dtype = loaded.dtype
         zc = loaded.zero_optimization if loaded is not None else None
+        if enabled and zc is not None and zc.uses_nvme:  # before the model's first allocation
+            host_heap.fix_mmap_threshold()
         self.sanity_checks = bool(zc is not None and zc.enable_sanity_checks)
         self.dtype = dtype
         # Params gathered at once while constructors touch them (DeepSpeed's live bound).

@@ -71,6 +71,8 @@ class ZeroOffloadEngine(
         super().__init__()
         self._offloaded = StorageMover()  # the states offload_states() moved to the host
         self._rebound = ParamRebind()
+        if config.zero_optimization.uses_nvme:  # disk-bound steps: large blocks not kept freed
+            host_heap.fix_mmap_threshold()
         assemble(
             self, module, config, param_groups, adamw, lr_scheduler, training_dataloader, client
         )
