@@ -71,7 +71,7 @@ def _gpt(args, **over):
 
     shape = dict(n_layer=args.layers, n_embd=args.hidden, vocab_size=args.vocab,
                  n_head=max(1, args.hidden // 64), n_positions=args.seq, resid_pdrop=0.0,
-                 embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+                 embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=not args.untied)  # fmt: skip
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**shape, **over}))
 
 
@@ -130,6 +130,8 @@ def run(args, engine: str) -> dict:
     cmd = [sys.executable, __file__, "--child", engine, "--port", str(port), "--path", folder]
     for k in ("hidden", "layers", "vocab", "steps", "seq"):
         cmd += [f"--{k}", str(getattr(args, k))]
+    if args.untied:
+        cmd.append("--untied")
     if args.param_buffers:
         cmd += ["--param-buffers", *map(str, args.param_buffers)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -147,6 +149,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--deepspeed", action="store_true", help="also run DeepSpeed's engine")
+    ap.add_argument(
+        "--untied",
+        action="store_true",
+        help="an untied LM head (DeepSpeed's NVMe "
+        "param swapper fails on the tied one: 'Not enough buffers 0 for swapping 1')",
+    )
     ap.add_argument(
         "--param-buffers",
         nargs=2,
