@@ -102,3 +102,38 @@ def test_nvme_engine_keeps_large_freed_blocks_out_of_the_heap(tmp_path):
     assert "peak.host.allocator_free" in nvme["report"]
     assert nvme["freed_into_heap"] < 2**20, nvme["freed_into_heap"]
     assert cpu["freed_into_heap"] >= 2**21, cpu["freed_into_heap"]
+
+
+_INIT_ONLY = """
+import json, torch
+import zero_offload
+from zero_offload.core import host_heap
+
+big = torch.ones(16 * 2**18)  # 16 MiB, mapped; freeing it raises glibc's dynamic threshold
+del big
+cfg = {{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {{"stage": 3,
+       "offload_param": {{"device": "nvme", "nvme_path": {path!r}}}}}}}
+with zero_offload.zero.Init(config_dict_or_path=cfg):
+    model = torch.nn.Linear(8, 8)
+left, block, right = torch.ones(2**10), torch.ones(2**19), torch.ones(2**10)
+before = host_heap.free_bytes()
+del block
+print(json.dumps({{"freed_into_heap": host_heap.free_bytes() - before}}))
+"""
+
+
+@glibc
+def test_zero_init_with_nvme_params_fixes_the_threshold_before_the_model(tmp_path):
+    """``zero.Init`` with params on NVMe fixes the threshold itself, before the model's first
+    allocation: the set-up's freed blocks would otherwise leave holes that serve the step's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = _INIT_ONLY.format(path=str(tmp_path))
+    env = {**os.environ, "ZERO_OFFLOAD_DEVICE": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    freed = json.loads(out.stdout.strip().splitlines()[-1])["freed_into_heap"]
+    assert freed < 2**20, freed

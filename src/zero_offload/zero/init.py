@@ -77,8 +77,6 @@ class Init:
         if dtype is None and loaded is not None:
             dtype = loaded.dtype
         zc = loaded.zero_optimization if loaded is not None else None
-        if enabled and zc is not None and zc.uses_nvme:  # before the model's first allocation
-            host_heap.fix_mmap_threshold()
         self.sanity_checks = bool(zc is not None and zc.enable_sanity_checks)
         self.dtype = dtype
         # Params gathered at once while constructors touch them (DeepSpeed's live bound).
@@ -96,6 +94,9 @@ class Init:
             where.pin,
         )
         self.pin_memory = self.pin  # DeepSpeed's name
+        nvme = where.remote_device == "nvme" or (zc is not None and zc.uses_nvme)
+        if enabled and nvme:  # before the model's first allocation (core/host_heap.py)
+            host_heap.fix_mmap_threshold()
         self._patched: list[tuple[type, object]] = []
         self._orig_init_subclass = None
         if enabled and module is not None:
