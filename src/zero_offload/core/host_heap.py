@@ -13,8 +13,8 @@ free, so successive fetches land in different places and the resident free heap 
 model (with both offloads "nvme": 2.2 bytes a param, 4.7 GiB at 2.19B), not with any buffer
 count of the config. ``fix_mmap_threshold`` ends that for a process whose step is bound by
 the disk anyway: every block from ``NVME_MMAP_THRESHOLD`` up is mapped on its own and returned
-when freed (a page fault per page on reuse, small beside the disk's time), so the heap holds
-only small blocks. Fixing it must come before the set-up's first large allocation, or the
+when freed (a page fault per page of each new block; a disk-bound step is expected to hide it),
+so the heap holds only small blocks. Fixing it must come before the set-up's first large allocation, or the
 heap's holes from set-up serve the step's blocks all the same (glibc uses a free chunk that
 fits before it maps a new one).
 
