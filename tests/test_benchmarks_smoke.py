@@ -355,3 +355,30 @@ def test_max_model_benchmark_runs() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| zero_offload | cpu | 0.00B (4 x 64) |" in done.stdout, done.stdout
+
+
+def test_launch_account_benchmark_runs() -> None:
+    """The 2-rank ``launch ... train --model`` account at a tiny size: the train summary's terms,
+    the import baseline, their sum and each rank's measured peak are printed."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "launch_account.py"), "--hidden", "64",
+         "--layers", "1", "--vocab", "256", "--steps", "2"],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "| peak.host.allocator_free |" in out and "| baseline of an import |" in out, out
+    assert "rank 0: peak anonymous RSS" in out and "rank 1: peak anonymous RSS" in out, out
+
+
+def test_nvme_host_bound_benchmark_runs(tmp_path) -> None:
+    """The NVMe host-memory bound at a tiny size (this library's side): what the config allows
+    by term, the report and the measured peak against the bound are printed."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "nvme_host_bound.py"), "--path", str(tmp_path),
+         "--hidden", "64", "--layers", "1", "--vocab", "256", "--steps", "2", "--seq", "16"],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| fp32 gradient partition |" in done.stdout, done.stdout
+    assert "x what the config allows" in done.stdout, done.stdout

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 
 import torch
 
-from ..core import dist, partitioned
+from ..core import dist, host_heap, partitioned
 from ..runtime.stage3.init_partition import partition_at_init
 from .init_placement import REMOTE_DEVICES, resolve
 from .init_touch import TouchMode
@@ -101,6 +101,9 @@ class Init:
             where.pin,
         )
         self.pin_memory = self.pin  # DeepSpeed's name
+        nvme = where.remote_device == "nvme" or (zc is not None and zc.uses_nvme)
+        if enabled and nvme:  # before the model's first allocation (core/host_heap.py)
+            host_heap.fix_mmap_threshold()
         self._patched: list[tuple[type, object]] = []
         self._orig_init_subclass = None
         if enabled and module is not None:

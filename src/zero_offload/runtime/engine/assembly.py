@@ -13,7 +13,7 @@ import torch
 from ...activation_checkpointing import CheckpointPolicy, configure_from_engine
 from ...config.loading.auto_sizes import resolve_auto_sizes
 from ...config.runtime_keys import DTYPES
-from ...core import dist
+from ...core import dist, host_heap
 from ...core.consistency import synchronize_start
 from ...core.flat_group import FlatGroup
 from ...core.state.shard_state import ShardState
@@ -81,6 +81,8 @@ def assemble(
     per group the grad shard, param home, optimizer state and shard optimizer; the reducer and
     the fetch schedule; the step's policies. ``hooks``: the engine's methods the components
     call back."""
+    if config.zero_optimization.uses_nvme:  # disk-bound steps: large blocks not kept freed,
+        host_heap.fix_mmap_threshold()  # set before the model's first allocation here
     e = _Building(hooks)
     read_settings(e, module, config, lr_scheduler, training_dataloader)
     prepare_module(e)
