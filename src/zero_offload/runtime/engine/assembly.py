@@ -31,6 +31,7 @@ from ..stage3.memory_efficient_linear import attach as attach_linear
 from ..stage3.param_store import ParamStore, ShardHome, Stage3Policy
 from ..stage3.partition_units import move_buffers, unit_ids, unit_layout
 from ..update.group import OptimizerGroup, build_shard_optimizer
+from ..zenflow.wiring import build_zenflow_update, zenflow_schedule
 from ..update.host_worker import HostWorker
 from ..update.momentum_state import MomentumState
 from ..update.param_home import FlatHome, ParamHome
@@ -265,6 +266,7 @@ def build_updates(
     ``e.placement``) and the shard optimizer that updates them, as one object."""
     place = e.placement
     sharded = e.stage >= 1
+    e.zenflow = zenflow_for(e, groups, client)
     homes = [_param_home(e, g, gi, sharded) for gi, g in enumerate(groups)]
     states = _states(e, groups, homes, sharded, client)
     policy = UpdatePolicy(sharded, adamw, place)
@@ -281,13 +283,30 @@ def build_updates(
             accum_dtype=e.grad_accum_dtype,
             host_from=place.host_from(g.shard_numel(sharded)),
         )
-        so = build_shard_optimizer(g, gs, home, state, policy, e.streams, e._executor, client)
+        args = (g, gs, home, state, policy, e.streams)
+        if e.zenflow is not None:
+            so = build_zenflow_update(e, args, e.zenflow)
+        else:
+            so = build_shard_optimizer(*args, e._executor, client)
         if e.stage == 3:
             e.param_store.masters[gi] = so.state
         for i, p in enumerate(g.params):
             p._zero_offload = (weakref.ref(e), gi, i)
         out.append(OptimizerGroup(g, gs, home, so, place))
     return out
+
+
+def zenflow_for(e: ZeroOffloadEngine, groups: list[FlatGroup], client) -> object:
+    """``zero_optimization.zenflow``'s schedule where it is built (every step() is then one
+    ZenFlow micro-step: the window is one backward), else None."""
+    params = [p for g in groups for p in g.params]
+    dl = e.training_dataloader
+    steps = len(dl) if dl is not None and hasattr(dl, "__len__") else None
+    muon = any(g.hyper.get("use_muon") for g in groups)
+    schedule = zenflow_schedule(e.config, e.world_size, params, client or muon or None, steps)
+    if schedule is not None:
+        e.window.gas = 1
+    return schedule
 
 
 def _param_home(e: ZeroOffloadEngine, g: FlatGroup, gi: int, sharded: bool) -> ParamHome:

@@ -1,0 +1,122 @@
+"""One group's ZenFlow step, on the step protocol: every ``step()`` of the engine is one
+micro-step of DeepSpeed's ZenFlow (the engine's window is one backward), and this update runs
+both parts of it: the device part (AdamW over the selected columns, every micro-step) and the
+host part (the host Adam over the whole shard from the gradients accumulated since the last
+host update, every ``update_interval`` micro-steps or at a selection).
+
+Per micro-step ``k`` (DeepSpeed 0.19.8's order, fixed ``update_interval`` U):
+
+- at a selection (``schedule.is_select(k)``): the master becomes the params (not at k = 0), the
+  device moments are zeroed, and the columns are chosen from this micro-step's gradient;
+- the host accumulator adds this micro-step's gradient divided by U (DeepSpeed sets
+  gradient_accumulation_steps to U and scales the loss by 1/U);
+- not a host update: the device part updates the selected columns with that gradient;
+- a host update: the selected columns' values are kept aside, the host Adam runs over the
+  whole shard with the accumulated gradient (its norm clipped as ``gradient_clipping`` says,
+  bias correction at step k + 1) and writes every param, the kept columns are put back, then the
+  device part updates them.
+
+Invariant: the selected columns (and the 1-D params) are the device part's alone; the host
+update's result for them is discarded, and the master holds their values again at the next
+selection. The device part's gradient is not unscaled or clipped (as DeepSpeed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from ...config.zenflow import ZenFlowSchedule
+from ..update.host_update import HostUpdate
+from .columns import select_columns
+from .device_adam import ColumnState, adamw_columns, read, write
+
+
+class ZenFlowUpdate(HostUpdate):
+    def __init__(
+        self,
+        *args,
+        schedule: ZenFlowSchedule,
+        clip: float,
+        loss_scale: Callable[[], float],
+        **kw,
+    ) -> None:
+        super().__init__(*args, **kw)
+        self.schedule, self.clip, self.loss_scale = schedule, clip, loss_scale
+        self.micro = 0  # micro-steps taken (DeepSpeed's micro_step + 1)
+        # The host accumulator: the gradients of the micro-steps since the last host update.
+        self.accum = torch.zeros(self.span.numel, dtype=torch.float32)
+        layout = self.group.layout
+        self.ranges = [(o, o + n) for o, n in zip(layout.offsets, layout.numels)]
+        self.columns: list[ColumnState] = [ColumnState(None) for _ in self.group.params]
+
+    def step(self, factor: float) -> None:
+        """Micro-step ``self.micro``'s update; ``factor`` (the engine's unscale x clip of this
+        micro-step alone) is not used: the host part clips the accumulated gradient."""
+        k, sched = self.micro, self.schedule
+        grad = self.grads.host_grad()
+        if sched.is_select(k):
+            if k != 0:
+                self.master_from_params()
+            self._select(grad)
+        u = max(sched.update_interval, 1)
+        self.accum.add_(grad.float(), alpha=1.0 / u)
+        device_part = k >= sched.full_warm_up_rounds
+        if not sched.is_update(k):
+            self._device_part(grad, 1.0 / u)
+        else:
+            kept = [read(p, c) for p, c in zip(self.group.params, self.columns)]
+            self._host_part(k + 1)
+            if device_part:
+                for p, c, v in zip(self.group.params, self.columns, kept):
+                    write(p, c, v)
+                self._device_part(grad, 1.0 / u)
+        self.micro += 1
+
+    def _param_grad(self, grad: torch.Tensor, i: int) -> torch.Tensor:
+        lo, hi = self.ranges[i]
+        p = self.group.params[i]
+        return grad[lo:hi].view(p.shape).to(p.device)
+
+    def _select(self, grad: torch.Tensor) -> None:
+        ratio = self.schedule.topk_ratio
+        for i, p in enumerate(self.group.params):
+            c = self.columns[i]
+            if p.dim() == 2:
+                c.columns = select_columns(self._param_grad(grad, i), ratio).to(p.device)
+            c.clear()
+
+    def _device_part(self, grad: torch.Tensor, scale: float) -> None:
+        h = self.group.hyper
+        for i, (p, c) in enumerate(zip(self.group.params, self.columns)):
+            g = self._param_grad(grad, i).to(p.dtype) * scale
+            g = g[:, c.columns] if c.columns is not None else g
+            adamw_columns(p, g, c, h)
+
+    def _host_part(self, step: int) -> None:
+        """The host Adam over the whole shard with the accumulated gradient, as DeepSpeed's
+        step at its accumulation boundary: the norm's clip, bias correction at ``step``."""
+        scale = float(self.loss_scale())
+        norm = math.sqrt(float(self.accum.double().square().sum())) / scale
+        combined = scale
+        if self.clip > 0:
+            coef = (norm + 1e-6) / self.clip
+            if coef > 1:
+                combined = scale * coef
+        self.home.prepare_write()
+        self.step_count = step
+        self._host_pass(self.accum, 1.0 / combined, self._hyper(), upload=True)
+        self.home.publish()
+        self.accum.zero_()
+
+    def nbytes(self) -> dict[str, int]:
+        out = super().nbytes()
+        out["host.zenflow_accum"] = self.accum.numel() * 4
+        dev = 0
+        for c in self.columns:
+            for t in (c.exp_avg, c.exp_avg_sq, c.columns):
+                dev += 0 if t is None else t.numel() * t.element_size()
+        out["device.zenflow_columns"] = dev
+        return out
