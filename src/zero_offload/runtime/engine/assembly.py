@@ -31,7 +31,6 @@ from ..stage3.memory_efficient_linear import attach as attach_linear
 from ..stage3.param_store import ParamStore, ShardHome, Stage3Policy
 from ..stage3.partition_units import move_buffers, unit_ids, unit_layout
 from ..update.group import OptimizerGroup, build_shard_optimizer
-from ..zenflow.wiring import build_zenflow_update, zenflow_schedule
 from ..update.host_worker import HostWorker
 from ..update.momentum_state import MomentumState
 from ..update.param_home import FlatHome, ParamHome
@@ -39,6 +38,7 @@ from ..update.placement import Placement, run_name
 from ..update.shard_optimizer import UpdatePolicy
 from ..update.state_build import alias_state, build_nvme_params, build_states, preflight
 from ..update.zero_optimizer import ZeroOptimizer
+from ..zenflow.wiring import build_zenflow_update, zenflow_schedule
 from . import guards
 from .autocast import AutocastPolicy, grad_scaler_for_fp16
 from .keep_in_fp32 import keep_pattern, kept_buffers
@@ -285,7 +285,8 @@ def build_updates(
         )
         args = (g, gs, home, state, policy, e.streams)
         if e.zenflow is not None:
-            so = build_zenflow_update(e, args, e.zenflow)
+            clip = float(e.config.gradient_clipping)
+            so = build_zenflow_update(args, e.zenflow, clip, lambda: e.loss_scaler.loss_scale)
         else:
             so = build_shard_optimizer(*args, e._executor, client)
         if e.stage == 3:

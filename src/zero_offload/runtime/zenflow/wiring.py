@@ -9,6 +9,7 @@ ZeRO-Offload, with a warning naming what is missing (never silently).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -53,14 +54,11 @@ def zenflow_schedule(
     return schedule
 
 
-def build_zenflow_update(e, args: tuple, schedule: ZenFlowSchedule):
+def build_zenflow_update(
+    args: tuple, schedule: ZenFlowSchedule, clip: float, loss_scale: Callable[[], float]
+):
     """The group's update: ``args`` are ``build_shard_optimizer``'s (group, grads, home, state,
-    policy, streams); the loss scale is read at each step (fp16's changes)."""
+    policy, streams); ``loss_scale`` is read at each host update (fp16's changes)."""
     from .update import ZenFlowUpdate
 
-    return ZenFlowUpdate(
-        *args,
-        schedule=schedule,
-        clip=float(e.config.gradient_clipping),
-        loss_scale=lambda: e.loss_scaler.loss_scale,
-    )
+    return ZenFlowUpdate(*args, schedule=schedule, clip=clip, loss_scale=loss_scale)
