@@ -50,6 +50,7 @@ def _apply(
                 for lo, hi in gp.padding:
                     write(lo, torch.zeros(hi - lo, dtype=torch.float32))
             so.step_count = old.step_count
+            _load_extra_state(ckpt, plan, so, g.index)
             _restore_hyper(g.hyper, old.hyper)
             so.params_from_master()  # the 16-bit params are the master's cast, as after a step
     else:
@@ -74,6 +75,21 @@ def _apply(
             }
             rng.restore(plan.rng_json, tensors, engine.device)
     engine.zero_grad()  # a new accumulation window starts at the loaded step
+
+
+def _load_extra_state(ckpt: CheckpointReader, plan: LoadPlan, so, gi: int) -> None:
+    """An update's own state (ZenFlow's), from this rank's file; absent names read as None."""
+    load = getattr(so, "load_extra_state", None)
+    if load is None:
+        return
+    f = plan.rng_file  # this rank's own file, when the checkpoint has one for it
+    names = ckpt.header(f).tensors if f is not None else {}
+
+    def read(kind: str) -> torch.Tensor | None:
+        name = shard_tensor(gi, kind)
+        return ckpt.read_tensor(f, name) if name in names else None
+
+    load(read)
 
 
 def _writer(so, kind: str):

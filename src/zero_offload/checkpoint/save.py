@@ -139,6 +139,9 @@ def _write_rank_file(engine, stage: Path, groups: list) -> dict:
     entries = []
     if engine.stage >= 1 or engine.global_rank == 0:
         for gi, so in enumerate(og.optimizer for og in engine.opt_groups):
+            # an update's own state beside its shard (ZenFlow's mid-interval state)
+            extra = getattr(so, "extra_state", dict)()
+            entries += [Entry.of(shard_tensor(gi, k), t) for k, t in extra.items()]
             if so.client is None:
                 entries += [_state_entry(shard_tensor(gi, k), so, k, gi) for k in SHARD_KINDS]
                 continue

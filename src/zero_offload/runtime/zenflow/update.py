@@ -120,3 +120,49 @@ class ZenFlowUpdate(HostUpdate):
                 dev += 0 if t is None else t.numel() * t.element_size()
         out["device.zenflow_columns"] = dev
         return out
+
+    # ---- what a checkpoint keeps beyond the master and the host moments -----------------------
+    def flush(self) -> None:
+        """The master takes the device part's values of the selected columns (and the 1-D
+        params), so that a checkpoint's master is the live params. Training is unchanged: the
+        host update's result for them is discarded, and a selection resets them anyway."""
+        super().flush()
+        if self.micro == 0:
+            return
+        for i, (p, c) in enumerate(zip(self.group.params, self.columns)):
+            lo, hi = self.ranges[i]
+            view = self.master[lo:hi].view(p.shape)
+            if p.dim() == 1:
+                view.copy_(p.detach())
+            elif c.columns is not None:
+                cols = c.columns.to(view.device)
+                view[:, cols] = p.detach()[:, c.columns].to(view.device, view.dtype)
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        """The mid-interval state: the micro-step count, the accumulated host gradient, and
+        per param the selected columns, their device moments and step count."""
+        out = {"zenflow.micro": torch.tensor([self.micro]), "zenflow.accum": self.accum}
+        for i, c in enumerate(self.columns):
+            out[f"zenflow.{i}.step"] = torch.tensor([c.step])
+            named = (("columns", c.columns), ("exp_avg", c.exp_avg), ("exp_avg_sq", c.exp_avg_sq))
+            for name, t in named:
+                if t is not None:
+                    out[f"zenflow.{i}.{name}"] = t.detach().cpu().contiguous()
+        return out
+
+    def load_extra_state(self, fetch: Callable[[str], torch.Tensor | None]) -> None:
+        """``extra_state`` back (``fetch(name)``: None when the checkpoint has no such tensor).
+        A checkpoint without ZenFlow's state starts it afresh: a selection at the next step."""
+        micro = fetch("zenflow.micro")
+        self.accum.zero_()
+        self.columns = [ColumnState(None) for _ in self.group.params]
+        self.micro = 0 if micro is None else int(micro[0])
+        if micro is None:
+            return
+        self.accum.copy_(fetch("zenflow.accum"))
+        for i, (p, c) in enumerate(zip(self.group.params, self.columns)):
+            c.step = int(fetch(f"zenflow.{i}.step")[0])
+            for name in ("columns", "exp_avg", "exp_avg_sq"):
+                t = fetch(f"zenflow.{i}.{name}")
+                if t is not None:
+                    setattr(c, name, t.to(p.device))
