@@ -1,7 +1,8 @@
 """Train a tiny fp32 model with ZenFlow, under DeepSpeed itself or this project, and save the
 params after every ``step()``: the parity tests compare the two runs.
 
-    python tests/zenflow_run.py OUT --impl deepspeed|zero_offload [--overlap] [--steps 6]
+    python tests/zenflow_run.py OUT --impl deepspeed|zero_offload [--zenflow JSON] [--clip C]
+        [--steps 6] [--shape mlp|nobias] [--fix-binding]
 
 One process, gloo, on the CPU. DeepSpeed is imported only with ``--impl deepspeed`` (a
 subprocess of the test), so the project's run never sees DeepSpeed's modules.
@@ -25,14 +26,17 @@ TOPK = {
 }
 
 
-def make_model() -> torch.nn.Module:
+def make_model(shape: str = "mlp") -> torch.nn.Module:
+    """``"mlp"``: a tiny MLP; ``"nobias"``: the same without biases (DeepSpeed 0.19.8's column
+    selection misreads its gradient bucket after a 1-D param, docs/zenflow.md)."""
     torch.manual_seed(0)
+    bias = shape != "nobias"
     return torch.nn.Sequential(
-        torch.nn.Linear(8, 16),
+        torch.nn.Linear(8, 16, bias=bias),
         torch.nn.Tanh(),
-        torch.nn.Linear(16, 12),
+        torch.nn.Linear(16, 12, bias=bias),
         torch.nn.Tanh(),
-        torch.nn.Linear(12, 4),
+        torch.nn.Linear(12, 4, bias=bias),
     )
 
 
@@ -59,16 +63,45 @@ def config(zenflow: dict | None, clip: float = 0.0) -> dict:
     }
 
 
-def train(initialize, cfg: dict, steps: int) -> list[list[torch.Tensor]]:
-    model = make_model()
+def train(initialize, cfg: dict, steps: int, shape: str = "mlp") -> list[list[torch.Tensor]]:
+    """The params after initialize, then after every step."""
+    model = make_model(shape)
     engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    out = []
+    out = [[p.detach().clone().float() for p in engine.module.parameters()]]
+    dtype = next(engine.module.parameters()).dtype
     for x, y in batches(steps):
-        loss = torch.nn.functional.mse_loss(engine(x), y)
+        loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
         engine.backward(loss)
         engine.step()
         out.append([p.detach().clone().float() for p in engine.module.parameters()])
     return out
+
+
+def fix_deepspeed_binding() -> None:
+    """DeepSpeed 0.19.8's stage 1/2 ZenFlow lays 2-D params out column-major in its flat buffer
+    (its gradients and selection read it so) but binds each module param as a row-major view of
+    it, which scrambles every 2-D param at initialize. This binds them as the column-major
+    views the rest of its code expects; nothing else of DeepSpeed changes."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    def bind(self, group_index):
+        flat_group = self.bit16_groups_flat[group_index]
+        for p, meta, offset in zip(
+            self.round_robin_bit16_groups[group_index],
+            self.round_robin_bit16_meta[group_index],
+            self.round_robin_bit16_offsets[group_index],
+        ):
+            view = flat_group.narrow(0, offset, meta.numel())
+            if self.zenflow and len(meta.shape) == 2:
+                view = view.view(meta.shape[1], meta.shape[0]).t()
+            else:
+                view = view.view(meta.shape)
+            p.data = view.data
+        for param_index, param in enumerate(self.bit16_groups[group_index]):
+            new_index = self.round_robin_bit16_indices[group_index][param_index]
+            param.data = self.round_robin_bit16_groups[group_index][new_index].data
+
+    DeepSpeedZeroOptimizer._update_model_bit16_weights = bind
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--zenflow", default=json.dumps(TOPK))
     ap.add_argument("--clip", type=float, default=0.0)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--shape", choices=["mlp", "nobias"], default="mlp")
+    ap.add_argument("--fix-binding", action="store_true")
     args = ap.parse_args(argv)
     for k, v in {
         "MASTER_ADDR": "127.0.0.1",
@@ -94,12 +129,14 @@ def main(argv: list[str] | None = None) -> None:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        if args.fix_binding:
+            fix_deepspeed_binding()
         initialize = deepspeed.initialize
     else:
         import zero_offload
 
         initialize = zero_offload.initialize
-    torch.save(train(initialize, cfg, args.steps), args.out)
+    torch.save(train(initialize, cfg, args.steps, args.shape), args.out)
 
 
 if __name__ == "__main__":

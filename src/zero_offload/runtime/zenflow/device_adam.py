@@ -1,5 +1,5 @@
 """The device part of a ZenFlow step: AdamW over the selected columns of each param, in the
-params' own dtype, with torch's single-tensor AdamW arithmetic (DeepSpeed's selective AdamW).
+params' own dtype (fp16: in fp32), with torch's single-tensor AdamW arithmetic (DeepSpeed's selective AdamW).
 
 State per param: ``exp_avg`` and ``exp_avg_sq`` of the selected columns' shape (zeroed when the
 columns are chosen again) and a step count that is never reset (DeepSpeed's: bias correction
@@ -47,7 +47,11 @@ def write(param: torch.Tensor, state: ColumnState, value: torch.Tensor) -> None:
 def adamw_columns(param: torch.Tensor, grad: torch.Tensor, state: ColumnState, hyper: dict) -> None:
     """One AdamW step of the selected part of ``param`` with ``grad`` (its shape). Decoupled
     weight decay whatever the host optimizer's mode, as DeepSpeed's selective AdamW."""
-    sel = read(param, state)
+    # fp16: fp32 arithmetic and moments (in fp16, eps 1e-8 is 0 and a small squared gradient
+    # is 0: the update divides by zero); other dtypes: the param's own, as DeepSpeed.
+    work = torch.float32 if param.dtype == torch.float16 else param.dtype
+    sel = read(param, state).to(work)
+    grad = grad.to(work)
     if state.exp_avg is None or state.exp_avg.shape != sel.shape:
         state.exp_avg = torch.zeros_like(sel)
         state.exp_avg_sq = torch.zeros_like(sel)
@@ -61,4 +65,4 @@ def adamw_columns(param: torch.Tensor, grad: torch.Tensor, state: ColumnState, h
     step_size = lr / (1 - beta1**step)
     denom = (state.exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
     sel.addcdiv_(state.exp_avg, denom, value=-step_size)
-    write(param, state, sel)
+    write(param, state, sel.to(param.dtype))

@@ -18,7 +18,8 @@ Per micro-step ``k`` (DeepSpeed 0.19.8's order, fixed ``update_interval`` U):
 
 Invariant: the selected columns (and the 1-D params) are the device part's alone; the host
 update's result for them is discarded, and the master holds their values again at the next
-selection. The device part's gradient is not unscaled or clipped (as DeepSpeed).
+selection. The device part's gradient is not clipped (as DeepSpeed); with fp16 it is unscaled
+(DeepSpeed's is not, docs/zenflow.md).
 """
 
 from __future__ import annotations
@@ -64,15 +65,18 @@ class ZenFlowUpdate(HostUpdate):
         u = max(sched.update_interval, 1)
         self.accum.add_(grad.float(), alpha=1.0 / u)
         device_part = k >= sched.full_warm_up_rounds
+        # fp16: unscaled (DeepSpeed's is not, and the square of a loss-scaled gradient
+        # overflows its fp16 moments); the loss scale is 1 otherwise.
+        dev_scale = 1.0 / (u * float(self.loss_scale()))
         if not sched.is_update(k):
-            self._device_part(grad, 1.0 / u)
+            self._device_part(grad, dev_scale)
         else:
             kept = [read(p, c) for p, c in zip(self.group.params, self.columns)]
             self._host_part(k + 1)
             if device_part:
                 for p, c, v in zip(self.group.params, self.columns, kept):
                     write(p, c, v)
-                self._device_part(grad, 1.0 / u)
+                self._device_part(grad, dev_scale)
         self.micro += 1
 
     def _param_grad(self, grad: torch.Tensor, i: int) -> torch.Tensor:
