@@ -146,10 +146,17 @@ def test_zenflow_deterministic_and_not_plain():
     assert max_diff(a, ours(None, 5)) > 1e-3
 
 
-def test_unbuilt_zenflow_warns_and_trains_plain(caplog):
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"overlap_step": True}, "overlap_step true"),
+        ({"update_interval": "auto"}, 'update_interval "auto"'),
+    ],
+)
+def test_unbuilt_zenflow_warns_and_trains_plain(caplog, change, words):
     with caplog.at_level(logging.WARNING, logger="zero_offload"):
-        got = ours({**TOPK, "overlap_step": True}, 3)
-    assert "zero_optimization.zenflow: not built for overlap_step true" in caplog.text
+        got = ours({**TOPK, **change}, 3)
+    assert f"zero_optimization.zenflow: not built for {words}" in caplog.text
     assert max_diff(got, ours(None, 3)) == 0.0
 
 

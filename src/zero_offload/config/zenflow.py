@@ -129,14 +129,17 @@ class ZenFlowSchedule:
         )
 
     def is_update(self, micro: int) -> bool:
-        """Micro-step ``micro`` ends with a host update (a fixed update_interval)."""
-        n = micro + 1
-        if n < self.full_warm_up_rounds:
-            return True
-        si = self.select_interval
-        return (n - self.full_warm_up_rounds) % self.update_interval == 0 or (
-            si != 0 and n % si == 0
-        )
+        """Micro-step ``micro`` ends with a host update (DeepSpeed's accumulation boundary), for
+        a fixed ``update_interval`` (with "auto" the engine does not build ZenFlow)."""
+        n, si, warm = micro + 1, self.select_interval, self.full_warm_up_rounds
+        assert not self.auto_update
+        return n < warm or (n - warm) % self.update_interval == 0 or (si != 0 and n % si == 0)
+
+    @property
+    def grad_divisor(self) -> int:
+        """What DeepSpeed divides each step's loss by: gradient_accumulation_steps, which it
+        sets to update_interval (0 with "auto": no division)."""
+        return self.update_interval if self.update_interval > 1 else 1
 
 
 def resolve_schedule(cfg: ZenFlowConfig, steps_per_epoch: int | None) -> ZenFlowSchedule:

@@ -62,7 +62,7 @@ class ZenFlowUpdate(HostUpdate):
             if k != 0:
                 self.master_from_params()
             self._select(grad)
-        u = max(sched.update_interval, 1)
+        u = sched.grad_divisor
         self.accum.add_(grad.float(), alpha=1.0 / u)
         device_part = k >= sched.full_warm_up_rounds
         # fp16: unscaled (DeepSpeed's is not, and the square of a loss-scaled gradient
