@@ -20,6 +20,16 @@ def problems(config: dict) -> str:
     return str(info.value)
 
 
+def test_auto_is_deepspeeds_value_not_a_fill_in():
+    import warnings
+
+    auto = {"select_strategy": "auto", "select_interval": "auto", "update_interval": "auto"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zf = load_config(cfg(auto), 1).zero_optimization.zenflow
+    assert (zf.select_strategy, zf.select_interval, zf.update_interval) == ("auto",) * 3
+
+
 def test_defaults_are_deepspeeds():
     zf = load_config(cfg({}), 1).zero_optimization.zenflow
     assert (zf.topk_ratio, zf.select_strategy, zf.select_interval, zf.update_interval) == (

@@ -9,7 +9,7 @@ gradients accumulated meanwhile. ``runtime/zenflow/`` builds it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -32,6 +32,10 @@ def _interval(value: Any, key: str, least: int) -> Any:
 
 class ZenFlowConfig(Section):
     """DeepSpeed's ``ZenFlowConfig``: every key, with its meaning and default."""
+
+    AUTO_IS_A_VALUE: ClassVar[frozenset[str]] = frozenset(
+        {"select_strategy", "select_interval", "update_interval"}
+    )
 
     topk_ratio: Float = Field(
         0.1,
