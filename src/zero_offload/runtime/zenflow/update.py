@@ -70,13 +70,14 @@ class ZenFlowUpdate(HostUpdate):
         dev_scale = 1.0 / (u * float(self.loss_scale()))
         if not sched.is_update(k):
             self._device_part(grad, dev_scale)
+        elif not device_part:  # the warm-up: every element is the host's
+            self._host_part(k + 1)
         else:
             kept = [read(p, c) for p, c in zip(self.group.params, self.columns)]
             self._host_part(k + 1)
-            if device_part:
-                for p, c, v in zip(self.group.params, self.columns, kept):
-                    write(p, c, v)
-                self._device_part(grad, dev_scale)
+            for p, c, v in zip(self.group.params, self.columns, kept):
+                write(p, c, v)
+            self._device_part(grad, dev_scale)
         self.micro += 1
 
     def _param_grad(self, grad: torch.Tensor, i: int) -> torch.Tensor:
@@ -95,13 +96,12 @@ class ZenFlowUpdate(HostUpdate):
     def _device_part(self, grad: torch.Tensor, scale: float) -> None:
         h = self.group.hyper
         for i, (p, c) in enumerate(zip(self.group.params, self.columns)):
-            g = self._param_grad(grad, i).to(p.dtype) * scale
+            g = self._param_grad(grad, i).float() * scale  # cast to the update's dtype there
             g = g[:, c.columns] if c.columns is not None else g
             adamw_columns(p, g, c, h)
 
-    def _host_part(self, step: int) -> None:
-        """The host Adam over the whole shard with the accumulated gradient, as DeepSpeed's
-        step at its accumulation boundary: the norm's clip, bias correction at ``step``."""
+    def _host_factor(self) -> float:
+        """The accumulated gradient's unscale x clip, as DeepSpeed's step computes it."""
         scale = float(self.loss_scale())
         norm = math.sqrt(float(self.accum.double().square().sum())) / scale
         combined = scale
@@ -109,9 +109,15 @@ class ZenFlowUpdate(HostUpdate):
             coef = (norm + 1e-6) / self.clip
             if coef > 1:
                 combined = scale * coef
+        return 1.0 / combined
+
+    def _host_part(self, step: int) -> None:
+        """The host Adam over the whole shard with the accumulated gradient, as DeepSpeed's
+        step at its accumulation boundary: the norm's clip, bias correction at ``step``."""
+        factor = self._host_factor()
         self.home.prepare_write()
         self.step_count = step
-        self._host_pass(self.accum, 1.0 / combined, self._hyper(), upload=True)
+        self._host_pass(self.accum, factor, self._hyper(), upload=True)
         self.home.publish()
         self.accum.zero_()
 

@@ -26,7 +26,6 @@ def _unbuilt(config, world_size: int, params: list[torch.Tensor], client: object
     reasons = [
         (zc.stage == 3, "stage 3"),
         (world_size > 1, f"{world_size} ranks (one rank is built)"),
-        (zf.overlap_step, "overlap_step true"),
         (isinstance(zf.update_interval, str), 'update_interval "auto"'),
         (oc.delayed_update, "offload_optimizer.delayed_update"),
         (oc.ratio < 1.0, "offload_optimizer.ratio < 1"),
@@ -59,6 +58,8 @@ def build_zenflow_update(
 ):
     """The group's update: ``args`` are ``build_shard_optimizer``'s (group, grads, home, state,
     policy, streams); ``loss_scale`` is read at each host update (fp16's changes)."""
+    from .overlap import ZenFlowOverlapUpdate
     from .update import ZenFlowUpdate
 
-    return ZenFlowUpdate(*args, schedule=schedule, clip=clip, loss_scale=loss_scale)
+    cls = ZenFlowOverlapUpdate if schedule.overlap_step else ZenFlowUpdate
+    return cls(*args, schedule=schedule, clip=clip, loss_scale=loss_scale)
