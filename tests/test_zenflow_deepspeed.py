@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 def run(tmp_path: Path, impl: str, zf: dict, clip: float) -> list[list[torch.Tensor]]:
     out = tmp_path / f"{impl}.pt"
     cmd = [sys.executable, str(HERE / "zenflow_run.py"), str(out), "--impl", impl]
-    cmd += ["--shape", "nobias", "--steps", "7", "--zenflow", json.dumps(zf), "--clip", str(clip)]
+    cmd += ["--shape", "nobias", "--steps", "9", "--zenflow", json.dumps(zf), "--clip", str(clip)]
     if impl == "deepspeed":
         cmd.append("--fix-binding")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
@@ -38,7 +38,7 @@ def run(tmp_path: Path, impl: str, zf: dict, clip: float) -> list[list[torch.Ten
 
 def _check(tmp_path: Path, zf: dict, clip: float) -> None:
     ds, ours = run(tmp_path, "deepspeed", zf, clip), run(tmp_path, "zero_offload", zf, clip)
-    assert len(ds) == len(ours) == 8
+    assert len(ds) == len(ours) == 10
     moved = max(float((p - q).abs().max()) for p, q in zip(ds[-1], ds[0]))
     assert moved > 1e-2  # it trained
     for k, (a, b) in enumerate(zip(ds, ours)):
@@ -53,4 +53,14 @@ def test_zenflow_equals_deepspeed(tmp_path):
 @pytest.mark.slow
 def test_zenflow_equals_deepspeed_warmup_clip_select3(tmp_path):
     zf = {**TOPK, "select_interval": 3, "full_warm_up_rounds": 1}
+    _check(tmp_path, zf, 0.05)
+
+
+def test_zenflow_overlap_step_equals_deepspeed(tmp_path):
+    _check(tmp_path, {**TOPK, "select_interval": 4, "overlap_step": True}, 0.0)
+
+
+@pytest.mark.slow
+def test_zenflow_overlap_step_warmup_clip_select3_equals_deepspeed(tmp_path):
+    zf = {**TOPK, "select_interval": 3, "full_warm_up_rounds": 1, "overlap_step": True}
     _check(tmp_path, zf, 0.05)

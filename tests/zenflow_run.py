@@ -104,6 +104,32 @@ def fix_deepspeed_binding() -> None:
     DeepSpeedZeroOptimizer._update_model_bit16_weights = bind
 
 
+def finish_overlapped_updates() -> None:
+    """DeepSpeed's overlapped host update (``overlap_step``) runs in a separate process that
+    reads and writes the master while the next steps run, so which master it updates depends on
+    timing (two runs of the same script differ). This makes every update finish as it is
+    submitted (the order a fast optimizer process gives), keeping DeepSpeed's own waits: each
+    one then takes the completion drained here."""
+    from deepspeed.runtime.zenflow.zenflow_stage_1_and_2 import ZenFlowZeroOptimizerParallel
+
+    submit = ZenFlowZeroOptimizerParallel.zenflow_cpu_optimizer_step
+    wait = ZenFlowZeroOptimizerParallel._wait_for_optimizer_process
+
+    def submit_and_finish(self, now_state, norm):
+        submit(self, now_state, norm)
+        wait(self)
+        self._finished = getattr(self, "_finished", 0) + 1
+
+    def take_finished(self):
+        if getattr(self, "_finished", 0) > 0:
+            self._finished -= 1
+            return
+        wait(self)
+
+    ZenFlowZeroOptimizerParallel.zenflow_cpu_optimizer_step = submit_and_finish
+    ZenFlowZeroOptimizerParallel._wait_for_optimizer_process = take_finished
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -112,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--clip", type=float, default=0.0)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--shape", choices=["mlp", "nobias"], default="mlp")
+    # DeepSpeed's ZenFlow with its param binding fixed and its overlapped updates in order
     ap.add_argument("--fix-binding", action="store_true")
     args = ap.parse_args(argv)
     for k, v in {
@@ -131,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
         if args.fix_binding:
             fix_deepspeed_binding()
+            finish_overlapped_updates()
         initialize = deepspeed.initialize
     else:
         import zero_offload

@@ -63,8 +63,9 @@ class ZenFlowConfig(Section):
     )
     overlap_step: Bool = Field(
         False,
-        description="Run the host update in the background during the next update_interval "
-        "steps' forward and backward (its result lands one interval late).",
+        description="DeepSpeed runs the host update in the background during the next "
+        "update_interval steps (its result lands one interval late, with two alternating sets "
+        "of moments). Here the result is the same; the update runs in the step.",
     )
     offload: Bool = Field(
         False,

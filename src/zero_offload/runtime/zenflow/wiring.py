@@ -1,7 +1,7 @@
 """Whether this engine runs ZenFlow, and its group update.
 
-What is built: stages 1 and 2, one rank, a fixed ``update_interval``, ``overlap_step`` false,
-the built-in Adam(W) over params of at most 2 dimensions, ``offload_optimizer`` "cpu" without
+What is built: stages 1 and 2, one rank, a fixed ``update_interval`` (``overlap_step`` either
+way), the built-in Adam(W) over params of at most 2 dimensions, ``offload_optimizer`` "cpu" without
 the delayed update or a partial ratio. Any other ZenFlow config is not built: it trains as plain
 ZeRO-Offload, with a warning naming what is missing (never silently).
 """
