@@ -242,3 +242,16 @@ def test_zenflow_16bit_tracks_fp32(dtype):
     b = train(zero_offload.initialize, cfg, 5)[1:]
     assert max_diff(a, b) == 0.0
     assert max_diff(a, ours(TOPK, 5)) < 0.02
+
+
+def test_overlap_step_runs_the_host_update_during_the_next_steps():
+    engine = _engine(OVERLAP)
+    x, y = batches(1)[0]
+    zf = engine.opt_groups[0].optimizer
+    for _ in range(2):  # the second step ends the first interval: its host update starts
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    assert zf._pending is not None  # on the worker while the next forward/backward run
+    assert zf.worker._threads and "host-update" in next(iter(zf.worker._threads)).name
+    engine.flush_delayed_update()  # eval and saving wait for it
+    assert zf._pending is None

@@ -63,9 +63,9 @@ class ZenFlowConfig(Section):
     )
     overlap_step: Bool = Field(
         False,
-        description="DeepSpeed runs the host update in the background during the next "
-        "update_interval steps (its result lands one interval late, with two alternating sets "
-        "of moments). Here the result is the same; the update runs in the step.",
+        description="Run the host update in the background during the next update_interval "
+        "steps' forward and backward (its result lands one interval late; two alternating sets "
+        "of host moments, as DeepSpeed).",
     )
     offload: Bool = Field(
         False,

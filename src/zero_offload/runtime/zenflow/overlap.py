@@ -1,23 +1,32 @@
-"""ZenFlow's ``overlap_step``: the host update of one interval lands in the params one interval
-later, as DeepSpeed 0.19.8's overlapped optimizer process gives it when that process finishes
-each update before the next interval ends (a host update here runs synchronously, so the result
-is the same whatever the timing).
+"""ZenFlow's ``overlap_step``: the host update of one interval runs on a worker thread during
+the next interval's forward and backward, and lands in the params one interval later, as
+DeepSpeed 0.19.8's overlapped optimizer process gives it when that process finishes each update
+before anything else reads the master.
 
 DeepSpeed's overlapped host Adam keeps two sets of moments and uses set ``(k // U) & 1`` for the
 interval ending at micro-step k (during the warm-up: set ``k & 1``); each update also leaves a
 copy of the master (``stale``). At a host update after the warm-up, first the params take the
-copy left by the previous update, then this interval's update runs on the master; the first such
-update has no previous one, and without a warm-up the second one does not copy either (DeepSpeed
-skips its first wait then). During the warm-up every update is copied at once. The selected
-columns are the device part's as without overlap.
+copy left by the previous update, then this interval's update starts on the master; the first
+such update has no previous one, and without a warm-up the second one does not copy either
+(DeepSpeed skips its first wait then). During the warm-up every update is copied at once. The
+selected columns are the device part's as without overlap.
+
+Ownership: while an update runs, the worker owns the master, both moment sets, ``stale`` and the
+accumulator it was given; the step accumulates into the other accumulator. Everything that reads
+the master first joins the worker (the next host update, a selection's copy of the params into
+the master, ``flush``, a checkpoint), so the result never depends on timing (DeepSpeed's does:
+its selection may overwrite the master under a running update).
 """
 
 from __future__ import annotations
+
+import concurrent.futures
 
 import torch
 
 from ...kernels.host_adam import host_adam_step
 from ..update.host_update import HostUpdate
+from ..update.host_worker import HostWorker
 from .update import ZenFlowUpdate
 
 
@@ -29,13 +38,28 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
         self.exp_avg1 = torch.zeros(n, dtype=torch.float32)
         self.exp_avg_sq1 = torch.zeros(n, dtype=torch.float32)
         self.stale = torch.zeros(n, dtype=torch.float32)
+        self.spare = torch.zeros(n, dtype=torch.float32)  # the accumulator not being filled
         self.updates_after_warmup = 0
+        self.worker = HostWorker(self.group.device, self.threads)
+        self._pending: concurrent.futures.Future | None = None
+
+    def join(self) -> None:
+        """Wait for the running host update (its error is raised here)."""
+        pending = getattr(self, "_pending", None)  # None too while __init__ runs
+        self._pending = None
+        if pending is not None:
+            pending.result()
+
+    def master_from_params(self, initial: bool = False) -> None:
+        self.join()
+        super().master_from_params(initial)
 
     def _host_part(self, step: int) -> None:
         k, sched = step - 1, self.schedule
-        warm = k < sched.full_warm_up_rounds
-        if warm:
+        self.join()
+        if k < sched.full_warm_up_rounds:
             self._submit(k & 1, step)
+            self.join()
             self._copy()
             return
         self.updates_after_warmup += 1
@@ -45,27 +69,27 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
         self._submit((k // sched.update_interval) & 1, step)
 
     def _submit(self, which: int, step: int) -> None:
-        """This interval's host Adam on the master with moment set ``which``; no param moves."""
+        """Start this interval's host Adam on the master with moment set ``which`` (no param
+        moves); the next steps accumulate into the spare accumulator meanwhile."""
         m, v = (self.exp_avg, self.exp_avg_sq) if which == 0 else (self.exp_avg1, self.exp_avg_sq1)
-        h = self._hyper()
-        bc = bool(self.group.hyper.get("bias_correction", True))
-        factor = self._host_factor()
-        host_adam_step(
-            self.master,
-            m,
-            v,
-            self.accum,
-            None,
-            step=step,
-            adamw=self.adamw,
-            bias_correction=bc,
-            grad_scale=factor,
-            threads=self.threads,
-            **h,
-        )
+        h = dict(self._hyper(), adamw=self.adamw, grad_scale=self._host_factor(), step=step)
+        h["bias_correction"] = bool(self.group.hyper.get("bias_correction", True))
+        grad, self.accum, self.spare = self.accum, self.spare, self.accum
         self.step_count = step
-        self.stale.copy_(self.master)
-        self.accum.zero_()
+
+        def update() -> None:
+            host_adam_step(self.master, m, v, grad, None, threads=self.worker.threads, **h)
+            self.stale.copy_(self.master)
+            grad.zero_()
+
+        self._pending = self.worker.submit(update)
+
+    def nbytes(self) -> dict[str, int]:
+        out = super().nbytes()
+        out["host.zenflow_accum"] += self.spare.numel() * 4
+        extra = (self.exp_avg1, self.exp_avg_sq1, self.stale)
+        out["host.zenflow_overlap"] = sum(t.numel() * 4 for t in extra)
+        return out
 
     def _copy(self) -> None:
         """The params take the master's copy left by the last update."""
@@ -76,11 +100,14 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
 
     # ---- checkpoints: the second moments, the copy, and the params the copy has not reached --
     def flush(self) -> None:
-        """The master is left as it is: with overlap its selected columns are not idle (a copy
-        made before a selection reaches the columns that stop being selected)."""
+        """The running update finishes; the master is left as it is: with overlap its selected
+        columns are not idle (a copy made before a selection reaches the columns that stop
+        being selected)."""
+        self.join()
         HostUpdate.flush(self)
 
     def extra_state(self) -> dict[str, torch.Tensor]:
+        self.join()
         out = super().extra_state()
         out["zenflow.exp_avg1"], out["zenflow.exp_avg_sq1"] = self.exp_avg1, self.exp_avg_sq1
         out["zenflow.stale"] = self.stale
@@ -92,7 +119,9 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
         return out
 
     def load_extra_state(self, fetch) -> None:
+        self.join()
         super().load_extra_state(fetch)
+        self.spare.zero_()
         self._live = fetch("zenflow.params")
         n = fetch("zenflow.updates_after_warmup")
         self.updates_after_warmup = 0 if n is None else int(n[0])
