@@ -1,7 +1,9 @@
 """ZenFlow (``zero_optimization.zenflow``) trains as DeepSpeed 0.19.8's algorithm says, checked
-against a plain-PyTorch reference of that algorithm (``reference`` below), deterministically,
-and against plain offload (it is not plain Adam). Built: one rank, stages 1 and 2, fp32 here,
-a fixed update_interval, overlap_step false; the rest warns and trains plain offload."""
+against a plain-PyTorch reference of that algorithm (``reference`` below), with and without
+``overlap_step``, deterministically, and against plain offload (it is not plain Adam); its
+checkpoints resume bitwise mid-interval. Built: one rank, stages 1 and 2, a fixed
+update_interval; the rest warns and trains plain offload. DeepSpeed itself:
+``test_zenflow_deepspeed.py``."""
 
 from __future__ import annotations
 

@@ -1,11 +1,13 @@
-"""Train a tiny fp32 model with ZenFlow, under DeepSpeed itself or this project, and save the
-params after every ``step()``: the parity tests compare the two runs.
+"""Train a tiny model with ZenFlow, under DeepSpeed itself or this project, and save the params
+after initialize and after every ``step()``: the parity tests compare the two runs.
 
     python tests/zenflow_run.py OUT --impl deepspeed|zero_offload [--zenflow JSON] [--clip C]
         [--steps 6] [--shape mlp|nobias] [--fix-binding]
 
 One process, gloo, on the CPU. DeepSpeed is imported only with ``--impl deepspeed`` (a
-subprocess of the test), so the project's run never sees DeepSpeed's modules.
+subprocess of the test), so the project's run never sees DeepSpeed's modules; ``--fix-binding``
+runs DeepSpeed's ZenFlow with its param binding fixed and its overlapped updates in order
+(docs/zenflow.md).
 """
 
 from __future__ import annotations
