@@ -81,9 +81,9 @@ class ZenFlowUpdate(HostUpdate):
         self.micro += 1
 
     def _param_grad(self, grad: torch.Tensor, i: int) -> torch.Tensor:
+        """Param ``i``'s part of this step's host gradient, in the param's shape (host)."""
         lo, hi = self.ranges[i]
-        p = self.group.params[i]
-        return grad[lo:hi].view(p.shape).to(p.device)
+        return grad[lo:hi].view(self.group.params[i].shape)
 
     def _select(self, grad: torch.Tensor) -> None:
         ratio = self.schedule.topk_ratio
@@ -96,9 +96,9 @@ class ZenFlowUpdate(HostUpdate):
     def _device_part(self, grad: torch.Tensor, scale: float) -> None:
         h = self.group.hyper
         for i, (p, c) in enumerate(zip(self.group.params, self.columns)):
-            g = self._param_grad(grad, i).float() * scale  # cast to the update's dtype there
-            g = g[:, c.columns] if c.columns is not None else g
-            adamw_columns(p, g, c, h)
+            g = self._param_grad(grad, i)
+            g = g[:, c.columns.cpu()] if c.columns is not None else g  # only these go up
+            adamw_columns(p, (g.float() * scale).to(p.device), c, h)
 
     def _host_factor(self) -> float:
         """The accumulated gradient's unscale x clip, as DeepSpeed's step computes it."""
