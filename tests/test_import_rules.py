@@ -30,6 +30,14 @@ FORBIDDEN = {
         "runtime.update.group_step",
         "runtime.update.offload",
         "runtime.update.muon.muon_groups",
+        "runtime.update.zenflow",
+    ),
+    # ZenFlow is one update path (on the host one); the assembly builds it
+    "runtime.update.zenflow": (
+        "runtime.engine",
+        "runtime.update.group",
+        "runtime.update.group_step",
+        "runtime.update.offload",
     ),
     # the memory estimator reads reduce/'s and update/'s sizes; the engine imports it
     "runtime.plan": ("runtime.engine", "runtime.stage3"),

@@ -48,6 +48,7 @@ def _apply(
                     write(dst, ckpt.read_slice(f, shard_tensor(og.index, kind), src, src + n))
                 for lo, hi in gp.padding:
                     write(lo, torch.zeros(hi - lo, dtype=torch.float32))
+            load.extra(_extra_reader(ckpt, plan, og.index))
             _restore_hyper(og.flat.hyper, old.hyper)
             load.finish(old.step_count)  # the 16-bit params: the master's cast, as after a step
     else:
@@ -72,6 +73,18 @@ def _apply(
             }
             rng.restore(plan.rng_json, tensors, engine.device)
     engine.zero_grad()  # a new accumulation window starts at the loaded step
+
+
+def _extra_reader(ckpt: CheckpointReader, plan: LoadPlan, gi: int):
+    """Group ``gi``'s extra state tensors from this rank's own file; absent names read None."""
+    f = plan.rng_file  # this rank's own file, when the checkpoint has one for it
+    names = ckpt.header(f).tensors if f is not None else {}
+
+    def read(kind: str) -> torch.Tensor | None:
+        name = shard_tensor(gi, kind)
+        return ckpt.read_tensor(f, name) if name in names else None
+
+    return read
 
 
 def _restore_hyper(hyper: dict, saved: dict) -> None:

@@ -139,6 +139,8 @@ def _write_rank_file(engine, stage: Path, groups: list) -> dict:
     entries = []
     if engine.stage >= 1 or engine.global_rank == 0:
         for gi, saved in enumerate(og.save() for og in engine.opt_groups):
+            # an update's own state beside its shard (ZenFlow's mid-interval state)
+            entries += [Entry.of(shard_tensor(gi, k), t) for k, t in saved.extra.items()]
             if saved.client is None:
                 entries += [_state_entry(shard_tensor(gi, k), saved, k, gi) for k in SHARD_KINDS]
                 continue

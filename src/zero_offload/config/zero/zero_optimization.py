@@ -16,6 +16,7 @@ from ..errors import join_path, json_repr
 from ..fields import DEFAULT_ONLY, Bool, DsFloat, DsInt, Int, Section, Str, pydantic_int, rule_error
 from ..loading.keys import describe_errors
 from .leaf_module import LeafModuleConfig
+from .zenflow import ZenFlowConfig, check_zenflow
 
 # 5e8 elements: DeepSpeed's default for both bucket sizes.
 DEFAULT_BUCKET_SIZE = 500_000_000
@@ -40,7 +41,7 @@ STAGE3_SPELLINGS: dict[str, tuple[str, ...]] = {
 }
 _ALIAS_OF = {alias: name for name, aliases in STAGE3_SPELLINGS.items() for alias in aliases}
 
-# Stage-3 (and ZeRO++ / ZenFlow) keys not built: accepted so DeepSpeed configs load,
+# Stage-3 (and ZeRO++) keys not built: accepted so DeepSpeed configs load,
 # then listed in the not-implemented warning, in both of DeepSpeed's spellings.
 _STAGE3_EXTRAS = (
     "module_granularity_threshold",
@@ -59,7 +60,6 @@ ZERO_NOT_IMPLEMENTED = frozenset(
         "override_module_apply",
         "log_trace_cache_warnings",
         "save_muon_momentum_buffer_in_memory",
-        "zenflow",
         "legacy_stage1",
         "cpu_offload_use_pin_memory",
     }
@@ -360,6 +360,12 @@ class ZeroConfig(Section):
         description="ZeRO-Offload: the optimizer state and update on the host or NVMe "
         "(stages 1-3). Null: on the device.",
     )
+    zenflow: ZenFlowConfig | None = Field(
+        None,
+        description="DeepSpeed's ZenFlow: the top gradient columns updated on the device every "
+        "step, the rest on the host every update_interval steps (needs offload_optimizer "
+        '"cpu"). Null: off.',
+    )
     offload_param: OffloadParamConfig | None = Field(
         None,
         description="ZeRO-Offload / ZeRO-Infinity at stage 3: the 16-bit param shard in host "
@@ -490,6 +496,7 @@ class ZeroConfig(Section):
             # DeepSpeed overlaps by default at stage 3 only.
             self._settle(overlap_comm=self.stage == 3)
         _grad_norm_rule(self)
+        check_zenflow(self)
         offload = self.offload_optimizer
         if offload is not None and offload.device != "none" and self.stage == 0:
             raise rule_error(

@@ -39,6 +39,7 @@ from ..update.paths.host_worker import HostWorker
 from ..update.placement import Placement, run_name
 from ..update.shard_optimizer import UpdatePolicy
 from ..update.state_build import alias_state, build_nvme_params, build_states, preflight
+from ..update.zenflow.wiring import build_zenflow_update, zenflow_schedule
 from ..update.zero_optimizer import ZeroOptimizer
 from . import guards
 from .keep_in_fp32 import keep_pattern, kept_buffers
@@ -303,6 +304,7 @@ def build_updates(
     ``e.placement``) and the shard optimizer that updates them, as one object."""
     place = e.placement
     sharded = e.stage >= 1
+    zenflow = zenflow_for(e, groups, client)  # its schedule, or None
     homes = [_param_home(e, g, gi, sharded) for gi, g in enumerate(groups)]
     states = _states(e, groups, homes, sharded, client)
     policy = UpdatePolicy(sharded, adamw, place)
@@ -319,11 +321,29 @@ def build_updates(
             accum_dtype=e.grad_accum_dtype,
             host_from=place.host_from(g.shard_numel(sharded)),
         )
-        so = build_shard_optimizer(g, gs, home, state, policy, e.streams, e.executor, client)
+        args = (g, gs, home, state, policy, e.streams)
+        if zenflow is not None:
+            clip = float(e.config.gradient_clipping)
+            so = build_zenflow_update(args, zenflow, clip, lambda: e.loss_scaler.loss_scale)
+        else:
+            so = build_shard_optimizer(*args, e.executor, client)
         out.append(OptimizerGroup(g, gs, home, so, place))
     if e.param_store is not None:  # a GatheredParameters edit reaches the master too
         e.param_store.edit_master = lambda gi, lo, src: out[gi].write_master(lo, src)
     return out
+
+
+def zenflow_for(e: _Building, groups: list[FlatGroup], client) -> object:
+    """``zero_optimization.zenflow``'s schedule where it is built (every step() is then one
+    ZenFlow micro-step: the window is one backward), else None."""
+    params = [p for g in groups for p in g.params]
+    dl = e.training_dataloader
+    steps = len(dl) if dl is not None and hasattr(dl, "__len__") else None
+    muon = any(g.hyper.get("use_muon") for g in groups)
+    schedule = zenflow_schedule(e.config, e.world_size, params, client or muon or None, steps)
+    if schedule is not None:
+        e.window.gas = 1
+    return schedule
 
 
 def _param_home(e: _Building, g: FlatGroup, gi: int, sharded: bool) -> ParamHome:

@@ -125,7 +125,7 @@ class OptimizerGroup:
         so = self.optimizer
         return GroupSave(
             self.flat, so.segs, bool(so.sharded), int(so.step_count), so.state.numel, so.client,
-            so.state, so.chunks,
+            so.state, so.chunks, so.extra_state(),
         )  # fmt: skip
 
     def load(self) -> GroupLoad:

@@ -36,6 +36,7 @@ class GroupSave:
     client: Any  # the client optimizer's update (``checkpoint_spec()``, ``shard(key)``) or None
     state: ShardState
     chunks: list[tuple[int, int]]
+    extra: dict[str, torch.Tensor]  # the update's own state (ZenFlow's), saved beside the shard
 
     def tensor(self, kind: str) -> torch.Tensor | None:
         """State ``kind`` ("master", "exp_avg", "exp_avg_sq") as one tensor, or None where it is
@@ -73,6 +74,11 @@ class GroupLoad:
             key = kind.removeprefix("client.")
             return lambda lo, src: so.client.write(key, lo, src)
         return lambda lo, src: so.state.write(kind, lo, src)
+
+    def extra(self, fetch: Callable[[str], torch.Tensor | None]) -> None:
+        """The update's own saved state (``GroupSave.extra``); ``fetch(name)`` is None where
+        the checkpoint has none (a run saved without it starts it afresh)."""
+        self._so.load_extra_state(fetch)
 
     def finish(self, step_count: int) -> None:
         self._so.step_count = step_count

@@ -110,6 +110,14 @@ class ShardOptimizer:
             return
         self.state.update(self.chunks, lambda lo, hi, v: v["master"].copy_(self.home.read(lo, hi)))
 
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        """State of the update's own saved beside the shard (ZenFlow's mid-interval state),
+        name -> tensor; none for the built-in paths."""
+        return {}
+
+    def load_extra_state(self, fetch) -> None:
+        """``extra_state`` back from a checkpoint (``fetch(name)``: None where absent)."""
+
     def params_from_master(self) -> None:
         """The param home becomes the master's cast, as after a step (checkpoint load)."""
         self.restore_params()

@@ -68,7 +68,6 @@ _UNBUILT_DEFAULTS: dict[str, Any] = {
     "override_module_apply": True,
     "log_trace_cache_warnings": False,
     "save_muon_momentum_buffer_in_memory": False,
-    "zenflow": None,
     "legacy_stage1": False,
     "cpu_offload_use_pin_memory": None,
 }

@@ -1,0 +1,141 @@
+"""ZenFlow's ``overlap_step``: the host update of one interval runs on a worker thread during
+the next interval's forward and backward, and lands in the params one interval later, as
+DeepSpeed 0.19.8's overlapped optimizer process gives it when that process finishes each update
+before anything else reads the master.
+
+DeepSpeed's overlapped host Adam keeps two sets of moments and uses set ``(k // U) & 1`` for the
+interval ending at micro-step k (during the warm-up: set ``k & 1``); each update also leaves a
+copy of the master (``stale``). At a host update after the warm-up, first the params take the
+copy left by the previous update, then this interval's update starts on the master; the first
+such update has no previous one, and without a warm-up the second one does not copy either
+(DeepSpeed skips its first wait then). During the warm-up every update is copied at once. The
+selected columns are the device part's as without overlap.
+
+Ownership: while an update runs, the worker owns the master, both moment sets, ``stale`` and the
+accumulator it was given; the step accumulates into the other accumulator. Everything that reads
+the master first joins the worker (the next host update, a selection's copy of the params into
+the master, ``flush``, a checkpoint), so the result never depends on timing (DeepSpeed's does:
+its selection may overwrite the master under a running update).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import torch
+
+from ....kernels.host_adam import host_adam_step
+from ..paths.host_update import HostUpdate
+from ..paths.host_worker import HostWorker
+from .update import ZenFlowUpdate
+
+
+class ZenFlowOverlapUpdate(ZenFlowUpdate):
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        n = self.span.numel
+        # The second set of moments (the first is the shard state's) and the master's copy.
+        self.exp_avg1 = torch.zeros(n, dtype=torch.float32)
+        self.exp_avg_sq1 = torch.zeros(n, dtype=torch.float32)
+        self.stale = torch.zeros(n, dtype=torch.float32)
+        self.spare = torch.zeros(n, dtype=torch.float32)  # the accumulator not being filled
+        self.updates_after_warmup = 0
+        self.worker = HostWorker(self.group.device, self.threads)
+        self._pending: concurrent.futures.Future | None = None
+
+    def join(self) -> None:
+        """Wait for the running host update (its error is raised here)."""
+        pending = getattr(self, "_pending", None)  # None too while __init__ runs
+        self._pending = None
+        if pending is not None:
+            pending.result()
+
+    def master_from_params(self, initial: bool = False) -> None:
+        self.join()
+        super().master_from_params(initial)
+
+    def _host_part(self, step: int) -> None:
+        k, sched = step - 1, self.schedule
+        self.join()
+        if k < sched.full_warm_up_rounds:
+            self._submit(k & 1, step)
+            self.join()
+            self._copy()
+            return
+        self.updates_after_warmup += 1
+        n = self.updates_after_warmup
+        if n >= 2 and not (sched.full_warm_up_rounds == 0 and n == 2):
+            self._copy()
+        self._submit((k // sched.update_interval) & 1, step)
+
+    def _submit(self, which: int, step: int) -> None:
+        """Start this interval's host Adam on the master with moment set ``which`` (no param
+        moves); the next steps accumulate into the spare accumulator meanwhile."""
+        m, v = (self.exp_avg, self.exp_avg_sq) if which == 0 else (self.exp_avg1, self.exp_avg_sq1)
+        h = dict(self._hyper(), adamw=self.adamw, grad_scale=self._host_factor(), step=step)
+        h["bias_correction"] = bool(self.group.hyper.get("bias_correction", True))
+        grad, self.accum, self.spare = self.accum, self.spare, self.accum
+        self.step_count = step
+
+        def update() -> None:
+            host_adam_step(self.master, m, v, grad, None, threads=self.worker.threads, **h)
+            self.stale.copy_(self.master)
+            grad.zero_()
+
+        self._pending = self.worker.submit(update)
+
+    def nbytes(self) -> dict[str, int]:
+        out = super().nbytes()
+        out["host.zenflow_accum"] += self.spare.numel() * 4
+        extra = (self.exp_avg1, self.exp_avg_sq1, self.stale)
+        out["host.zenflow_overlap"] = sum(t.numel() * 4 for t in extra)
+        return out
+
+    def _copy(self) -> None:
+        """The params take the master's copy left by the last update."""
+        self.home.prepare_write()
+        for lo, hi in self.chunks:
+            self.home.write(lo, self.stale[lo:hi].to(self.group.dtype))
+        self.home.publish()
+
+    # ---- checkpoints: the second moments, the copy, and the params the copy has not reached --
+    def flush(self) -> None:
+        """The running update finishes; the master is left as it is: with overlap its selected
+        columns are not idle (a copy made before a selection reaches the columns that stop
+        being selected)."""
+        self.join()
+        HostUpdate.flush(self)
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        self.join()
+        out = super().extra_state()
+        out["zenflow.exp_avg1"], out["zenflow.exp_avg_sq1"] = self.exp_avg1, self.exp_avg_sq1
+        out["zenflow.stale"] = self.stale
+        out["zenflow.updates_after_warmup"] = torch.tensor([self.updates_after_warmup])
+        # The master is one update ahead of the params: the live params are kept too.
+        out["zenflow.params"] = torch.cat(
+            [self.home.read(lo, hi).float() for lo, hi in self.chunks]
+        )
+        return out
+
+    def load_extra_state(self, fetch) -> None:
+        self.join()
+        super().load_extra_state(fetch)
+        self.spare.zero_()
+        self._live = fetch("zenflow.params")
+        n = fetch("zenflow.updates_after_warmup")
+        self.updates_after_warmup = 0 if n is None else int(n[0])
+        for name in ("exp_avg1", "exp_avg_sq1", "stale"):
+            t = fetch(f"zenflow.{name}")
+            getattr(self, name).copy_(t) if t is not None else getattr(self, name).zero_()
+
+    def params_from_master(self) -> None:
+        """After a load: the params the checkpoint's run had (its master is ahead of them)."""
+        live, self._live = getattr(self, "_live", None), None
+        if live is None:
+            super().params_from_master()
+            return
+        self.home.prepare_write()
+        for lo, hi in self.chunks:
+            self.home.write(lo, live[lo:hi].to(self.group.dtype))
+        self.home.publish()

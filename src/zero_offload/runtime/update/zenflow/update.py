@@ -1,0 +1,178 @@
+"""One group's ZenFlow step, on the step protocol: every ``step()`` of the engine is one
+micro-step of DeepSpeed's ZenFlow (the engine's window is one backward), and this update runs
+both parts of it: the device part (AdamW over the selected columns, every micro-step) and the
+host part (the host Adam over the whole shard from the gradients accumulated since the last
+host update, every ``update_interval`` micro-steps or at a selection).
+
+Per micro-step ``k`` (DeepSpeed 0.19.8's order, fixed ``update_interval`` U):
+
+- at a selection (``schedule.is_select(k)``): the master becomes the params (not at k = 0), the
+  device moments are zeroed, and the columns are chosen from this micro-step's gradient;
+- the host accumulator adds this micro-step's gradient divided by U (DeepSpeed sets
+  gradient_accumulation_steps to U and scales the loss by 1/U);
+- not a host update: the device part updates the selected columns with that gradient;
+- a host update: the selected columns' values are kept aside, the host Adam runs over the
+  whole shard with the accumulated gradient (its norm clipped as ``gradient_clipping`` says,
+  bias correction at step k + 1) and writes every param, the kept columns are put back, then the
+  device part updates them.
+
+Invariant: the selected columns (and the 1-D params) are the device part's alone; the host
+update's result for them is discarded, and the master holds their values again at the next
+selection. The device part's gradient is not clipped (as DeepSpeed); with fp16 it is unscaled
+(DeepSpeed's is not, docs/zenflow.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from ....config.zero.zenflow import ZenFlowSchedule
+from ..paths.host_update import HostUpdate
+from .columns import select_columns
+from .device_adam import ColumnState, adamw_columns, read, write
+
+
+class ZenFlowUpdate(HostUpdate):
+    def __init__(
+        self,
+        *args,
+        schedule: ZenFlowSchedule,
+        clip: float,
+        loss_scale: Callable[[], float],
+        **kw,
+    ) -> None:
+        super().__init__(*args, **kw)
+        self.schedule, self.clip, self.loss_scale = schedule, clip, loss_scale
+        self.micro = 0  # micro-steps taken (DeepSpeed's micro_step + 1)
+        # The host accumulator: the gradients of the micro-steps since the last host update.
+        self.accum = torch.zeros(self.span.numel, dtype=torch.float32)
+        layout = self.group.layout
+        self.ranges = [(o, o + n) for o, n in zip(layout.offsets, layout.numels)]
+        self.columns: list[ColumnState] = [ColumnState(None) for _ in self.group.params]
+
+    def step(self, factor: float) -> None:
+        """Micro-step ``self.micro``'s update; ``factor`` (the engine's unscale x clip of this
+        micro-step alone) is not used: the host part clips the accumulated gradient."""
+        k, sched = self.micro, self.schedule
+        grad = self.grads.host_grad()
+        if sched.is_select(k):
+            if k != 0:
+                self.master_from_params()
+            self._select(grad)
+        u = sched.grad_divisor
+        self.accum.add_(grad.float(), alpha=1.0 / u)
+        device_part = k >= sched.full_warm_up_rounds
+        # fp16: unscaled (DeepSpeed's is not, and the square of a loss-scaled gradient
+        # overflows its fp16 moments); the loss scale is 1 otherwise.
+        dev_scale = 1.0 / (u * float(self.loss_scale()))
+        if not sched.is_update(k):
+            self._device_part(grad, dev_scale)
+        elif not device_part:  # the warm-up: every element is the host's
+            self._host_part(k + 1)
+        else:
+            kept = [read(p, c) for p, c in zip(self.group.params, self.columns)]
+            self._host_part(k + 1)
+            for p, c, v in zip(self.group.params, self.columns, kept):
+                write(p, c, v)
+            self._device_part(grad, dev_scale)
+        self.micro += 1
+
+    def _param_grad(self, grad: torch.Tensor, i: int) -> torch.Tensor:
+        """Param ``i``'s part of this step's host gradient, in the param's shape (host)."""
+        lo, hi = self.ranges[i]
+        return grad[lo:hi].view(self.group.params[i].shape)
+
+    def _select(self, grad: torch.Tensor) -> None:
+        ratio = self.schedule.topk_ratio
+        for i, p in enumerate(self.group.params):
+            c = self.columns[i]
+            if p.dim() == 2:
+                c.columns = select_columns(self._param_grad(grad, i), ratio).to(p.device)
+            c.clear()
+
+    def _device_part(self, grad: torch.Tensor, scale: float) -> None:
+        h = self.group.hyper
+        for i, (p, c) in enumerate(zip(self.group.params, self.columns)):
+            g = self._param_grad(grad, i)
+            g = g[:, c.columns.cpu()] if c.columns is not None else g  # only these go up
+            adamw_columns(p, (g.float() * scale).to(p.device), c, h)
+
+    def _host_factor(self) -> float:
+        """The accumulated gradient's unscale x clip, as DeepSpeed's step computes it."""
+        scale = float(self.loss_scale())
+        norm = math.sqrt(float(self.accum.double().square().sum())) / scale
+        combined = scale
+        if self.clip > 0:
+            coef = (norm + 1e-6) / self.clip
+            if coef > 1:
+                combined = scale * coef
+        return 1.0 / combined
+
+    def _host_part(self, step: int) -> None:
+        """The host Adam over the whole shard with the accumulated gradient, as DeepSpeed's
+        step at its accumulation boundary: the norm's clip, bias correction at ``step``."""
+        factor = self._host_factor()
+        self.home.prepare_write()
+        self.step_count = step
+        self._host_pass(self.accum, factor, self._hyper(), upload=True)
+        self.home.publish()
+        self.accum.zero_()
+
+    def nbytes(self) -> dict[str, int]:
+        out = super().nbytes()
+        out["host.zenflow_accum"] = self.accum.numel() * 4
+        dev = 0
+        for c in self.columns:
+            for t in (c.exp_avg, c.exp_avg_sq, c.columns):
+                dev += 0 if t is None else t.numel() * t.element_size()
+        out["device.zenflow_columns"] = dev
+        return out
+
+    # ---- what a checkpoint keeps beyond the master and the host moments -----------------------
+    def flush(self) -> None:
+        """The master takes the device part's values of the selected columns (and the 1-D
+        params), so that a checkpoint's master is the live params. Training is unchanged: the
+        host update's result for them is discarded, and a selection resets them anyway."""
+        super().flush()
+        if self.micro == 0:
+            return
+        for i, (p, c) in enumerate(zip(self.group.params, self.columns)):
+            lo, hi = self.ranges[i]
+            view = self.master[lo:hi].view(p.shape)
+            if p.dim() == 1:
+                view.copy_(p.detach())
+            elif c.columns is not None:
+                cols = c.columns.to(view.device)
+                view[:, cols] = p.detach()[:, c.columns].to(view.device, view.dtype)
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        """The mid-interval state: the micro-step count, the accumulated host gradient, and
+        per param the selected columns, their device moments and step count."""
+        out = {"zenflow.micro": torch.tensor([self.micro]), "zenflow.accum": self.accum}
+        for i, c in enumerate(self.columns):
+            out[f"zenflow.{i}.step"] = torch.tensor([c.step])
+            named = (("columns", c.columns), ("exp_avg", c.exp_avg), ("exp_avg_sq", c.exp_avg_sq))
+            for name, t in named:
+                if t is not None:
+                    out[f"zenflow.{i}.{name}"] = t.detach().cpu().contiguous()
+        return out
+
+    def load_extra_state(self, fetch: Callable[[str], torch.Tensor | None]) -> None:
+        """``extra_state`` back (``fetch(name)``: None when the checkpoint has no such tensor).
+        A checkpoint without ZenFlow's state starts it afresh: a selection at the next step."""
+        micro = fetch("zenflow.micro")
+        self.accum.zero_()
+        self.columns = [ColumnState(None) for _ in self.group.params]
+        self.micro = 0 if micro is None else int(micro[0])
+        if micro is None:
+            return
+        self.accum.copy_(fetch("zenflow.accum"))
+        for i, (p, c) in enumerate(zip(self.group.params, self.columns)):
+            c.step = int(fetch(f"zenflow.{i}.step")[0])
+            for name in ("columns", "exp_avg", "exp_avg_sq"):
+                t = fetch(f"zenflow.{i}.{name}")
+                if t is not None:
+                    setattr(c, name, t.to(p.device))

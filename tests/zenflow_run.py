@@ -1,0 +1,173 @@
+"""Train a tiny model with ZenFlow, under DeepSpeed itself or this project, and save the params
+after initialize and after every ``step()``: the parity tests compare the two runs.
+
+    python tests/zenflow_run.py OUT --impl deepspeed|zero_offload [--zenflow JSON] [--clip C]
+        [--steps 6] [--shape mlp|nobias] [--fix-binding]
+
+One process, gloo, on the CPU. DeepSpeed is imported only with ``--impl deepspeed`` (a
+subprocess of the test), so the project's run never sees DeepSpeed's modules; ``--fix-binding``
+runs DeepSpeed's ZenFlow with its param binding fixed and its overlapped updates in order
+(docs/zenflow.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+
+TOPK = {
+    "topk_ratio": 0.25,
+    "select_strategy": "step",
+    "select_interval": 2,
+    "update_interval": 2,
+    "full_warm_up_rounds": 0,
+    "overlap_step": False,
+}
+
+
+def make_model(shape: str = "mlp") -> torch.nn.Module:
+    """``"mlp"``: a tiny MLP; ``"nobias"``: the same without biases (DeepSpeed 0.19.8's column
+    selection misreads its gradient bucket after a 1-D param, docs/zenflow.md)."""
+    torch.manual_seed(0)
+    bias = shape != "nobias"
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16, bias=bias),
+        torch.nn.Tanh(),
+        torch.nn.Linear(16, 12, bias=bias),
+        torch.nn.Tanh(),
+        torch.nn.Linear(12, 4, bias=bias),
+    )
+
+
+def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(n)]
+
+
+def config(zenflow: dict | None, clip: float = 0.0) -> dict:
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    if zenflow is not None:
+        zero["zenflow"] = zenflow
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
+        },
+        "gradient_clipping": clip,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**6,
+    }
+
+
+def train(initialize, cfg: dict, steps: int, shape: str = "mlp") -> list[list[torch.Tensor]]:
+    """The params after initialize, then after every step."""
+    model = make_model(shape)
+    engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    out = [[p.detach().clone().float() for p in engine.module.parameters()]]
+    dtype = next(engine.module.parameters()).dtype
+    for x, y in batches(steps):
+        loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
+        engine.backward(loss)
+        engine.step()
+        out.append([p.detach().clone().float() for p in engine.module.parameters()])
+    return out
+
+
+def fix_deepspeed_binding() -> None:
+    """DeepSpeed 0.19.8's stage 1/2 ZenFlow lays 2-D params out column-major in its flat buffer
+    (its gradients and selection read it so) but binds each module param as a row-major view of
+    it, which scrambles every 2-D param at initialize. This binds them as the column-major
+    views the rest of its code expects; nothing else of DeepSpeed changes."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    def bind(self, group_index):
+        flat_group = self.bit16_groups_flat[group_index]
+        for p, meta, offset in zip(
+            self.round_robin_bit16_groups[group_index],
+            self.round_robin_bit16_meta[group_index],
+            self.round_robin_bit16_offsets[group_index],
+        ):
+            view = flat_group.narrow(0, offset, meta.numel())
+            if self.zenflow and len(meta.shape) == 2:
+                view = view.view(meta.shape[1], meta.shape[0]).t()
+            else:
+                view = view.view(meta.shape)
+            p.data = view.data
+        for param_index, param in enumerate(self.bit16_groups[group_index]):
+            new_index = self.round_robin_bit16_indices[group_index][param_index]
+            param.data = self.round_robin_bit16_groups[group_index][new_index].data
+
+    DeepSpeedZeroOptimizer._update_model_bit16_weights = bind
+
+
+def finish_overlapped_updates() -> None:
+    """DeepSpeed's overlapped host update (``overlap_step``) runs in a separate process that
+    reads and writes the master while the next steps run, so which master it updates depends on
+    timing (two runs of the same script differ). This makes every update finish as it is
+    submitted (the order a fast optimizer process gives), keeping DeepSpeed's own waits: each
+    one then takes the completion drained here."""
+    from deepspeed.runtime.zenflow.zenflow_stage_1_and_2 import ZenFlowZeroOptimizerParallel
+
+    submit = ZenFlowZeroOptimizerParallel.zenflow_cpu_optimizer_step
+    wait = ZenFlowZeroOptimizerParallel._wait_for_optimizer_process
+
+    def submit_and_finish(self, now_state, norm):
+        submit(self, now_state, norm)
+        wait(self)
+        self._finished = getattr(self, "_finished", 0) + 1
+
+    def take_finished(self):
+        if getattr(self, "_finished", 0) > 0:
+            self._finished -= 1
+            return
+        wait(self)
+
+    ZenFlowZeroOptimizerParallel.zenflow_cpu_optimizer_step = submit_and_finish
+    ZenFlowZeroOptimizerParallel._wait_for_optimizer_process = take_finished
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--impl", choices=["deepspeed", "zero_offload"], required=True)
+    ap.add_argument("--zenflow", default=json.dumps(TOPK))
+    ap.add_argument("--clip", type=float, default=0.0)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--shape", choices=["mlp", "nobias"], default="mlp")
+    # DeepSpeed's ZenFlow with its param binding fixed and its overlapped updates in order
+    ap.add_argument("--fix-binding", action="store_true")
+    args = ap.parse_args(argv)
+    for k, v in {
+        "MASTER_ADDR": "127.0.0.1",
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+    }.items():
+        os.environ.setdefault(k, v)
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
+    torch.set_num_threads(1)
+    cfg = config(json.loads(args.zenflow), args.clip)
+    if args.impl == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        if args.fix_binding:
+            fix_deepspeed_binding()
+            finish_overlapped_updates()
+        initialize = deepspeed.initialize
+    else:
+        import zero_offload
+
+        initialize = zero_offload.initialize
+    torch.save(train(initialize, cfg, args.steps, args.shape), args.out)
+
+
+if __name__ == "__main__":
+    main()
