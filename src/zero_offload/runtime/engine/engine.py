@@ -362,9 +362,7 @@ class ZeroOffloadEngine(
         self._heap.reset()
         CHECKPOINT_BYTES.reset_peak()
         if self.param_store is not None:
-            self.param_store.peak_live = self.param_store.live
-            if self.param_store.nvme is not None:
-                self.param_store.nvme.cache.reset_peak()
+            self.param_store.reset_peak()
 
     def _working_set_bounds(self) -> dict[str, int]:
         """The step's transient bytes the config allows, known once the engine is built."""

@@ -529,6 +529,12 @@ class ParamStore:
             p.data = buf[off : off + n].view(shape)
 
     # ---- reporting -----------------------------------------------------------------------------
+    def reset_peak(self) -> None:
+        """The peaks (gathered elements, the NVMe param cache) start again from what is held."""
+        self.peak_live = self.live
+        if self.nvme is not None:
+            self.nvme.cache.reset_peak()
+
     def nbytes(self) -> dict[str, int]:
         where = "nvme" if self.swapped else "host" if self.policy.offload_param else "device"
         out: dict[str, int] = {}
