@@ -111,30 +111,51 @@ def worker(args: argparse.Namespace) -> dict:
     model = make_model(args.hidden, args.layers)
     cfg = config(args, zenflow=args.worker != "offload")
     engine, *_ = initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    device = next(engine.module.parameters()).device  # the GPU where there is one
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     g = torch.Generator().manual_seed(1)
     walls, losses = [], []
     for i in range(args.warmup + args.steps):
-        x = torch.randn(args.micro, args.hidden, generator=g)
-        y = torch.randn(args.micro, args.hidden, generator=g)
+        x = torch.randn(args.micro, args.hidden, generator=g).to(device)
+        y = torch.randn(args.micro, args.hidden, generator=g).to(device)
+        sync()
         t0 = time.perf_counter()
         loss = torch.nn.functional.mse_loss(engine(x), y)
         engine.backward(loss)
         engine.step()
+        sync()
         wall = time.perf_counter() - t0
         if i >= args.warmup:
             walls.append(wall)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     params = sum(p.numel() for p in model.parameters())
-    return {"wall": walls, "losses": losses, "params": params}
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {"wall": walls, "losses": losses, "params": params, "gpu": gpu}
 
 
 def run_row(args: argparse.Namespace, row: str) -> dict:
     argv = [sys.executable, __file__, "--worker", row, *args.argv]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout, cwd=REPO)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=args.timeout,
+                              cwd=REPO)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"row": row, "error": f"did not finish in --timeout {args.timeout:g} s"}
     marker = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
     if done.returncode != 0 or not marker:
         return {"row": row, "error": (done.stderr or done.stdout)[-500:].strip()}
-    out = json.loads(marker[-1][len("RESULT ") :])
+    return stats(row, json.loads(marker[-1][len("RESULT ") :]))
+
+
+def in_process_row(args: argparse.Namespace, row: str) -> dict:
+    """``--in-process``: the row in this process (no fresh interpreter: the GPU check's short
+    run); an error is the row's, as in its own process."""
+    try:
+        return stats(row, worker(argparse.Namespace(**{**vars(args), "worker": row})))
+    except Exception as err:  # noqa: BLE001 - reported in the table, like a failed process
+        return {"row": row, "error": f"{type(err).__name__}: {err}"}
+
+
+def stats(row: str, out: dict) -> dict:
     q = statistics.quantiles(out["wall"], n=4) if len(out["wall"]) >= 4 else None
     out.update(row=row, median_s=statistics.median(out["wall"]),
                iqr=(q[0], q[2]) if q else (min(out["wall"]), max(out["wall"])))  # fmt: skip
@@ -174,6 +195,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="per row (a hang guard)")
     p.add_argument("--quick", action="store_true", help="hidden 64 x 2 layers, 3+1 steps")
     p.add_argument("--json", help="write the rows here")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the rows in this process, one after the other (not the DeepSpeed "
+                   "row; the GPU check's short run: one interpreter start instead of one a row)")  # fmt: skip
     p.add_argument("--worker", choices=ROWS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # each row's process gets them
@@ -187,9 +211,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return 0
-    rows = [run_row(args, row) for row in args.rows]
+    if args.in_process and "deepspeed zenflow" in args.rows:
+        raise SystemExit("--in-process: not with the deepspeed zenflow row (its own process)")
+    run = in_process_row if args.in_process else run_row
+    rows = [run(args, row) for row in args.rows]
     params = next((r["params"] for r in rows if "params" in r), 0)
-    print(f"CPU: {cpu_kind()}, {args.threads} threads per run; torch {torch.__version__}")
+    gpu = next((r["gpu"] for r in rows if r.get("gpu")), None)
+    print(f"CPU: {cpu_kind()}, {args.threads} threads per run; torch {torch.__version__}"
+          + (f"; device: {gpu}" if gpu else "; device: this CPU"))  # fmt: skip
     print(f"model: {args.layers} x Linear({args.hidden}, {args.hidden}) ({params / 1e6:.2f}M "
           f"params), micro batch {args.micro}, stage 2 + offload_optimizer cpu, one rank; "
           f"zenflow {json.dumps(zenflow_block(args))}; median of {args.steps} steps after "
