@@ -12,8 +12,9 @@ The model is a stack of bias-free square Linear layers with tanh between them (n
 DeepSpeed 0.19.8's column selection misreads its gradient bucket after one, docs/zenflow.md),
 MSE loss, AdamW (lr 1e-3, weight decay 0.01). Each row is a fresh process (DeepSpeed is imported
 only in its own); a step is forward, ``backward`` and ``step``; its wall time is measured after
-``--warmup`` steps. Printed: the CPU, the median and quartiles of the step times, each row's
-ratio to plain offload and to DeepSpeed's ZenFlow (> 1: slower), and the last loss.
+``--warmup`` steps. Printed: the CPU, the median, quartiles and mean of the step times, each
+row's ratio (median/mean) to plain offload and to DeepSpeed's ZenFlow (> 1: slower), and the last
+loss.
 
     python benchmarks/zenflow_step.py                       # hidden 1024 x 4 layers (4.2M params)
     python benchmarks/zenflow_step.py --quick               # hidden 64 x 2, 3 steps (smoke test)
@@ -156,26 +157,33 @@ def in_process_row(args: argparse.Namespace, row: str) -> dict:
 
 
 def stats(row: str, out: dict) -> dict:
+    """Median, quartiles and mean of the step times. ZenFlow's steps are two kinds (with a host
+    update every ``update_interval``-th, without one between), so its median falls on one kind
+    or the other from run to run; the mean is the time per step over an interval."""
     q = statistics.quantiles(out["wall"], n=4) if len(out["wall"]) >= 4 else None
     out.update(row=row, median_s=statistics.median(out["wall"]),
+               mean_s=statistics.fmean(out["wall"]),
                iqr=(q[0], q[2]) if q else (min(out["wall"]), max(out["wall"])))  # fmt: skip
     return out
 
 
 def table(rows: list[dict]) -> str:
+    """Ratios as median/mean (> 1: slower than the anchor)."""
     by = {r["row"]: r for r in rows if "error" not in r}
-    lines = ["| row | s/step (median) | IQR | x offload | x DS zenflow | last loss |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines = ["| row | s/step median | IQR | s/step mean | x offload | x DS zenflow | last loss |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['row']} | **error**: {r['error'].splitlines()[-1]} | | | | |")
+            lines.append(f"| {r['row']} | **error**: {r['error'].splitlines()[-1]} | | | | | |")
             continue
         ratio = [
-            f"{r['median_s'] / by[a]['median_s']:.2f}" if a in by else "-"
+            f"{r['median_s'] / by[a]['median_s']:.2f}/{r['mean_s'] / by[a]['mean_s']:.2f}"
+            if a in by
+            else "-"
             for a in ("offload", "deepspeed zenflow")
         ]
         lines.append(f"| {r['row']} | {r['median_s']:.4f} | {r['iqr'][0]:.4f}-{r['iqr'][1]:.4f} "
-                     f"| {ratio[0]} | {ratio[1]} | {r['losses'][-1]:.4f} |")  # fmt: skip
+                     f"| {r['mean_s']:.4f} | {ratio[0]} | {ratio[1]} | {r['losses'][-1]:.4f} |")  # fmt: skip
     return "\n".join(lines)
 
 
