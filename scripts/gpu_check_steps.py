@@ -117,6 +117,17 @@ def _throughput(ctx: Ctx) -> list[str]:
                   *([] if ctx.ds_ready else ["--no-deepspeed"])]  # fmt: skip
 
 
+def _zenflow(ctx: Ctx) -> list[str]:
+    """ZenFlow's step against plain offload on the same GPU (a 16.8M-param MLP, fp32), both
+    rows in one process: the command has the step's 20 s less the interrupt's 10 s grace."""
+    cmd = [ctx.python, "benchmarks/zenflow_step.py", "--rows", "offload", "zenflow",
+           "--in-process", "--json", str(ctx.scratch / "zenflow.json")]  # fmt: skip
+    if not ctx.cuda:
+        return cmd + ["--quick"]
+    return cmd + ["--hidden", "2048", "--layers", "4", "--micro", "64", "--steps", "6",
+                  "--warmup", "2"]  # fmt: skip
+
+
 def _cpu_suite(ctx: Ctx) -> list[str]:
     sel = ["-m", "not cuda and not slow", "--ignore", PROBES, "--ignore", SANITIZER]
     if not ctx.cuda:
@@ -136,6 +147,7 @@ STEPS: tuple[Step, ...] = (
     Step("pcie", "bench.log", 25, True, _pcie, data=("pcie.json",)),
     Step("overlap", "bench.log", 80, True, _overlap, data=("traces/summary.json",)),
     Step("throughput", "bench.log", 110, True, _throughput, data=("throughput.json",)),
+    Step("zenflow", "bench.log", 20, True, _zenflow, data=("zenflow.json",)),
     Step("cpu_suite", "cpu_suite.log", None, False, _cpu_suite,
          env={"CUDA_VISIBLE_DEVICES": ""}),
 )  # fmt: skip

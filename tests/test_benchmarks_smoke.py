@@ -382,3 +382,32 @@ def test_nvme_host_bound_benchmark_runs(tmp_path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| fp32 gradient partition |" in done.stdout, done.stdout
     assert "x what the config allows" in done.stdout, done.stdout
+
+
+def test_zenflow_step_benchmark_quick(tmp_path: Path) -> None:
+    """The three rows (plain offload, ZenFlow, DeepSpeed's ZenFlow) train the same model from
+    the same data (equal first loss), ZenFlow is not plain offload (later losses differ), and the
+    table shows each row's ratios; no timing is asserted."""
+    out = tmp_path / "zenflow.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "zenflow_step.py"),
+            "--quick",
+            "--json",
+            str(out),
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,  # a hang guard only: about 25 s on 2 idle cores
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-2000:]
+    assert done.stdout.startswith("CPU: ")
+    assert "| row | s/step median | IQR | s/step mean | x offload | x DS zenflow |" in done.stdout
+    rows = {r["row"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"offload", "zenflow", "deepspeed zenflow"}
+    first = {r["losses"][0] for r in rows.values()}
+    assert len(first) == 1, first
+    assert rows["zenflow"]["losses"][1:] != rows["offload"]["losses"][1:]
+    assert all(len(r["wall"]) == 3 for r in rows.values())

@@ -9,6 +9,7 @@ import dataclasses
 
 from ...runtime.plan.memory_model import StepShape, ZeroPlan, predict
 from ...runtime.plan.model_shape import ModelShape
+from ...runtime.plan.zenflow_memory import ZenFlowPlan
 
 GB = 1e9
 # (stage, optimizer, params) rows: every stage and placement.
@@ -56,6 +57,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "device's terms count against --host-memory")  # fmt: skip
     p.add_argument("--host-memory", type=float, help="GB of host memory per rank")
     p.add_argument("--nvme-size", type=float, default=0.0, help="GB of NVMe per rank")
+    p.add_argument("--topk-ratio", type=float,
+                   help="zero_optimization.zenflow.topk_ratio: count ZenFlow's buffers (the "
+                   "selected columns' device moments, the host accumulator) in the stage 1/2 "
+                   "cpu rows of one rank (a --config with a zenflow block does it too)")  # fmt: skip
+    p.add_argument("--overlap-step", action="store_true",
+                   help="with --topk-ratio: zero_optimization.zenflow.overlap_step")  # fmt: skip
 
 
 def load(args: argparse.Namespace):
@@ -75,7 +82,21 @@ def plan_for(
     ratio = getattr(args, "ratio", 1.0)  # --ratio, else the config's
     return dataclasses.replace(base, stage=stage, optimizer=opt, params=par,
                                dtype_bytes=dtype_bytes, world=args.gpus,
-                               ratio=ratio if ratio < 1.0 else base.ratio)  # fmt: skip
+                               ratio=ratio if ratio < 1.0 else base.ratio,
+                               zenflow=zenflow_of(args, dtype_bytes) or base.zenflow)  # fmt: skip
+
+
+def zenflow_of(args: argparse.Namespace, dtype_bytes: int) -> ZenFlowPlan | None:
+    """``--topk-ratio``'s ZenFlow (None without it)."""
+    ratio = getattr(args, "topk_ratio", None)
+    if ratio is None:
+        return None
+    if not 0.0 < ratio < 1.0:
+        raise ValueError(
+            f"--topk-ratio (zero_optimization.zenflow.topk_ratio) must be in (0, 1), got {ratio}"
+        )
+    fp16 = getattr(args, "dtype", "fp16") == "fp16"
+    return ZenFlowPlan.for_dtype(ratio, bool(args.overlap_step), dtype_bytes, fp16)
 
 
 def step_of(args) -> StepShape:
@@ -140,6 +161,10 @@ def print_step_table(args, shape: ModelShape, dtype_bytes: int) -> None:
         print(f"{stage:>5} {optimizer_name(plan):>17} {NAMES[par] if stage == 3 else '-':>13} "
               f"{pred['peak.device.total'] / GB:>10.2f} {pred['peak.host.total'] / GB:>8.2f} "
               f"{nvme_bytes(pred) / GB:>8.2f}  {work}")  # fmt: skip
+        zenflow = {k: v for k, v in pred.items() if ".zenflow_" in k}
+        if zenflow:  # in the totals above: ZenFlow's own states
+            print("      zenflow (in the totals): "
+                  + ", ".join(f"{k} {v / GB:.3f}" for k, v in zenflow.items()))  # fmt: skip
 
 
 def fits(pred: dict, args) -> bool:

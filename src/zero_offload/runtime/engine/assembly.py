@@ -6,6 +6,7 @@ policies). The components receive typed parts of it, never the config.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -343,6 +344,8 @@ def zenflow_for(e: _Building, groups: list[FlatGroup], client) -> object:
     schedule = zenflow_schedule(e.config, e.world_size, params, client or muon or None, steps)
     if schedule is not None:
         e.window.gas = 1
+    elif e.zero_plan.zenflow is not None:  # not built for this model: no ZenFlow buffers
+        e.set(zero_plan=dataclasses.replace(e.zero_plan, zenflow=None))
     return schedule
 
 

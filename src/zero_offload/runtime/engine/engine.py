@@ -26,6 +26,7 @@ from ..plan.memory import expected_bytes
 from ..plan.memory_bounds import check_working_set, free_bytes
 from ..plan.memory_model import StepShape, predict
 from ..plan.model_shape import ModelShape
+from ..plan.zenflow_memory import zenflow_bytes
 from ..precision.overflow_cause import overflow_cause
 from ..stage3.memory_efficient_linear import detach as detach_linear
 from ..update.group_step import step_groups
@@ -428,6 +429,11 @@ class ZeroOffloadEngine(
             alias_master=all(og.optimizer.aliased for og in groups) if groups else None,
             muon_numel=sum(og.flat.layout.total for og in groups if og.flat.hyper.get("use_muon")),
         )
+        zenflow = self.zero_plan.zenflow  # built: one rank, each group's own params
+        for og in groups if zenflow is not None else ():
+            shapes = [tuple(p.shape) for p in og.flat.params]
+            for k, v in zenflow_bytes(shapes, og.flat.layout.total, zenflow).items():
+                out[k] = out.get(k, 0) + v
         persistent = self.param_store.persistent_bytes() if self.param_store is not None else 0
         if persistent:  # stage 3: gathered from the first step on (DeepSpeed's persistent params)
             out["device.persistent_params"] = persistent

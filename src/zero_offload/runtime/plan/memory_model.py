@@ -38,6 +38,7 @@ from ...core.pinned_bytes import reserved
 from ..reduce.reduce_buffers import ALIGN as REDUCE_ALIGN
 from .memory import expected_bytes
 from .model_shape import ModelShape
+from .zenflow_memory import ZenFlowPlan, plan_from_config, zenflow_bytes
 
 # Per token per layer, saved for backward, in the training dtype: (x hidden, x ffn). Counted
 # with saved-tensor hooks on both models (torch's CPU SDPA returns its output already in
@@ -92,6 +93,8 @@ class ZeroPlan:
     # them (``core/pinned_bytes.py``); never on the CPU
     pin_optimizer: bool = False
     pin_params: bool = False
+    # zero_optimization.zenflow where the engine builds it: its buffers (``zenflow_memory.py``)
+    zenflow: ZenFlowPlan | None = None
 
     @classmethod
     def from_config(cls, config, world: int, device: torch.device | None = None) -> ZeroPlan:
@@ -123,6 +126,7 @@ class ZeroPlan:
             ratio=float(oc.ratio) if oc is not None and zc.offload_device == "cpu" else 1.0,
             pin_optimizer=_pins(device, oc, zc.offload_device),
             pin_params=_pins(device, pc, zc.offload_param_device),
+            zenflow=plan_from_config(config, world),
         )
 
 
@@ -162,11 +166,18 @@ def states(numel: int, plan: ZeroPlan, shape: ModelShape | None = None) -> dict[
         out["nvme.param_shard"] = out.pop("host.param_shard")
         if shape is not None:
             out["host.param_spares"] = param_spares(shape, plan)
+    if plan.zenflow is not None and shape is not None and _zenflow_runs(plan):
+        out.update(zenflow_bytes(shape.param_shapes(), shard, plan.zenflow))
     persistent = persistent_numel(shape, plan) if plan.stage == 3 and shape is not None else 0
     if persistent:
         out["device.persistent_params"] = persistent * plan.dtype_bytes
     _reserve_pinned(out, plan)
     return out
+
+
+def _zenflow_runs(plan: ZeroPlan) -> bool:
+    """Where ZenFlow is built: one rank, stage 1 or 2, the optimizer in host memory."""
+    return plan.stage in (1, 2) and plan.world == 1 and plan.optimizer == "host"
 
 
 def _reserve_pinned(out: dict[str, int], plan: ZeroPlan) -> None:

@@ -103,6 +103,21 @@ class ModelShape:
         emb = v * h + self.positions * h + (0 if self.tied else v * h)
         return emb + self.layers * per_layer + (2 * h if self.kind == "gpt2" else h)
 
+    def param_shapes(self) -> list[tuple[int, ...]]:
+        """Every param's shape (torch's: a Linear's weight is (out, in), an Embedding's
+        (vocab, hidden)), in the order of ``units()``; ZenFlow selects columns of the 2-D ones."""
+        h, f, v = self.hidden, self.ffn, self.vocab
+        if self.kind == "gpt2":
+            layer = [(h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,), (f, h), (f,),
+                     (h, f), (h,)]  # fmt: skip
+        else:
+            kv = (self.kv_heads or self.heads) * (h // self.heads)
+            layer = [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f), (h,), (h,)]
+        out = [(v, h)] + ([(self.positions, h)] if self.positions else [])
+        out += layer * self.layers
+        out += [(h,), (h,)] if self.kind == "gpt2" else [(h,)]
+        return out + ([] if self.tied else [(v, h)])
+
     def param_sizes(self) -> list[int]:
         """Every param's size in module order."""
         return [n for u in self.units() for n in u]

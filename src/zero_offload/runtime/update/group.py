@@ -84,6 +84,7 @@ class OptimizerGroup:
             for t in (part.exp_avg, part.exp_avg_sq):
                 if t is not None:  # Muon's momentum state has no second moment
                     yield StateBuffer(t, "device.optimizer_state", state=opt)
+        yield from self.optimizer.device_buffers()  # the update's own (ZenFlow's columns)
         client = self.optimizer.client
         if client is not None and parts:  # it runs where the master lives: on the device
             for v in client.optimizer.state[client.param].values():

@@ -26,6 +26,7 @@ an NVMe state) at the last committed step.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ from ...core.flat_group import FlatGroup
 from ...core.state.shard_state import ShardState
 from ...core.streams import Streams
 from ..reduce.grad_shard import GradShard
+from .buffers import StateBuffer
 from .param_home import ParamHome
 from .part import PartHome, Span
 from .paths.client_update import ClientUpdate
@@ -109,6 +111,11 @@ class ShardOptimizer:
         if self.aliased:
             return
         self.state.update(self.chunks, lambda lo, hi, v: v["master"].copy_(self.home.read(lo, hi)))
+
+    def device_buffers(self) -> Iterator[StateBuffer]:
+        """Device buffers of the update's own beyond the shard state (ZenFlow's selected
+        columns' moments), for ``offload_states`` and the memory report; none for the others."""
+        return iter(())
 
     def extra_state(self) -> dict[str, torch.Tensor]:
         """State of the update's own saved beside the shard (ZenFlow's mid-interval state),

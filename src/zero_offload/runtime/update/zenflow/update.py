@@ -25,11 +25,12 @@ selection. The device part's gradient is not clipped (as DeepSpeed); with fp16 i
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from ....config.zero.zenflow import ZenFlowSchedule
+from ..buffers import OffloadStateType, StateBuffer
 from ..paths.host_update import HostUpdate
 from .columns import select_columns
 from .device_adam import ColumnState, adamw_columns, read, write
@@ -130,6 +131,16 @@ class ZenFlowUpdate(HostUpdate):
                 dev += 0 if t is None else t.numel() * t.element_size()
         out["device.zenflow_columns"] = dev
         return out
+
+    def device_buffers(self) -> Iterator[StateBuffer]:
+        """The selected columns' moments and indices: optimizer state that ``offload_states``
+        may move. Only the device part (this thread, inside ``step``) reads them; the
+        overlapped host update never does, so moving them between steps is safe."""
+        opt = OffloadStateType.optim_states
+        for c in self.columns:
+            for t in (c.exp_avg, c.exp_avg_sq, c.columns):
+                if t is not None and t.device == self.group.device:
+                    yield StateBuffer(t, "device.zenflow_columns", state=opt)
 
     # ---- what a checkpoint keeps beyond the master and the host moments -----------------------
     def flush(self) -> None:

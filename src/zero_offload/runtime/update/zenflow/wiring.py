@@ -20,7 +20,8 @@ log = logging.getLogger("zero_offload")
 KEY = "zero_optimization.zenflow"
 
 
-def _unbuilt(config, world_size: int, params: list[torch.Tensor], client: object) -> str | None:
+def unbuilt(config, world_size: int, params: list[torch.Tensor], client: object) -> str | None:
+    """What of this config is not built (None: ZenFlow runs); the memory plan asks it too."""
     zc, zf = config.zero_optimization, config.zero_optimization.zenflow
     oc = zc.offload_optimizer
     reasons = [
@@ -44,7 +45,7 @@ def zenflow_schedule(
     if zf is None:
         return None
     schedule = resolve_schedule(zf, steps_per_epoch)  # refusals first, built or not
-    why = _unbuilt(config, world_size, params, client)
+    why = unbuilt(config, world_size, params, client)
     if why is not None:
         log.warning(
             "%s: not built for %s; this run trains plain ZeRO-Offload Adam, not ZenFlow", KEY, why

@@ -1,0 +1,76 @@
+"""ZenFlow's own buffers per rank (``zero_optimization.zenflow``, ``runtime/update/zenflow/``),
+as ``ZenFlowUpdate`` allocates them and ``memory_report()`` counts them:
+
+- ``device.zenflow_columns``: per 2-D param of shape (rows, cols), the two Adam moments of its
+  ``k = max(1, int(cols * topk_ratio))`` selected columns (rows x k each) and the columns' int64
+  indices (k); per 1-D param, the two moments of the whole param. The moments are in the params'
+  dtype (fp16: fp32). They exist from the first device update on (after the warm-up rounds).
+- ``host.zenflow_accum``: the fp32 accumulator of the gradients between host updates, one per
+  shard element; ``overlap_step``: two (one filled while the other is being applied).
+- ``host.zenflow_overlap`` (``overlap_step``): the second set of host moments and the master's
+  copy the params take one interval later, fp32, three per shard element.
+
+Nothing else: the device part reads the selected columns' gradient from the host grad shard and
+keeps no master columns between steps (its fp32 working copy lives for one param's update).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..update.zenflow.columns import num_selected
+
+INDEX_BYTES = 8  # the selected columns' indices: int64
+
+
+@dataclass(frozen=True)
+class ZenFlowPlan:
+    """What ZenFlow's buffers are sized by."""
+
+    topk_ratio: float
+    overlap_step: bool
+    moment_bytes: int  # the device moments' element size: the params' dtype, fp16's is fp32
+
+    @classmethod
+    def for_dtype(cls, topk_ratio: float, overlap_step: bool, dtype_bytes: int,
+                  fp16: bool) -> ZenFlowPlan:  # fmt: skip
+        return cls(topk_ratio, overlap_step, 4 if fp16 else dtype_bytes)
+
+
+def plan_from_config(config, world: int) -> ZenFlowPlan | None:
+    """The plan of a validated config where the engine builds ZenFlow for it (the model's own
+    refusals, a client optimizer or params of more dimensions, are not known here)."""
+    import torch
+
+    from ..update.zenflow.wiring import unbuilt
+
+    zf = config.zero_optimization.zenflow
+    if zf is None or unbuilt(config, world, [], None) is not None:
+        return None
+    fp16 = config.dtype == torch.float16
+    return ZenFlowPlan.for_dtype(zf.topk_ratio, zf.overlap_step, config.dtype.itemsize, fp16)
+
+
+def zenflow_bytes(
+    shapes: Iterable[tuple[int, ...]], shard: int, plan: ZenFlowPlan
+) -> dict[str, int]:
+    """ZenFlow's bytes by memory-report category, for params of ``shapes`` (1-D or 2-D) and a
+    shard of ``shard`` elements (the padded flat group on one rank)."""
+    device = 0
+    for shape in shapes:
+        if len(shape) == 2:
+            k = num_selected(shape[1], plan.topk_ratio)
+            device += 2 * shape[0] * k * plan.moment_bytes + k * INDEX_BYTES
+        else:
+            n = 1
+            for d in shape:
+                n *= d
+            device += 2 * n * plan.moment_bytes
+    out = {
+        "device.zenflow_columns": device,
+        "host.zenflow_accum": shard * 4 * (2 if plan.overlap_step else 1),
+    }
+    if plan.overlap_step:
+        out["host.zenflow_overlap"] = shard * 4 * 3
+    return out
