@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ....config.zero.zenflow import ZenFlowSchedule
+from ....kernels.sumsq import sum_of_squares
 from ..buffers import OffloadStateType, StateBuffer
 from ..paths.host_update import HostUpdate
 from .columns import select_columns
@@ -104,7 +105,9 @@ class ZenFlowUpdate(HostUpdate):
     def _host_factor(self) -> float:
         """The accumulated gradient's unscale x clip, as DeepSpeed's step computes it."""
         scale = float(self.loss_scale())
-        norm = math.sqrt(float(self.accum.double().square().sum())) / scale
+        # one pass of the SIMD kernel (fp32 accumulation per thread): a float64 copy of the
+        # whole shard was the largest cost of a host update on a CPU
+        norm = math.sqrt(float(sum_of_squares(self.accum))) / scale
         combined = scale
         if self.clip > 0:
             coef = (norm + 1e-6) / self.clip
