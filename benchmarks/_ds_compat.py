@@ -34,6 +34,19 @@ def backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def one_process(port: int):
+    """``deepspeed`` as a process group of one (this process, gloo on a CPU): the launcher's
+    variables DeepSpeed reads, then ``init_distributed`` (it would look for MPI otherwise)."""
+    select_accelerator()
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():  # fmt: skip
+        os.environ.setdefault(k, v)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=backend(), verbose=False)
+    return deepspeed
+
+
 def initialize(model: torch.nn.Module, model_parameters: list[dict], config: dict[str, Any]):
     """``deepspeed.initialize`` on this machine; returns DeepSpeed's engine."""
     select_accelerator()

@@ -87,13 +87,7 @@ def child(args) -> None:
     if args.child == "deepspeed":
         import _ds_compat
 
-        _ds_compat.select_accelerator()
-        for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(args.port)}.items():  # fmt: skip
-            os.environ.setdefault(k, v)
-        import deepspeed as ds
-
-        ds.init_distributed(dist_backend=_ds_compat.backend(), verbose=False)
+        ds = _ds_compat.one_process(args.port)
     else:
         import zero_offload as ds
     tiny = _gpt(args, n_layer=1, n_embd=64, n_head=1, vocab_size=128)

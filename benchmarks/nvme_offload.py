@@ -155,13 +155,7 @@ def train_child(args) -> None:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import _ds_compat
 
-        _ds_compat.select_accelerator()
-        for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():  # fmt: skip
-            os.environ.setdefault(k, v)  # one process: DeepSpeed would look for MPI otherwise
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend=_ds_compat.backend(), verbose=False)
+        deepspeed = _ds_compat.one_process(_free_port())
         # The dtype comes from the config (bf16 enabled or not): DeepSpeed 0.19.8's Init
         # ignores a ``dtype`` passed with a config on an accelerator without fp16 (a CPU) and
         # builds bf16 params, which an fp32 input then fails to multiply.
