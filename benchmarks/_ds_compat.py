@@ -47,6 +47,22 @@ def one_process(port: int):
     return deepspeed
 
 
+def train_lm(engine, vocab: int, seq: int, steps: int) -> tuple[list[float], float]:
+    """``steps`` steps of a causal LM on random tokens (seeded: the same batches for every
+    engine), micro-batch 1; returns the losses and the seconds the steps took."""
+    import time
+
+    g = torch.Generator().manual_seed(1)
+    losses, start = [], time.perf_counter()
+    for _ in range(steps):
+        x = torch.randint(0, vocab, (1, seq), generator=g)
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    return losses, time.perf_counter() - start
+
+
 def initialize(model: torch.nn.Module, model_parameters: list[dict], config: dict[str, Any]):
     """``deepspeed.initialize`` on this machine; returns DeepSpeed's engine."""
     select_accelerator()

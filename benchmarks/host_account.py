@@ -21,7 +21,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 GIB = 2**30
 
@@ -73,13 +72,12 @@ def child(args) -> None:
     import transformers
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _ds_compat
     from checkpoint_io import PeakMemory
 
     torch.manual_seed(0)
     cfg = config(args.bucket, args.live, args.offload, args.nvme_path)
     if args.engine == "deepspeed":
-        import _ds_compat
-
         ds = _ds_compat.one_process(args.port)
     else:
         import zero_offload as ds
@@ -90,15 +88,7 @@ def child(args) -> None:
         params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         set_up = PeakMemory.read()[1] - peak.base[1]
-        g = torch.Generator().manual_seed(1)
-        losses, start = [], time.perf_counter()
-        for _ in range(args.steps):
-            x = torch.randint(0, args.vocab, (1, args.seq), generator=g)
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss))
-        steps_s = time.perf_counter() - start
+        losses, steps_s = _ds_compat.train_lm(engine, args.vocab, args.seq, args.steps)
     report = engine.memory_report() if hasattr(engine, "memory_report") else {}
     print(json.dumps({"params": params, "losses": losses, "peak_anon": peak.delta[1],
                       "set_up_anon": set_up, "report": report, "steps_s": steps_s}))  # fmt: skip

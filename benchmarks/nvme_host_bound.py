@@ -22,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 GIB = 2**30
 
@@ -80,13 +79,12 @@ def child(args) -> None:
     import torch
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _ds_compat
     from checkpoint_io import PeakMemory
 
     torch.manual_seed(0)
     cfg = config(args.path, args.param_buffers)
     if args.child == "deepspeed":
-        import _ds_compat
-
         ds = _ds_compat.one_process(args.port)
     else:
         import zero_offload as ds
@@ -99,15 +97,7 @@ def child(args) -> None:
             model = _gpt(args)
         numels = [getattr(p, "ds_numel", p.numel()) for p in model.parameters()]
         engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-        g = torch.Generator().manual_seed(1)
-        losses, start = [], time.perf_counter()
-        for _ in range(args.steps):
-            x = torch.randint(0, args.vocab, (1, args.seq), generator=g)
-            loss = engine(input_ids=x, labels=x).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss))
-        steps_s = time.perf_counter() - start
+        losses, steps_s = _ds_compat.train_lm(engine, args.vocab, args.seq, args.steps)
     report = engine.memory_report() if hasattr(engine, "memory_report") else {}
     print(json.dumps({"params": sum(numels), "largest": max(numels), "losses": losses,
                       "peak_anon": peak.delta[1], "report": report, "steps_s": steps_s}))  # fmt: skip
