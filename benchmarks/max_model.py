@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -31,6 +32,7 @@ import host_account  # noqa: E402
 
 GIB = 2**30
 LADDER = tuple((layers, 2048) for layers in range(2, 41, 2))
+NVME_LADDER = tuple((layers, 2048) for layers in range(2, 97, 2))  # to 5B: past the disk here
 TINY_LADDER = tuple((layers, 64) for layers in range(1, 5))
 CGROUP = Path("/sys/fs/cgroup/memory/zero_offload_max_model")
 
@@ -78,6 +80,10 @@ def _oom_kills(cg: Path | None) -> int:
     return 0
 
 
+_WHY = (("MemoryError", "MemoryError"), ("No space left", "disk full"),
+        ("swap files; free space", "disk too small (refused at start)"))  # fmt: skip
+
+
 def attempt(args, engine: str, layers: int, hidden: int) -> dict:
     """One run of ``layers`` x ``hidden`` under the cap: its measurements, or why it failed."""
     run = argparse.Namespace(**{**vars(args), "layers": layers, "hidden": hidden})
@@ -99,12 +105,15 @@ def attempt(args, engine: str, layers: int, hidden: int) -> dict:
                            text=True, preexec_fn=join, timeout=args.attempt_timeout)  # fmt: skip
     except subprocess.TimeoutExpired:
         return out | {"error": f"timed out after {args.attempt_timeout:.0f} s"}
+    finally:  # swap files an engine leaves behind must not shrink the next attempt's disk
+        if args.offload == "nvme":
+            shutil.rmtree(run.nvme_path, ignore_errors=True)
     out |= {"wall_s": time.perf_counter() - start,
             "cgroup_peak": int((cg / "memory.max_usage_in_bytes").read_text()) if cg else 0}  # fmt: skip
     if _oom_kills(cg) > kills:
         return out | {"error": "killed by the cgroup's OOM killer"}
     if p.returncode != 0:
-        why = "MemoryError" if "MemoryError" in p.stderr else f"exit {p.returncode}"
+        why = next((w for k, w in _WHY if k in p.stderr), f"exit {p.returncode}")
         return out | {"error": why, "tail": p.stderr[-1500:]}
     return out | json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -173,7 +182,6 @@ def main() -> None:
     ap.add_argument("--json", help="write every attempt here")
     args = ap.parse_args()
     args.vocab, args.seq, args.steps, args.bucket, args.live = 32000, 32, 3, 1e7, 1e7
-    ladder = TINY_LADDER if args.tiny else LADDER
     if args.tiny:
         args.vocab, args.bucket, args.live = 128, 1e5, 1e5
     from zero_offload.kernels.bench import _cpu_name
@@ -183,6 +191,10 @@ def main() -> None:
     results = []
     for offload in args.placements:
         args.offload, args.nvme_path = offload, ""
+        ladder = TINY_LADDER if args.tiny else NVME_LADDER if offload == "nvme" else LADDER
+        if offload == "nvme":
+            free = shutil.disk_usage(args.path).free
+            print(f"nvme: {free / 1e9:.0f} GB free on the disk of --path", flush=True)
         for engine in args.engines:
             results.append(largest(args, engine, ladder))
     print(

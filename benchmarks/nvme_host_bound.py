@@ -10,7 +10,14 @@ engine, the same config on both. Anonymous RSS (what the process allocated) is s
 What the config allows on the host: the fp32 gradient partition (4 bytes/param), the optimizer
 swap buffers (``buffer_count`` x ``sub_group_size`` x 12 bytes: fp32 master and two moments),
 the param cache (``max_in_cpu`` x 4 bytes), the live params (``stage3_max_live_parameters`` x 4
-bytes), two full gradients of the largest param, and 128 MiB for the activations and the rest.
+bytes), two full gradients of the largest param, and 128 MiB for the rest. On a CPU the device is
+host memory too, so the device's share of the step is added beside it: the running module, which
+is gathered whatever the live bound (the largest param x 4 bytes), and the activations and logits
+the memory model predicts for the model's shape (on a GPU all three are on the device).
+
+The account: ours' ``memory_report()`` terms held in host memory (``host_account.host_terms``)
+plus the memory model's activations and logits (the model's bytes, not the engine's) against the
+measured peak.
 
     python benchmarks/nvme_host_bound.py --path DIR [--deepspeed]
 """
@@ -22,6 +29,10 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import host_account  # noqa: E402
 
 GIB = 2**30
 
@@ -60,7 +71,16 @@ def allowed(params: int, largest: int, cfg: dict) -> dict[str, int]:
         "param cache (max_in_cpu)": int(zc["offload_param"]["max_in_cpu"] * 4),
         "live params": int(zc["stage3_max_live_parameters"] * 4),
         "two full gradients of the largest param": 2 * 4 * largest,
-        "activations and the rest": 128 * 2**20,
+        "the rest": 128 * 2**20,
+    }
+
+
+def device_share(largest: int, predicted: dict) -> dict[str, int]:
+    """What a GPU would hold of the step and a CPU holds in host memory (bytes)."""
+    return {
+        "running module beyond the live bound (largest param)": 4 * largest,
+        "activations (memory model)": predicted.get("peak.device.activations", 0),
+        "logits (memory model)": predicted.get("peak.device.logits", 0),
     }
 
 
@@ -76,10 +96,8 @@ def _gpt(args, **over):
 
 def child(args) -> None:
     """One engine in this process; prints one JSON line."""
-    import torch
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import _ds_compat
+    import torch
     from checkpoint_io import PeakMemory
 
     torch.manual_seed(0)
@@ -99,8 +117,10 @@ def child(args) -> None:
         engine, *_ = ds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         losses, steps_s = _ds_compat.train_lm(engine, args.vocab, args.seq, args.steps)
     report = engine.memory_report() if hasattr(engine, "memory_report") else {}
+    predicted = engine.expected_memory(seq_length=args.seq) if report else {}
     print(json.dumps({"params": sum(numels), "largest": max(numels), "losses": losses,
-                      "peak_anon": peak.delta[1], "report": report, "steps_s": steps_s}))  # fmt: skip
+                      "peak_anon": peak.delta[1], "report": report, "predicted": predicted,
+                      "steps_s": steps_s}))  # fmt: skip
 
 
 def run(args, engine: str) -> dict:
@@ -162,16 +182,24 @@ def main() -> None:
     if "error" in ours:
         sys.exit(f"zero_offload failed:\n{ours['error']}")
     bound = allowed(ours["params"], ours["largest"], config(args.path))
+    share = device_share(ours["largest"], ours["predicted"])
     print(f"{ours['params'] / 1e6:.1f}M params; losses {ours['losses']}")
     print("| what the config allows | GiB |\n| --- | --- |")
-    for k, v in bound.items():
+    for k, v in (bound | share).items():
         print(f"| {k} | {v / GIB:.3f} |")
-    total = sum(bound.values())
+    total = sum(bound.values()) + sum(share.values())
     print(f"| total | {total / GIB:.2f} |")
-    print("report (MiB): " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in sorted(ours["report"].items())))  # fmt: skip
-    print(f"zero_offload: peak anonymous RSS above the baseline {ours['peak_anon'] / GIB:.2f} GiB"
-          f" ({ours['peak_anon'] / total:.2f}x what the config allows); 3 steps "
-          f"{ours['steps_s']:.1f} s")  # fmt: skip
+    report = host_account.host_terms(ours["report"])
+    model = {k: v for k, v in share.items() if "memory model" in k}
+    print("| ours' account | GiB |\n| --- | --- |")
+    for k, v in sorted(report.items()) + sorted(model.items()):
+        print(f"| {k} | {v / GIB:.3f} |")
+    terms = sum(report.values()) + sum(model.values())
+    measured = ours["peak_anon"]
+    print(f"| sum | {terms / GIB:.2f} |")
+    print(f"zero_offload: peak anonymous RSS above the baseline {measured / GIB:.2f} GiB: "
+          f"{measured / total:.2f}x what the config allows, the account {terms / measured:.2f}x "
+          f"the measured peak; 3 steps {ours['steps_s']:.1f} s")  # fmt: skip
     if args.deepspeed:
         ds = run(args, "deepspeed")
         if "error" in ds:
