@@ -316,6 +316,9 @@ class NvmeOptimizerState:
         return {
             "nvme.master_shard": self.numel * 4,
             "nvme.optimizer_state": self.numel * 8,
+            # the record's other version: the step writes it while the committed one stays
+            # readable, so the file holds every state twice (never a half-updated master)
+            "nvme.second_version": self.numel * 12,
             "host.nvme_buffers": sum(host_bytes(b) for b in self.pool),
         }
 

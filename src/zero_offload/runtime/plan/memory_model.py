@@ -161,6 +161,7 @@ def states(numel: int, plan: ZeroPlan, shape: ModelShape | None = None) -> dict[
     if plan.optimizer == "nvme":
         out["nvme.master_shard"] = out.pop("host.master_shard")
         out["nvme.optimizer_state"] = out.pop("host.optimizer_state")
+        out["nvme.second_version"] = out["nvme.master_shard"] + out["nvme.optimizer_state"]
         out["host.nvme_buffers"] = plan.optimizer_buffers * 3 * _swap_chunk(shard, plan.chunk) * 4
     if plan.params == "nvme":
         out["nvme.param_shard"] = out.pop("host.param_shard")
