@@ -43,9 +43,10 @@ def params_of(layers: int, hidden: int, vocab: int) -> int:
     return layers * (4 * hidden * hidden + 3 * hidden * ffn + 2 * hidden) + hidden * (2 * vocab + 1)
 
 
-def predicted_bytes(layers: int, hidden: int, args) -> int:
+def predicted_bytes(layers: int, hidden: int, args) -> tuple[int, int]:
     """``estimate``'s step peak for ours on a CPU: host and device totals added (one memory
-    here) and the process's own bytes (malloc's free heap, the interpreter and torch)."""
+    here) and the process's own bytes (malloc's free heap, the interpreter and torch); and the
+    bytes of its swap files on the drive."""
     from zero_offload.cli.estimate.step import CPU_PROCESS_BYTES
     from zero_offload.config.loading.load import load_config
     from zero_offload.runtime.plan.memory_model import StepShape, ZeroPlan, predict
@@ -56,7 +57,8 @@ def predicted_bytes(layers: int, hidden: int, args) -> int:
     heads = max(1, hidden // 64)
     shape = ModelShape.llama(layers, hidden, heads, args.vocab, hidden * 11 // 4, heads)
     pred = predict(shape, StepShape(1, args.seq), plan)
-    return pred["peak.device.total"] + pred["peak.host.total"] + CPU_PROCESS_BYTES
+    disk = sum(v for k, v in pred.items() if k.startswith("nvme."))
+    return pred["peak.device.total"] + pred["peak.host.total"] + CPU_PROCESS_BYTES, disk
 
 
 def _cgroup(cap: int) -> Path | None:
@@ -136,8 +138,13 @@ def search(n: int, start: int, fits: Callable[[int], bool]) -> tuple[int, int]:
 def largest(args, engine: str, ladder: tuple) -> dict:
     """The search for one engine and placement: every attempt, the largest that trained and
     the smallest that did not."""
-    cap = args.cap_gib * GIB
-    predicted = [i for i, (n, h) in enumerate(ladder) if predicted_bytes(n, h, args) <= cap]
+    cap, disk = args.cap_gib * GIB, args.disk_free
+
+    def fits_prediction(n: int, h: int) -> bool:
+        host, swap = predicted_bytes(n, h, args)
+        return host <= cap and swap <= disk
+
+    predicted = [i for i, (n, h) in enumerate(ladder) if fits_prediction(n, h)]
     start = pred_i = predicted[-1] if predicted else 0
     if args.start_layers:  # a known neighbourhood (another engine's answer) instead
         start = min(range(len(ladder)), key=lambda i: abs(ladder[i][0] - args.start_layers))
@@ -192,9 +199,10 @@ def main() -> None:
     for offload in args.placements:
         args.offload, args.nvme_path = offload, ""
         ladder = TINY_LADDER if args.tiny else NVME_LADDER if offload == "nvme" else LADDER
-        if offload == "nvme":
-            free = shutil.disk_usage(args.path).free
-            print(f"nvme: {free / 1e9:.0f} GB free on the disk of --path", flush=True)
+        args.disk_free = float("inf")
+        if offload == "nvme":  # the memory model's largest is also bounded by the drive
+            args.disk_free = shutil.disk_usage(args.path).free
+            print(f"nvme: {args.disk_free / 1e9:.0f} GB free on the disk of --path", flush=True)
         for engine in args.engines:
             results.append(largest(args, engine, ladder))
     print(

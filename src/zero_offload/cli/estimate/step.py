@@ -33,7 +33,8 @@ WIDTHS = ((768, 12), (1024, 16), (1536, 16), (2048, 16), (2560, 32), (4096, 32),
 # A CPU run's host memory beyond the engine's states and working set, measured at a 220M and a
 # 1.06B Llama (stage 3, both offloads, fp32): malloc's free heap, the report's
 # ``peak.host.allocator_free`` (0.83 and 0.88 GiB, not growing with the model), and the process
-# itself (interpreter, torch and their libraries: 0.3 GiB).
+# itself (interpreter, torch and their libraries: 0.3 GiB). With both states on NVMe the free
+# heap is smaller (0.60 GiB at a 2.60B Llama), so the same term is a little conservative there.
 CPU_PROCESS_BYTES = int(1.2 * 2**30)
 MAX_LAYERS = 128  # deeper than any of those models: a plausible shape, not a 500-layer tower
 
