@@ -25,10 +25,13 @@ import sys
 GIB = 2**30
 
 
-def config(bucket: float, live: float, offload: str = "cpu", nvme_path: str = "") -> dict:
+def config(
+    bucket: float, live: float, offload: str = "cpu", nvme_path: str = "", sub_group: float = 0
+) -> dict:
     """The run's DeepSpeed config: both offloads on ``offload`` ("cpu" or "nvme", the latter
-    under ``nvme_path``)."""
+    under ``nvme_path``); ``sub_group_size`` where ``sub_group`` is given (else the default)."""
     where = {"device": offload} | ({"nvme_path": nvme_path} if offload == "nvme" else {})
+    zc = {"sub_group_size": sub_group} if sub_group else {}
     return {
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
@@ -38,6 +41,7 @@ def config(bucket: float, live: float, offload: str = "cpu", nvme_path: str = ""
             "stage3_max_live_parameters": live,
             "offload_optimizer": dict(where),
             "offload_param": dict(where),
+            **zc,
         },
         "steps_per_print": 10**9,
     }
@@ -76,7 +80,7 @@ def child(args) -> None:
     from checkpoint_io import PeakMemory
 
     torch.manual_seed(0)
-    cfg = config(args.bucket, args.live, args.offload, args.nvme_path)
+    cfg = config(args.bucket, args.live, args.offload, args.nvme_path, args.sub_group)
     if args.engine == "deepspeed":
         ds = _ds_compat.one_process(args.port)
     else:
@@ -104,6 +108,7 @@ def child_command(args, engine: str) -> list[str]:
     cmd = [sys.executable, __file__, "--child", engine, "--port", str(port)]
     for k in ("hidden", "layers", "vocab", "steps", "seq", "bucket", "live", "offload"):
         cmd += [f"--{k}", str(getattr(args, k))]
+    cmd += ["--sub-group", str(getattr(args, "sub_group", 0))]
     return cmd + ["--nvme-path", str(getattr(args, "nvme_path", "") or "")]
 
 
@@ -159,6 +164,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=29500)
     ap.add_argument("--offload", choices=["cpu", "nvme"], default="cpu", help="both offloads")
     ap.add_argument("--nvme-path", default="", help="nvme_path of the nvme offloads")
+    ap.add_argument("--sub-group", type=float, default=0, help="sub_group_size (0: the default)")
     args = ap.parse_args()
     if args.child:
         args.engine = args.child

@@ -52,7 +52,9 @@ def predicted_bytes(layers: int, hidden: int, args) -> tuple[int, int]:
     from zero_offload.runtime.plan.memory_model import StepShape, ZeroPlan, predict
     from zero_offload.runtime.plan.model_shape import ModelShape
 
-    cfg = host_account.config(args.bucket, args.live, args.offload, args.nvme_path or "/")
+    cfg = host_account.config(
+        args.bucket, args.live, args.offload, args.nvme_path or "/", args.sub_group
+    )
     plan = ZeroPlan.from_config(load_config(cfg, 1), 1)
     heads = max(1, hidden // 64)
     shape = ModelShape.llama(layers, hidden, heads, args.vocab, hidden * 11 // 4, heads)
@@ -185,6 +187,7 @@ def main() -> None:
     ap.add_argument("--placements", nargs="+", default=["cpu", "nvme"], choices=["cpu", "nvme"])
     ap.add_argument("--attempt-timeout", type=float, default=900.0)
     ap.add_argument("--start-layers", type=int, help="start at this depth, not the prediction")
+    ap.add_argument("--sub-group", type=float, default=0, help="sub_group_size (0: the default)")
     ap.add_argument("--tiny", action="store_true", help="a toy ladder (smoke run)")
     ap.add_argument("--json", help="write every attempt here")
     args = ap.parse_args()
@@ -201,6 +204,7 @@ def main() -> None:
         ladder = TINY_LADDER if args.tiny else NVME_LADDER if offload == "nvme" else LADDER
         args.disk_free = float("inf")
         if offload == "nvme":  # the memory model's largest is also bounded by the drive
+            Path(args.path).mkdir(parents=True, exist_ok=True)
             args.disk_free = shutil.disk_usage(args.path).free
             print(f"nvme: {args.disk_free / 1e9:.0f} GB free on the disk of --path", flush=True)
         for engine in args.engines:
