@@ -2,7 +2,8 @@
 against a plain-PyTorch reference of that algorithm (``reference`` below), with and without
 ``overlap_step``, deterministically, and against plain offload (it is not plain Adam); its
 checkpoints resume bitwise mid-interval. Built: one rank, stages 1 and 2, a fixed
-update_interval; the rest warns and trains plain offload. DeepSpeed itself:
+update_interval or "auto"; what DeepSpeed cannot run is refused at initialize; the rest warns
+and trains plain offload. DeepSpeed itself:
 ``test_zenflow_deepspeed.py``."""
 
 from __future__ import annotations
@@ -168,7 +169,11 @@ def test_zenflow_deterministic_and_not_plain():
 @pytest.mark.parametrize(
     "change, stage, words",
     [
-        ({"update_interval": "auto"}, 2, 'update_interval "auto"'),
+        (
+            {"update_interval": "auto", "overlap_step": True},
+            2,
+            'update_interval "auto" with overlap_step',
+        ),
         ({}, 3, "stage 3"),
     ],
 )
@@ -177,6 +182,45 @@ def test_unbuilt_zenflow_warns_and_trains_plain(caplog, change, stage, words):
         got = ours({**TOPK, **change}, 3, stage=stage)
     assert f"zero_optimization.zenflow: not built for {words}" in caplog.text
     assert max_diff(got, ours(None, 3, stage=stage)) == 0.0
+
+
+AUTO = {**TOPK, "select_interval": 5, "update_interval": "auto", "auto_ratio": 0.6}
+
+
+def test_auto_update_interval_trains_its_own_schedule():
+    """ "auto": host updates where DeepSpeed's rule puts them (equal to DeepSpeed's own run in
+    test_zenflow_deepspeed.py): neither a fixed interval nor the selections alone."""
+    a, b = ours(AUTO, 7), ours(AUTO, 7)
+    assert max_diff(a, b) == 0.0 and all(torch.isfinite(p).all() for p in a[-1])
+    engine = _engine(AUTO)
+    _steps(engine, batches(7))
+    rule = engine.opt_groups[0].optimizer.auto
+    assert rule is engine.opt_groups[-1].optimizer.auto  # one rule for the engine
+    for fixed in (2, 5):
+        assert max_diff(a, ours({**AUTO, "update_interval": fixed}, 7)) > 1e-4
+
+
+def test_auto_checkpoint_mid_interval_resumes_bitwise(tmp_path):
+    data = batches(8)
+    straight = _steps(_engine(AUTO), data)
+    first = _engine(AUTO)
+    _steps(first, data[:3])
+    first.save_checkpoint(tmp_path, tag="mid")
+    resumed = _engine(AUTO)
+    resumed.load_checkpoint(tmp_path, tag="mid")
+    assert max_diff([_steps(resumed, data[3:])], [straight]) == 0.0
+
+
+def test_refused_at_initialize_naming_the_key():
+    conv = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3), torch.nn.Flatten())
+    with pytest.raises(ValueError, match=r"zenflow: params of at most 2 dimensions .*0\.weight"):
+        zero_offload.initialize(model=conv, model_parameters=conv.parameters(), config=config(TOPK))
+    model = make_model()
+    cfg = config(TOPK)
+    del cfg["optimizer"]
+    client = torch.optim.SGD(model.parameters(), lr=0.1)  # a torch Adam(W) is taken as built-in
+    with pytest.raises(ValueError, match=r"zenflow: needs the config's optimizer.*\(SGD\)"):
+        zero_offload.initialize(model=model, optimizer=client, config=cfg)
 
 
 def test_zenflow_memory_report_counts_its_buffers():
@@ -195,6 +239,7 @@ def test_zenflow_memory_report_counts_its_buffers():
 
 
 def _engine(zf):
+    """An engine of ``make_model`` with ZenFlow ``zf``."""
     model = make_model()
     engine, *_ = zero_offload.initialize(
         model=model, model_parameters=model.parameters(), config=config(zf)

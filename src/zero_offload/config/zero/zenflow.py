@@ -197,5 +197,17 @@ def check_zenflow(zero: Any) -> None:
         raise rule_error("zenflow", f"needs stage 1, 2 or 3 (stage is {zero.stage})")
     if not getattr(zero, "compute_grad_norm", True):
         raise rule_error("compute_grad_norm", "false does not support ZenFlow")
+    if oc.delayed_update:  # this project's key; ZenFlow's overlap_step is its delayed update
+        raise rule_error(
+            "zenflow",
+            "cannot combine with offload_optimizer.delayed_update (both decide when the host "
+            "update lands); remove delayed_update and use zenflow.overlap_step",
+        )
+    if oc.ratio < 1.0:  # DeepSpeed's partial offload asserts its own host Adam, not ZenFlow's
+        raise rule_error(
+            "zenflow",
+            f"needs offload_optimizer.ratio 1.0 (got {oc.ratio}); DeepSpeed 0.19.8 "
+            "refuses a partial offload with ZenFlow",
+        )
     if zf.offload and not zero.overlap_comm:
         raise rule_error("zenflow.offload", "true needs overlap_comm true")
