@@ -292,6 +292,39 @@ def test_zenflow_16bit_tracks_fp32(dtype):
     assert max_diff(a, ours(TOPK, 5)) < 0.02
 
 
+def test_zenflow_fp16_overflow_skips_the_step_whole():
+    """fp16 (DeepSpeed runs no fp16 on a CPU, so no comparison with it): a step whose scaled
+    gradient overflows changes nothing of ZenFlow's (params, micro-step, accumulator) and
+    lowers the scale; the run then trains on and tracks fp32."""
+    cfg = config(TOPK)
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 24, "hysteresis": 1}
+    model = make_model()
+    engine, *_ = zero_offload.initialize(
+        model=model, model_parameters=model.parameters(), config=cfg
+    )
+    zf = engine.opt_groups[0].optimizer
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    data = batches(12)
+    x, y = data[0]
+    scale = engine.loss_scaler.loss_scale
+    engine.backward(torch.nn.functional.mse_loss(engine(x.half()).float(), y))
+    engine.step()
+    assert engine.skipped_steps == 1 and engine.loss_scaler.loss_scale == scale / 2
+    assert zf.micro == 0 and float(zf.accum.abs().sum()) == 0.0
+    assert max_diff([before], [[p.detach() for p in engine.module.parameters()]]) == 0.0
+    kept = []  # the batches of the steps not skipped
+    for x, y in data[1:]:
+        skipped = engine.skipped_steps
+        engine.backward(torch.nn.functional.mse_loss(engine(x.half()).float(), y))
+        engine.step()
+        if engine.skipped_steps == skipped:
+            kept.append((x, y))
+    assert len(kept) >= 3 and zf.micro == len(kept)
+    got = [[p.detach().float() for p in engine.module.parameters()]]
+    # fp32 fed the same batches (fp16 rounding can change a selected column: 0.02 apart here)
+    assert max_diff(got, [_steps(_engine(TOPK), kept)]) < 0.05
+
+
 def test_overlap_step_runs_the_host_update_during_the_next_steps():
     engine = _engine(OVERLAP)
     x, y = batches(1)[0]

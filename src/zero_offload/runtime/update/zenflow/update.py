@@ -9,7 +9,8 @@ Per micro-step ``k`` (DeepSpeed 0.19.8's order, fixed ``update_interval`` U):
 - at a selection (``schedule.is_select(k)``): the master becomes the params (not at k = 0), the
   device moments are zeroed, and the columns are chosen from this micro-step's gradient;
 - the host accumulator adds this micro-step's gradient divided by U (DeepSpeed sets
-  gradient_accumulation_steps to U and scales the loss by 1/U);
+  gradient_accumulation_steps to U and scales the loss by 1/U; "auto": not divided, and
+  ``auto`` decides which micro-steps are host updates, ``auto_interval.py``);
 - not a host update: the device part updates the selected columns with that gradient;
 - a host update: the selected columns' values are kept aside, the host Adam runs over the
   whole shard with the accumulated gradient (its norm clipped as ``gradient_clipping`` says,
