@@ -167,21 +167,26 @@ def test_zenflow_deterministic_and_not_plain():
 
 
 @pytest.mark.parametrize(
-    "change, stage, words",
+    "optimizer, stage, words",
     [
-        (
-            {"update_interval": "auto", "overlap_step": True},
-            2,
-            'update_interval "auto" with overlap_step',
-        ),
-        ({}, 3, "stage 3"),
+        (None, 2, "the Muon optimizer"),
+        ({"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}, 3, "stage 3"),
     ],
 )
-def test_unbuilt_zenflow_warns_and_trains_plain(caplog, change, stage, words):
+def test_unbuilt_zenflow_warns_and_trains_plain(caplog, optimizer, stage, words):
+    muon = {"type": "Muon", "params": {"lr": LR}}
+
+    def run(zf):
+        cfg = config(zf)
+        cfg["zero_optimization"]["stage"] = stage
+        cfg["optimizer"] = optimizer or muon
+        cfg["zero_optimization"]["reduce_scatter"] = optimizer is not None  # Muon's rule
+        return train(zero_offload.initialize, cfg, 3)[1:]
+
     with caplog.at_level(logging.WARNING, logger="zero_offload"):
-        got = ours({**TOPK, **change}, 3, stage=stage)
+        got = run(TOPK)
     assert f"zero_optimization.zenflow: not built for {words}" in caplog.text
-    assert max_diff(got, ours(None, 3, stage=stage)) == 0.0
+    assert max_diff(got, run(None)) == 0.0
 
 
 AUTO = {**TOPK, "select_interval": 5, "update_interval": "auto", "auto_ratio": 0.6}
@@ -200,13 +205,15 @@ def test_auto_update_interval_trains_its_own_schedule():
         assert max_diff(a, ours({**AUTO, "update_interval": fixed}, 7)) > 1e-4
 
 
-def test_auto_checkpoint_mid_interval_resumes_bitwise(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_auto_checkpoint_mid_interval_resumes_bitwise(tmp_path, overlap):
+    zf = {**AUTO, "overlap_step": overlap}
     data = batches(8)
-    straight = _steps(_engine(AUTO), data)
-    first = _engine(AUTO)
+    straight = _steps(_engine(zf), data)
+    first = _engine(zf)
     _steps(first, data[:3])
     first.save_checkpoint(tmp_path, tag="mid")
-    resumed = _engine(AUTO)
+    resumed = _engine(zf)
     resumed.load_checkpoint(tmp_path, tag="mid")
     assert max_diff([_steps(resumed, data[3:])], [straight]) == 0.0
 

@@ -92,6 +92,12 @@ def test_zenflow_auto_update_interval_equals_deepspeed(tmp_path):
     _check(tmp_path, {**AUTO, "auto_ratio": 0.6}, 0.0)
 
 
+def test_zenflow_auto_overlap_step_equals_deepspeed(tmp_path):
+    """With overlap_step the host moments alternate with DeepSpeed's auto-update state, which
+    flips at every backward (set (k + 1) & 1 after the warm-up)."""
+    _check(tmp_path, {**AUTO, "auto_ratio": 0.6, "overlap_step": True}, 0.0)
+
+
 @pytest.mark.slow
 def test_zenflow_auto_default_ratio_clip_equals_deepspeed(tmp_path):
     _check(tmp_path, {**AUTO, "select_interval": 4, "full_warm_up_rounds": 0}, 0.05)

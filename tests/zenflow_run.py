@@ -68,8 +68,11 @@ def config(zenflow: dict | None, clip: float = 0.0, stage: int = 2, dtype: str =
 
 
 def train(initialize, cfg: dict, steps: int, shape: str = "mlp") -> list[list[torch.Tensor]]:
-    """The params after initialize, then after every step."""
+    """The params after initialize, then after every step (Muon: for the 2-D params)."""
     model = make_model(shape)
+    if (cfg.get("optimizer") or {}).get("type") == "Muon":
+        for p in model.parameters():
+            p.use_muon = p.dim() == 2
     engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=cfg)
     out = [[p.detach().clone().float() for p in engine.module.parameters()]]
     dtype = next(engine.module.parameters()).dtype

@@ -60,7 +60,7 @@ class ZenFlowConfig(Section):
         description="Steps between two host updates of the unselected columns (their "
         'gradients accumulate meanwhile; it becomes gradient_accumulation_steps). "auto": '
         "decided at run time from the gradients, DeepSpeed's rule (auto_ratio; the loss is not "
-        "divided); not built with overlap_step.",
+        "divided).",
     )
     overlap_step: Bool = Field(
         False,
