@@ -24,7 +24,7 @@ KEY = "zero_optimization.zenflow"
 
 def unbuilt(config, world_size: int, muon: bool = False) -> str | None:
     """What of this config is not built (None: ZenFlow runs); the memory plan asks it too."""
-    zc, zf = config.zero_optimization, config.zero_optimization.zenflow
+    zc = config.zero_optimization
     reasons = [
         (zc.stage == 3, "stage 3"),
         (world_size > 1, f"{world_size} ranks (one rank is built)"),
