@@ -40,7 +40,12 @@ from ..update.paths.host_worker import HostWorker
 from ..update.placement import Placement, run_name
 from ..update.shard_optimizer import UpdatePolicy
 from ..update.state_build import alias_state, build_nvme_params, build_states, preflight
-from ..update.zenflow.wiring import auto_rule, build_zenflow_update, zenflow_schedule
+from ..update.zenflow.wiring import (
+    ZenFlowModel,
+    auto_rule,
+    build_zenflow_update,
+    zenflow_schedule,
+)
 from ..update.zero_optimizer import ZeroOptimizer
 from . import guards
 from .keep_in_fp32 import keep_pattern, kept_buffers
@@ -342,8 +347,8 @@ def zenflow_for(e: _Building, groups: list[FlatGroup], client) -> object:
     dl = e.training_dataloader
     steps = len(dl) if dl is not None and hasattr(dl, "__len__") else None
     muon = any(g.hyper.get("use_muon") for g in groups)
-    names = [n for g in groups for n in g.names]
-    schedule = zenflow_schedule(e.config, e.world_size, params, client, steps, muon, names)
+    model = ZenFlowModel(params, [n for g in groups for n in g.names], client, muon)
+    schedule = zenflow_schedule(e.config, e.world_size, model, steps)
     if schedule is not None:
         e.window.gas = 1
     elif e.zero_plan.zenflow is not None:  # not built for this model: no ZenFlow buffers

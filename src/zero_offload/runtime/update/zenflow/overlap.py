@@ -5,10 +5,10 @@ before anything else reads the master.
 
 DeepSpeed's overlapped host Adam keeps two sets of moments and uses set ``(k // U) & 1`` for the
 interval ending at micro-step k (during the warm-up: set ``k & 1``; with ``update_interval``
-"auto": ``(k + 1) & 1``, its auto-update state, flipped at every backward); each update also leaves a
-copy of the master (``stale``). At a host update after the warm-up, first the params take the
-copy left by the previous update, then this interval's update starts on the master; the first
-such update has no previous one, and without a warm-up the second one does not copy either
+"auto": ``(k + 1) & 1``, its auto-update state, flipped at every backward); each update also
+leaves a copy of the master (``stale``). At a host update after the warm-up, first the params
+take the copy left by the previous update, then this interval's update starts on the master; the
+first such update has no previous one, and without a warm-up the second one does not copy either
 (DeepSpeed skips its first wait then). During the warm-up every update is copied at once. The
 selected columns are the device part's as without overlap.
 

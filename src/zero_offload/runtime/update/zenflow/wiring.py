@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -34,16 +35,27 @@ def unbuilt(config, world_size: int, muon: bool = False) -> str | None:
     return ", ".join(missing) if missing else None
 
 
-def refuse_model(params: list[torch.Tensor], names: list[str], client: object) -> None:
+@dataclass(frozen=True)
+class ZenFlowModel:
+    """What the engine's groups say about the model: the trainable params (flat order), their
+    names, the client optimizer (None: the config's) and whether Muon runs any group."""
+
+    params: list[torch.Tensor]
+    names: list[str]
+    client: object = None
+    muon: bool = False
+
+
+def refuse_model(model: ZenFlowModel) -> None:
     """What DeepSpeed 0.19.8's ZenFlow cannot run, refused at initialize: a client optimizer
     (its ZeRO-Offload refuses one; allowed, its ZenFlow fails building the device optimizer)
-    and params of more than 2 dimensions (its first selection fails on them)."""
-    if client is not None:
+    and params of more than 2 dimensions (its first selection fails on them, at every stage)."""
+    if model.client is not None:
         raise ValueError(
             f"{KEY}: needs the config's optimizer (Adam or AdamW, optimizer.type); a client "
-            f"optimizer ({type(client).__name__}) cannot run ZenFlow's device and host parts"
+            f"optimizer ({type(model.client).__name__}) cannot run ZenFlow's device and host parts"
         )
-    for p, name in zip(params, names):
+    for p, name in zip(model.params, model.names):
         if p.dim() > 2:
             raise ValueError(
                 f"{KEY}: params of at most 2 dimensions (columns are ranked per 2-D param); "
@@ -53,21 +65,15 @@ def refuse_model(params: list[torch.Tensor], names: list[str], client: object) -
 
 
 def zenflow_schedule(
-    config,
-    world_size: int,
-    params: list[torch.Tensor],
-    client: object,
-    steps_per_epoch,
-    muon: bool = False,
-    names: list[str] | None = None,
+    config, world_size: int, model: ZenFlowModel, steps_per_epoch: int | None
 ) -> ZenFlowSchedule | None:
     """The resolved schedule, or None: ZenFlow is off, or not built for this config (warned)."""
     zf = config.zero_optimization.zenflow
     if zf is None:
         return None
     schedule = resolve_schedule(zf, steps_per_epoch)  # refusals first, built or not
-    refuse_model(params, names or [f"param {i}" for i in range(len(params))], client)
-    why = unbuilt(config, world_size, muon)
+    refuse_model(model)
+    why = unbuilt(config, world_size, model.muon)
     if why is not None:
         log.warning(
             "%s: not built for %s; this run trains plain ZeRO-Offload Adam, not ZenFlow", KEY, why
