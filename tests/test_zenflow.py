@@ -2,7 +2,8 @@
 against a plain-PyTorch reference of that algorithm (``reference`` below), with and without
 ``overlap_step``, deterministically, and against plain offload (it is not plain Adam); its
 checkpoints resume bitwise mid-interval. Built: one rank, stages 1 and 2, a fixed
-update_interval; the rest warns and trains plain offload. DeepSpeed itself:
+update_interval or "auto"; what DeepSpeed cannot run is refused at initialize; the rest warns
+and trains plain offload. DeepSpeed itself:
 ``test_zenflow_deepspeed.py``."""
 
 from __future__ import annotations
@@ -166,17 +167,67 @@ def test_zenflow_deterministic_and_not_plain():
 
 
 @pytest.mark.parametrize(
-    "change, stage, words",
+    "optimizer, stage, words",
     [
-        ({"update_interval": "auto"}, 2, 'update_interval "auto"'),
-        ({}, 3, "stage 3"),
+        (None, 2, "the Muon optimizer"),
+        ({"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}, 3, "stage 3"),
     ],
 )
-def test_unbuilt_zenflow_warns_and_trains_plain(caplog, change, stage, words):
+def test_unbuilt_zenflow_warns_and_trains_plain(caplog, optimizer, stage, words):
+    muon = {"type": "Muon", "params": {"lr": LR}}
+
+    def run(zf):
+        cfg = config(zf)
+        cfg["zero_optimization"]["stage"] = stage
+        cfg["optimizer"] = optimizer or muon
+        cfg["zero_optimization"]["reduce_scatter"] = optimizer is not None  # Muon's rule
+        return train(zero_offload.initialize, cfg, 3)[1:]
+
     with caplog.at_level(logging.WARNING, logger="zero_offload"):
-        got = ours({**TOPK, **change}, 3, stage=stage)
+        got = run(TOPK)
     assert f"zero_optimization.zenflow: not built for {words}" in caplog.text
-    assert max_diff(got, ours(None, 3, stage=stage)) == 0.0
+    assert max_diff(got, run(None)) == 0.0
+
+
+AUTO = {**TOPK, "select_interval": 5, "update_interval": "auto", "auto_ratio": 0.6}
+
+
+def test_auto_update_interval_trains_its_own_schedule():
+    """ "auto": host updates where DeepSpeed's rule puts them (equal to DeepSpeed's own run in
+    test_zenflow_deepspeed.py): neither a fixed interval nor the selections alone."""
+    a, b = ours(AUTO, 7), ours(AUTO, 7)
+    assert max_diff(a, b) == 0.0 and all(torch.isfinite(p).all() for p in a[-1])
+    engine = _engine(AUTO)
+    _steps(engine, batches(7))
+    rule = engine.opt_groups[0].optimizer.auto
+    assert rule is engine.opt_groups[-1].optimizer.auto  # one rule for the engine
+    for fixed in (2, 5):
+        assert max_diff(a, ours({**AUTO, "update_interval": fixed}, 7)) > 1e-4
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_auto_checkpoint_mid_interval_resumes_bitwise(tmp_path, overlap):
+    zf = {**AUTO, "overlap_step": overlap}
+    data = batches(8)
+    straight = _steps(_engine(zf), data)
+    first = _engine(zf)
+    _steps(first, data[:3])
+    first.save_checkpoint(tmp_path, tag="mid")
+    resumed = _engine(zf)
+    resumed.load_checkpoint(tmp_path, tag="mid")
+    assert max_diff([_steps(resumed, data[3:])], [straight]) == 0.0
+
+
+def test_refused_at_initialize_naming_the_key():
+    conv = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3), torch.nn.Flatten())
+    with pytest.raises(ValueError, match=r"zenflow: params of at most 2 dimensions .*0\.weight"):
+        zero_offload.initialize(model=conv, model_parameters=conv.parameters(), config=config(TOPK))
+    model = make_model()
+    cfg = config(TOPK)
+    del cfg["optimizer"]
+    client = torch.optim.SGD(model.parameters(), lr=0.1)  # a torch Adam(W) is taken as built-in
+    with pytest.raises(ValueError, match=r"zenflow: needs the config's optimizer.*\(SGD\)"):
+        zero_offload.initialize(model=model, optimizer=client, config=cfg)
 
 
 def test_zenflow_memory_report_counts_its_buffers():
@@ -195,6 +246,7 @@ def test_zenflow_memory_report_counts_its_buffers():
 
 
 def _engine(zf):
+    """An engine of ``make_model`` with ZenFlow ``zf``."""
     model = make_model()
     engine, *_ = zero_offload.initialize(
         model=model, model_parameters=model.parameters(), config=config(zf)
@@ -245,6 +297,39 @@ def test_zenflow_16bit_tracks_fp32(dtype):
     b = train(zero_offload.initialize, cfg, 5)[1:]
     assert max_diff(a, b) == 0.0
     assert max_diff(a, ours(TOPK, 5)) < 0.02
+
+
+def test_zenflow_fp16_overflow_skips_the_step_whole():
+    """fp16 (DeepSpeed runs no fp16 on a CPU, so no comparison with it): a step whose scaled
+    gradient overflows changes nothing of ZenFlow's (params, micro-step, accumulator) and
+    lowers the scale; the run then trains on and tracks fp32."""
+    cfg = config(TOPK)
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 24, "hysteresis": 1}
+    model = make_model()
+    engine, *_ = zero_offload.initialize(
+        model=model, model_parameters=model.parameters(), config=cfg
+    )
+    zf = engine.opt_groups[0].optimizer
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    data = batches(12)
+    x, y = data[0]
+    scale = engine.loss_scaler.loss_scale
+    engine.backward(torch.nn.functional.mse_loss(engine(x.half()).float(), y))
+    engine.step()
+    assert engine.skipped_steps == 1 and engine.loss_scaler.loss_scale == scale / 2
+    assert zf.micro == 0 and float(zf.accum.abs().sum()) == 0.0
+    assert max_diff([before], [[p.detach() for p in engine.module.parameters()]]) == 0.0
+    kept = []  # the batches of the steps not skipped
+    for x, y in data[1:]:
+        skipped = engine.skipped_steps
+        engine.backward(torch.nn.functional.mse_loss(engine(x.half()).float(), y))
+        engine.step()
+        if engine.skipped_steps == skipped:
+            kept.append((x, y))
+    assert len(kept) >= 3 and zf.micro == len(kept)
+    got = [[p.detach().float() for p in engine.module.parameters()]]
+    # fp32 fed the same batches (fp16 rounding can change a selected column: 0.02 apart here)
+    assert max_diff(got, [_steps(_engine(TOPK), kept)]) < 0.05
 
 
 def test_overlap_step_runs_the_host_update_during_the_next_steps():

@@ -117,3 +117,13 @@ def test_schedule_refusals_name_select_interval(zenflow, words):
         resolve_schedule(ZenFlowConfig(**zenflow), None)
     assert "zero_optimization.zenflow.select_interval" in str(info.value)
     assert words in str(info.value)
+
+
+def test_refuses_what_deepspeed_cannot_combine():
+    c = cfg({})
+    c["zero_optimization"]["offload_optimizer"]["delayed_update"] = True
+    assert "zenflow: cannot combine with offload_optimizer.delayed_update" in problems(c)
+    c = cfg({})
+    c["zero_optimization"]["stage"] = 3
+    c["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
+    assert "zenflow: needs offload_optimizer.ratio 1.0 (got 0.5)" in problems(c)

@@ -2,12 +2,12 @@
 after initialize and after every ``step()``: the parity tests compare the two runs.
 
     python tests/zenflow_run.py OUT --impl deepspeed|zero_offload [--zenflow JSON] [--clip C]
-        [--steps 6] [--shape mlp|nobias] [--fix-binding]
+        [--steps 6] [--shape mlp|nobias] [--stage 1|2] [--dtype fp32|bf16|fp16] [--fix-binding]
 
 One process, gloo, on the CPU. DeepSpeed is imported only with ``--impl deepspeed`` (a
 subprocess of the test), so the project's run never sees DeepSpeed's modules; ``--fix-binding``
-runs DeepSpeed's ZenFlow with its param binding fixed and its overlapped updates in order
-(docs/zenflow.md).
+runs DeepSpeed's ZenFlow with its param binding fixed, its overlapped updates in order and its
+``update_interval`` "auto" made to run (docs/zenflow.md).
 """
 
 from __future__ import annotations
@@ -47,11 +47,13 @@ def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(n)]
 
 
-def config(zenflow: dict | None, clip: float = 0.0) -> dict:
-    zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+def config(zenflow: dict | None, clip: float = 0.0, stage: int = 2, dtype: str = "fp32") -> dict:
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
     if zenflow is not None:
         zero["zenflow"] = zenflow
+    precision = {dtype: {"enabled": True}} if dtype != "fp32" else {}
     return {
+        **precision,
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
         "optimizer": {
@@ -66,8 +68,11 @@ def config(zenflow: dict | None, clip: float = 0.0) -> dict:
 
 
 def train(initialize, cfg: dict, steps: int, shape: str = "mlp") -> list[list[torch.Tensor]]:
-    """The params after initialize, then after every step."""
+    """The params after initialize, then after every step (Muon: for the 2-D params)."""
     model = make_model(shape)
+    if (cfg.get("optimizer") or {}).get("type") == "Muon":
+        for p in model.parameters():
+            p.use_muon = p.dim() == 2
     engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=cfg)
     out = [[p.detach().clone().float() for p in engine.module.parameters()]]
     dtype = next(engine.module.parameters()).dtype
@@ -132,6 +137,36 @@ def finish_overlapped_updates() -> None:
     ZenFlowZeroOptimizerParallel._wait_for_optimizer_process = take_finished
 
 
+def fix_auto_update() -> None:
+    """``update_interval`` "auto" in DeepSpeed 0.19.8 sets gradient_accumulation_steps to 0, so
+    its backward divides the loss by 0 (NaN params from the second step), and its engine flips
+    the auto-update state after the optimizer's backward prologue has cleared the flag the last
+    backward set, so the rule never ends an interval. This sets gradient_accumulation_steps to 1
+    under "auto" (the loss is not divided) and flips the state before that prologue; the rule
+    itself is DeepSpeed's, unchanged."""
+    from deepspeed.runtime import engine as ds_engine
+    from deepspeed.runtime.zenflow.zenflow_stage_1_and_2 import ZenFlowZeroOptimizer
+
+    configure = ds_engine.configure_zenflow
+
+    def configure_with_gas(engine) -> None:
+        configure(engine)
+        if getattr(engine, "auto_update", False):
+            engine._config.gradient_accumulation_steps = 1
+
+    prologue = ZenFlowZeroOptimizer.backward_prologue
+
+    def prologue_after_flip(self) -> None:
+        if self.auto_update:  # the engine's flip, made first; undone for the engine to redo
+            self.zenflow_state ^= 1
+        prologue(self)
+        if self.auto_update:
+            self.zenflow_state ^= 1
+
+    ds_engine.configure_zenflow = configure_with_gas
+    ZenFlowZeroOptimizer.backward_prologue = prologue_after_flip
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -140,6 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--clip", type=float, default=0.0)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--shape", choices=["mlp", "nobias"], default="mlp")
+    ap.add_argument("--stage", type=int, choices=[1, 2], default=2)
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     # DeepSpeed's ZenFlow with its param binding fixed and its overlapped updates in order
     ap.add_argument("--fix-binding", action="store_true")
     args = ap.parse_args(argv)
@@ -152,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault(k, v)
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
     torch.set_num_threads(1)
-    cfg = config(json.loads(args.zenflow), args.clip)
+    cfg = config(json.loads(args.zenflow), args.clip, args.stage, args.dtype)
     if args.impl == "deepspeed":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
@@ -161,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.fix_binding:
             fix_deepspeed_binding()
             finish_overlapped_updates()
+            fix_auto_update()
         initialize = deepspeed.initialize
     else:
         import zero_offload

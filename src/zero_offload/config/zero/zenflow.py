@@ -59,7 +59,8 @@ class ZenFlowConfig(Section):
         "auto",
         description="Steps between two host updates of the unselected columns (their "
         'gradients accumulate meanwhile; it becomes gradient_accumulation_steps). "auto": '
-        "decided at run time from the gradients (auto_ratio).",
+        "decided at run time from the gradients, DeepSpeed's rule (auto_ratio; the loss is not "
+        "divided).",
     )
     overlap_step: Bool = Field(
         False,
@@ -135,7 +136,8 @@ class ZenFlowSchedule:
 
     def is_update(self, micro: int) -> bool:
         """Micro-step ``micro`` ends with a host update (DeepSpeed's accumulation boundary), for
-        a fixed ``update_interval`` (with "auto" the engine does not build ZenFlow)."""
+        a fixed ``update_interval`` (with "auto" the run-time rule decides:
+        ``runtime/update/zenflow/auto_interval.py``)."""
         n, si, warm = micro + 1, self.select_interval, self.full_warm_up_rounds
         assert not self.auto_update
         return n < warm or (n - warm) % self.update_interval == 0 or (si != 0 and n % si == 0)
@@ -143,7 +145,7 @@ class ZenFlowSchedule:
     @property
     def grad_divisor(self) -> int:
         """What DeepSpeed divides each step's loss by: gradient_accumulation_steps, which it
-        sets to update_interval (0 with "auto": no division)."""
+        sets to update_interval (0 with "auto", a division by 0: here none)."""
         return self.update_interval if self.update_interval > 1 else 1
 
 
@@ -197,5 +199,17 @@ def check_zenflow(zero: Any) -> None:
         raise rule_error("zenflow", f"needs stage 1, 2 or 3 (stage is {zero.stage})")
     if not getattr(zero, "compute_grad_norm", True):
         raise rule_error("compute_grad_norm", "false does not support ZenFlow")
+    if oc.delayed_update:  # this project's key; ZenFlow's overlap_step is its delayed update
+        raise rule_error(
+            "zenflow",
+            "cannot combine with offload_optimizer.delayed_update (both decide when the host "
+            "update lands); remove delayed_update and use zenflow.overlap_step",
+        )
+    if oc.ratio < 1.0:  # DeepSpeed's partial offload asserts its own host Adam, not ZenFlow's
+        raise rule_error(
+            "zenflow",
+            f"needs offload_optimizer.ratio 1.0 (got {oc.ratio}); DeepSpeed 0.19.8 "
+            "refuses a partial offload with ZenFlow",
+        )
     if zf.offload and not zero.overlap_comm:
         raise rule_error("zenflow.offload", "true needs overlap_comm true")

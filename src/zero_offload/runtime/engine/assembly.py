@@ -40,7 +40,12 @@ from ..update.paths.host_worker import HostWorker
 from ..update.placement import Placement, run_name
 from ..update.shard_optimizer import UpdatePolicy
 from ..update.state_build import alias_state, build_nvme_params, build_states, preflight
-from ..update.zenflow.wiring import build_zenflow_update, zenflow_schedule
+from ..update.zenflow.wiring import (
+    ZenFlowModel,
+    auto_rule,
+    build_zenflow_update,
+    zenflow_schedule,
+)
 from ..update.zero_optimizer import ZeroOptimizer
 from . import guards
 from .keep_in_fp32 import keep_pattern, kept_buffers
@@ -309,6 +314,7 @@ def build_updates(
     homes = [_param_home(e, g, gi, sharded) for gi, g in enumerate(groups)]
     states = _states(e, groups, homes, sharded, client)
     policy = UpdatePolicy(sharded, adamw, place)
+    auto = None if zenflow is None else auto_rule(zenflow, [p for g in groups for p in g.params])
     out = []
     for g, home, state in zip(groups, homes, states):
         gs = GradShard(
@@ -325,7 +331,7 @@ def build_updates(
         args = (g, gs, home, state, policy, e.streams)
         if zenflow is not None:
             clip = float(e.config.gradient_clipping)
-            so = build_zenflow_update(args, zenflow, clip, lambda: e.loss_scaler.loss_scale)
+            so = build_zenflow_update(args, zenflow, clip, lambda: e.loss_scaler.loss_scale, auto)
         else:
             so = build_shard_optimizer(*args, e.executor, client)
         out.append(OptimizerGroup(g, gs, home, so, place))
@@ -341,7 +347,8 @@ def zenflow_for(e: _Building, groups: list[FlatGroup], client) -> object:
     dl = e.training_dataloader
     steps = len(dl) if dl is not None and hasattr(dl, "__len__") else None
     muon = any(g.hyper.get("use_muon") for g in groups)
-    schedule = zenflow_schedule(e.config, e.world_size, params, client or muon or None, steps)
+    model = ZenFlowModel(params, [n for g in groups for n in g.names], client, muon)
+    schedule = zenflow_schedule(e.config, e.world_size, model, steps)
     if schedule is not None:
         e.window.gas = 1
     elif e.zero_plan.zenflow is not None:  # not built for this model: no ZenFlow buffers

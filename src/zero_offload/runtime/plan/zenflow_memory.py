@@ -46,7 +46,8 @@ def plan_from_config(config, world: int) -> ZenFlowPlan | None:
     from ..update.zenflow.wiring import unbuilt
 
     zf = config.zero_optimization.zenflow
-    if zf is None or unbuilt(config, world, [], None) is not None:
+    muon = config.optimizer is not None and config.optimizer.muon
+    if zf is None or unbuilt(config, world, muon) is not None:
         return None
     fp16 = config.dtype == torch.float16
     return ZenFlowPlan.for_dtype(zf.topk_ratio, zf.overlap_step, config.dtype.itemsize, fp16)

@@ -4,10 +4,11 @@ DeepSpeed 0.19.8's overlapped optimizer process gives it when that process finis
 before anything else reads the master.
 
 DeepSpeed's overlapped host Adam keeps two sets of moments and uses set ``(k // U) & 1`` for the
-interval ending at micro-step k (during the warm-up: set ``k & 1``); each update also leaves a
-copy of the master (``stale``). At a host update after the warm-up, first the params take the
-copy left by the previous update, then this interval's update starts on the master; the first
-such update has no previous one, and without a warm-up the second one does not copy either
+interval ending at micro-step k (during the warm-up: set ``k & 1``; with ``update_interval``
+"auto": ``(k + 1) & 1``, its auto-update state, flipped at every backward); each update also
+leaves a copy of the master (``stale``). At a host update after the warm-up, first the params
+take the copy left by the previous update, then this interval's update starts on the master; the
+first such update has no previous one, and without a warm-up the second one does not copy either
 (DeepSpeed skips its first wait then). During the warm-up every update is copied at once. The
 selected columns are the device part's as without overlap.
 
@@ -66,7 +67,9 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
         n = self.updates_after_warmup
         if n >= 2 and not (sched.full_warm_up_rounds == 0 and n == 2):
             self._copy()
-        self._submit((k // sched.update_interval) & 1, step)
+        # "auto": DeepSpeed's auto-update state, flipped at every backward ((k + 1) & 1)
+        which = (k + 1) & 1 if sched.auto_update else (k // sched.update_interval) & 1
+        self._submit(which, step)
 
     def _submit(self, which: int, step: int) -> None:
         """Start this interval's host Adam on the master with moment set ``which`` (no param

@@ -9,7 +9,8 @@ Per micro-step ``k`` (DeepSpeed 0.19.8's order, fixed ``update_interval`` U):
 - at a selection (``schedule.is_select(k)``): the master becomes the params (not at k = 0), the
   device moments are zeroed, and the columns are chosen from this micro-step's gradient;
 - the host accumulator adds this micro-step's gradient divided by U (DeepSpeed sets
-  gradient_accumulation_steps to U and scales the loss by 1/U);
+  gradient_accumulation_steps to U and scales the loss by 1/U; "auto": not divided, and
+  ``auto`` decides which micro-steps are host updates, ``auto_interval.py``);
 - not a host update: the device part updates the selected columns with that gradient;
 - a host update: the selected columns' values are kept aside, the host Adam runs over the
   whole shard with the accumulated gradient (its norm clipped as ``gradient_clipping`` says,
@@ -33,6 +34,7 @@ from ....config.zero.zenflow import ZenFlowSchedule
 from ....kernels.sumsq import sum_of_squares
 from ..buffers import OffloadStateType, StateBuffer
 from ..paths.host_update import HostUpdate
+from .auto_interval import AutoInterval
 from .columns import select_columns
 from .device_adam import ColumnState, adamw_columns, read, write
 
@@ -44,10 +46,12 @@ class ZenFlowUpdate(HostUpdate):
         schedule: ZenFlowSchedule,
         clip: float,
         loss_scale: Callable[[], float],
+        auto: AutoInterval | None = None,
         **kw,
     ) -> None:
         super().__init__(*args, **kw)
         self.schedule, self.clip, self.loss_scale = schedule, clip, loss_scale
+        self.auto = auto  # update_interval "auto": the engine's one rule (auto_interval.py)
         self.micro = 0  # micro-steps taken (DeepSpeed's micro_step + 1)
         # The host accumulator: the gradients of the micro-steps since the last host update.
         self.accum = torch.zeros(self.span.numel, dtype=torch.float32)
@@ -64,13 +68,16 @@ class ZenFlowUpdate(HostUpdate):
             if k != 0:
                 self.master_from_params()
             self._select(grad)
+        host = sched.is_update(k) if self.auto is None else self.auto.begin(k)
         u = sched.grad_divisor
         self.accum.add_(grad.float(), alpha=1.0 / u)
         device_part = k >= sched.full_warm_up_rounds
+        if self.auto is not None and device_part:
+            self._observe(grad)
         # fp16: unscaled (DeepSpeed's is not, and the square of a loss-scaled gradient
         # overflows its fp16 moments); the loss scale is 1 otherwise.
         dev_scale = 1.0 / (u * float(self.loss_scale()))
-        if not sched.is_update(k):
+        if not host:
             self._device_part(grad, dev_scale)
         elif not device_part:  # the warm-up: every element is the host's
             self._host_part(k + 1)
@@ -86,6 +93,13 @@ class ZenFlowUpdate(HostUpdate):
         """Param ``i``'s part of this step's host gradient, in the param's shape (host)."""
         lo, hi = self.ranges[i]
         return grad[lo:hi].view(self.group.params[i].shape)
+
+    def _observe(self, grad: torch.Tensor) -> None:
+        """The "auto" rule's sums of this micro-step, per 2-D param, in the param's dtype."""
+        for i, (p, c) in enumerate(zip(self.group.params, self.columns)):
+            if p.dim() == 2:
+                g = self._param_grad(grad, i).to(p.dtype)
+                self.auto.observe((self.group.index, i), g, g[:, c.columns.cpu()])
 
     def _select(self, grad: torch.Tensor) -> None:
         ratio = self.schedule.topk_ratio
@@ -166,6 +180,8 @@ class ZenFlowUpdate(HostUpdate):
         """The mid-interval state: the micro-step count, the accumulated host gradient, and
         per param the selected columns, their device moments and step count."""
         out = {"zenflow.micro": torch.tensor([self.micro]), "zenflow.accum": self.accum}
+        if self.auto is not None:
+            out.update(self.auto.state(self.group.index, len(self.group.params)))
         for i, c in enumerate(self.columns):
             out[f"zenflow.{i}.step"] = torch.tensor([c.step])
             named = (("columns", c.columns), ("exp_avg", c.exp_avg), ("exp_avg_sq", c.exp_avg_sq))
@@ -184,6 +200,8 @@ class ZenFlowUpdate(HostUpdate):
         if micro is None:
             return
         self.accum.copy_(fetch("zenflow.accum"))
+        if self.auto is not None:
+            self.auto.load_state(self.group.index, len(self.group.params), fetch)
         for i, (p, c) in enumerate(zip(self.group.params, self.columns)):
             c.step = int(fetch(f"zenflow.{i}.step")[0])
             for name in ("columns", "exp_avg", "exp_avg_sq"):

@@ -1,15 +1,18 @@
 """Whether this engine runs ZenFlow, and its group update.
 
 What is built: stages 1 and 2, one rank, a fixed ``update_interval`` (``overlap_step`` either
-way), the built-in Adam(W) over params of at most 2 dimensions, ``offload_optimizer`` "cpu" without
-the delayed update or a partial ratio. Any other ZenFlow config is not built: it trains as plain
-ZeRO-Offload, with a warning naming what is missing (never silently).
+way), or "auto", the built-in Adam(W), ``offload_optimizer`` "cpu".
+What DeepSpeed 0.19.8 refuses or cannot run with ZenFlow is refused here, naming the key: the
+delayed update and a partial ratio (at load, ``check_zenflow``), a client optimizer and params
+of more than 2 dimensions (at initialize, ``refuse_model``). Any other ZenFlow config is not
+built: it trains as plain ZeRO-Offload, with a warning naming what is missing (never silently).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,32 +23,57 @@ log = logging.getLogger("zero_offload")
 KEY = "zero_optimization.zenflow"
 
 
-def unbuilt(config, world_size: int, params: list[torch.Tensor], client: object) -> str | None:
+def unbuilt(config, world_size: int, muon: bool = False) -> str | None:
     """What of this config is not built (None: ZenFlow runs); the memory plan asks it too."""
-    zc, zf = config.zero_optimization, config.zero_optimization.zenflow
-    oc = zc.offload_optimizer
+    zc = config.zero_optimization
     reasons = [
         (zc.stage == 3, "stage 3"),
         (world_size > 1, f"{world_size} ranks (one rank is built)"),
-        (isinstance(zf.update_interval, str), 'update_interval "auto"'),
-        (oc.delayed_update, "offload_optimizer.delayed_update"),
-        (oc.ratio < 1.0, "offload_optimizer.ratio < 1"),
-        (client is not None, "a client optimizer"),
-        (any(p.dim() > 2 for p in params), "params of more than 2 dimensions"),
+        (muon, "the Muon optimizer"),
     ]
     missing = [why for bad, why in reasons if bad]
     return ", ".join(missing) if missing else None
 
 
+@dataclass(frozen=True)
+class ZenFlowModel:
+    """What the engine's groups say about the model: the trainable params (flat order), their
+    names, the client optimizer (None: the config's) and whether Muon runs any group."""
+
+    params: list[torch.Tensor]
+    names: list[str]
+    client: object = None
+    muon: bool = False
+
+
+def refuse_model(model: ZenFlowModel) -> None:
+    """What DeepSpeed 0.19.8's ZenFlow cannot run, refused at initialize: a client optimizer
+    (its ZeRO-Offload refuses one; allowed, its ZenFlow fails building the device optimizer)
+    and params of more than 2 dimensions (its first selection fails on them, at every stage)."""
+    if model.client is not None:
+        raise ValueError(
+            f"{KEY}: needs the config's optimizer (Adam or AdamW, optimizer.type); a client "
+            f"optimizer ({type(model.client).__name__}) cannot run ZenFlow's device and host parts"
+        )
+    for p, name in zip(model.params, model.names):
+        if p.dim() > 2:
+            raise ValueError(
+                f"{KEY}: params of at most 2 dimensions (columns are ranked per 2-D param); "
+                f"{name} has shape {tuple(p.shape)}: remove zenflow or keep such params out of "
+                "the optimizer"
+            )
+
+
 def zenflow_schedule(
-    config, world_size: int, params: list[torch.Tensor], client: object, steps_per_epoch
+    config, world_size: int, model: ZenFlowModel, steps_per_epoch: int | None
 ) -> ZenFlowSchedule | None:
     """The resolved schedule, or None: ZenFlow is off, or not built for this config (warned)."""
     zf = config.zero_optimization.zenflow
     if zf is None:
         return None
     schedule = resolve_schedule(zf, steps_per_epoch)  # refusals first, built or not
-    why = unbuilt(config, world_size, params, client)
+    refuse_model(model)
+    why = unbuilt(config, world_size, model.muon)
     if why is not None:
         log.warning(
             "%s: not built for %s; this run trains plain ZeRO-Offload Adam, not ZenFlow", KEY, why
@@ -54,13 +82,27 @@ def zenflow_schedule(
     return schedule
 
 
+def auto_rule(schedule: ZenFlowSchedule, params: list[torch.Tensor]):
+    """The engine's one "auto" rule (shared by its groups), or None: a fixed interval."""
+    from .auto_interval import AutoInterval
+
+    if not schedule.auto_update:
+        return None
+    return AutoInterval(schedule, sum(1 for p in params if p.dim() == 2))
+
+
 def build_zenflow_update(
-    args: tuple, schedule: ZenFlowSchedule, clip: float, loss_scale: Callable[[], float]
+    args: tuple,
+    schedule: ZenFlowSchedule,
+    clip: float,
+    loss_scale: Callable[[], float],
+    auto=None,
 ):
     """The group's update: ``args`` are ``build_shard_optimizer``'s (group, grads, home, state,
-    policy, streams); ``loss_scale`` is read at each host update (fp16's changes)."""
+    policy, streams); ``loss_scale`` is read at each host update (fp16's changes); ``auto``:
+    ``auto_rule``'s object."""
     from .overlap import ZenFlowOverlapUpdate
     from .update import ZenFlowUpdate
 
     cls = ZenFlowOverlapUpdate if schedule.overlap_step else ZenFlowUpdate
-    return cls(*args, schedule=schedule, clip=clip, loss_scale=loss_scale)
+    return cls(*args, schedule=schedule, clip=clip, loss_scale=loss_scale, auto=auto)
