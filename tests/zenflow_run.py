@@ -42,13 +42,14 @@ def make_model(shape: str = "mlp") -> torch.nn.Module:
     )
 
 
-def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
+def batches(n: int, rank: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank 0's batches are the one-rank run's; every other rank has its own."""
+    g = torch.Generator().manual_seed(1 + 1000 * rank)
     return [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(n)]
 
 
-def config(zenflow: dict | None, clip: float = 0.0) -> dict:
-    zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+def config(zenflow: dict | None, clip: float = 0.0, stage: int = 2) -> dict:
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
     if zenflow is not None:
         zero["zenflow"] = zenflow
     return {
@@ -65,13 +66,15 @@ def config(zenflow: dict | None, clip: float = 0.0) -> dict:
     }
 
 
-def train(initialize, cfg: dict, steps: int, shape: str = "mlp") -> list[list[torch.Tensor]]:
-    """The params after initialize, then after every step."""
+def train(
+    initialize, cfg: dict, steps: int, shape: str = "mlp", rank: int = 0
+) -> list[list[torch.Tensor]]:
+    """The params after initialize, then after every step (``rank``'s batches)."""
     model = make_model(shape)
     engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=cfg)
     out = [[p.detach().clone().float() for p in engine.module.parameters()]]
     dtype = next(engine.module.parameters()).dtype
-    for x, y in batches(steps):
+    for x, y in batches(steps, rank):
         loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
         engine.backward(loss)
         engine.step()
@@ -139,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--zenflow", default=json.dumps(TOPK))
     ap.add_argument("--clip", type=float, default=0.0)
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--stage", type=int, choices=[1, 2], default=2)
     ap.add_argument("--shape", choices=["mlp", "nobias"], default="mlp")
     # DeepSpeed's ZenFlow with its param binding fixed and its overlapped updates in order
     ap.add_argument("--fix-binding", action="store_true")
@@ -152,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault(k, v)
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
     torch.set_num_threads(1)
-    cfg = config(json.loads(args.zenflow), args.clip)
+    cfg = config(json.loads(args.zenflow), args.clip, args.stage)
     if args.impl == "deepspeed":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
@@ -166,7 +170,8 @@ def main(argv: list[str] | None = None) -> None:
         import zero_offload
 
         initialize = zero_offload.initialize
-    torch.save(train(initialize, cfg, args.steps, args.shape), args.out)
+    rank = int(os.environ["RANK"])
+    torch.save(train(initialize, cfg, args.steps, args.shape, rank), args.out)
 
 
 if __name__ == "__main__":

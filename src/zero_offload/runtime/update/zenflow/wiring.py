@@ -1,6 +1,6 @@
 """Whether this engine runs ZenFlow, and its group update.
 
-What is built: stages 1 and 2, one rank, a fixed ``update_interval`` (``overlap_step`` either
+What is built: stages 1 and 2, any number of ranks, a fixed ``update_interval`` (``overlap_step`` either
 way), the built-in Adam(W) over params of at most 2 dimensions, ``offload_optimizer`` "cpu" without
 the delayed update or a partial ratio. Any other ZenFlow config is not built: it trains as plain
 ZeRO-Offload, with a warning naming what is missing (never silently).
@@ -26,7 +26,6 @@ def unbuilt(config, world_size: int, params: list[torch.Tensor], client: object)
     oc = zc.offload_optimizer
     reasons = [
         (zc.stage == 3, "stage 3"),
-        (world_size > 1, f"{world_size} ranks (one rank is built)"),
         (isinstance(zf.update_interval, str), 'update_interval "auto"'),
         (oc.delayed_update, "offload_optimizer.delayed_update"),
         (oc.ratio < 1.0, "offload_optimizer.ratio < 1"),
