@@ -26,9 +26,7 @@ def num_selected(cols: int, topk_ratio: float) -> int:
     return 0 if cols <= 0 else max(1, int(cols * topk_ratio))
 
 
-def column_fragments(
-    shapes: list[tuple[int, ...]], world: int
-) -> list[list[tuple[int, int]]]:
+def column_fragments(shapes: list[tuple[int, ...]], world: int) -> list[list[tuple[int, int]]]:
     """Per param (``shapes`` in registration order), the candidate column range ``[c0, c1)`` of
     each of its fragments, in rank order; ``[]`` for a param that is not 2-D. A fragment inside
     one column has no candidates (``c0 == c1``; DeepSpeed 0.19.8 fails on it)."""
