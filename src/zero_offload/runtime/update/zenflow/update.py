@@ -191,6 +191,8 @@ class ZenFlowUpdate(HostUpdate):
             for t in (c.exp_avg, c.exp_avg_sq, c.columns):
                 dev += 0 if t is None else t.numel() * t.element_size()
         out["device.zenflow_columns"] = dev
+        if self.full is not None:
+            out["device.zenflow_grad"] = self.full.numel() * self.full.element_size()
         return out
 
     def device_buffers(self) -> Iterator[StateBuffer]:

@@ -1,0 +1,103 @@
+"""ZenFlow on two ranks (stages 1 and 2, each rank on its own batches): the ranks end every step
+with the same params, a checkpoint saved in the middle of an interval resumes bitwise (and
+loads into a run without ZenFlow), and the estimate counts what ``memory_report()`` does per
+rank. Equality with DeepSpeed's two-rank ZenFlow: ``test_zenflow_deepspeed.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as tdist
+from distributed import every_rank
+from zenflow_run import TOPK, batches, config, make_model
+
+import zero_offload
+from zero_offload.runtime.update.zenflow.update import ZenFlowUpdate
+
+TERMS = ("device.zenflow_columns", "device.zenflow_grad", "host.zenflow_accum")
+
+
+def _engine(zf: dict | None, stage: int):
+    model = make_model()
+    engine, *_ = zero_offload.initialize(
+        model=model, model_parameters=model.parameters(), config=config(zf, stage=stage)
+    )
+    return engine
+
+
+def _params(engine) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+
+def _steps(engine, data) -> list[torch.Tensor]:
+    for x, y in data:
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.step()
+    return _params(engine)
+
+
+def _checkpoint_run(path: str, zf: dict, stage: int) -> dict:
+    """On each rank: a straight run of 7 steps, and one saved after 3 (mid-interval: the
+    accumulator holds step 3's gradient), resumed, and loaded without ZenFlow."""
+    data = batches(7, tdist.get_rank())
+    engine = _engine(zf, stage)
+    built = isinstance(engine.opt_groups[0].optimizer, ZenFlowUpdate)
+    straight = _steps(engine, data)
+    first = _engine(zf, stage)
+    saved = _steps(first, data[:3])
+    first.save_checkpoint(path, tag="mid")
+    resumed = _engine(zf, stage)
+    resumed.load_checkpoint(path, tag="mid")
+    loaded = _params(resumed)
+    after = _steps(resumed, data[3:])
+    plain = _engine(None, stage)  # a run without ZenFlow loads the master
+    plain.load_checkpoint(path, tag="mid")
+    plain_loaded = _params(plain)
+    _steps(plain, data[3:4])
+    return dict(built=built, straight=straight, saved=saved, loaded=loaded, after=after,
+                plain=plain_loaded)  # fmt: skip
+
+
+def _diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((p - q).abs().max()) for p, q in zip(a, b))
+
+
+@pytest.mark.parametrize("stage, overlap", [(2, False), (1, True)])
+def test_two_ranks_checkpoint_mid_interval_resumes_bitwise(tmp_path, stage, overlap):
+    zf = {**TOPK, "select_interval": 4, "overlap_step": overlap}
+    ranks = every_rank(2, _checkpoint_run, str(tmp_path), zf, stage)
+    for got in ranks:
+        assert got["built"]
+        assert _diff(got["loaded"], got["saved"]) == 0.0
+        assert _diff(got["after"], got["straight"]) == 0.0
+        if overlap:  # the master already holds the update the params get one interval later
+            assert _diff(got["plain"], got["saved"]) > 1e-4
+        else:
+            assert _diff(got["plain"], got["saved"]) == 0.0
+    assert _diff(ranks[0]["straight"], ranks[1]["straight"]) == 0.0  # the ranks agree
+
+
+def _memory(stage: int) -> tuple[dict, dict, dict]:
+    from test_zenflow_memory import SHAPE, _train
+
+    from zero_offload.models.gpt2 import GPT2Model
+
+    torch.manual_seed(0)
+    model = GPT2Model(SHAPE)
+    cfg = config({**TOPK, "overlap_step": True}, stage=stage)
+    engine, *_ = zero_offload.initialize(
+        model=model, model_parameters=model.parameters(), config=cfg
+    )
+    _train(engine, 2)
+    predicted = engine.expected_memory(seq_length=SHAPE.seq_length, micro_batch=2)
+    return engine.memory_report(), engine.expected_memory(), predicted
+
+
+def test_two_ranks_estimate_equals_memory_report():
+    """Per rank: the columns of each DeepSpeed fragment, the gathered gradient, the shard's
+    accumulators; from the engine's params and from the model's shape."""
+    for have, states, predicted in every_rank(2, _memory, 2):
+        for k in (*TERMS, "host.zenflow_overlap"):
+            assert have[k] > 0, k
+            assert states[k] == have[k], (k, states[k], have[k])
+            assert predicted[k] == have[k], (k, predicted[k], have[k])
