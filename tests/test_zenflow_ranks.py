@@ -12,6 +12,7 @@ from distributed import every_rank
 from zenflow_run import TOPK, batches, config, make_model
 
 import zero_offload
+from zero_offload.runtime.update.buffers import OffloadStateType
 from zero_offload.runtime.update.zenflow.update import ZenFlowUpdate
 
 TERMS = ("device.zenflow_columns", "device.zenflow_grad", "host.zenflow_accum")
@@ -90,7 +91,13 @@ def _memory(stage: int) -> tuple[dict, dict, dict]:
     )
     _train(engine, 2)
     predicted = engine.expected_memory(seq_length=SHAPE.seq_length, micro_batch=2)
-    return engine.memory_report(), engine.expected_memory(), predicted
+    out = engine.memory_report(), engine.expected_memory(), predicted
+    # the gathered gradient is scratch: offload_states(lp_grads) frees it, a step refills it
+    engine.offload_states(include=[OffloadStateType.lp_grads])
+    assert engine.memory_report()["device.zenflow_grad"] == 0
+    engine.reload_states()
+    _train(engine, 1)
+    return out
 
 
 def test_two_ranks_estimate_equals_memory_report():

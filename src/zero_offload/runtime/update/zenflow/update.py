@@ -197,13 +197,17 @@ class ZenFlowUpdate(HostUpdate):
 
     def device_buffers(self) -> Iterator[StateBuffer]:
         """The selected columns' moments and indices: optimizer state that ``offload_states``
-        may move. Only the device part (this thread, inside ``step``) reads them; the
-        overlapped host update never does, so moving them between steps is safe."""
+        may move; on several ranks the gathered gradient too (scratch, with the gradients).
+        Only the device part (this thread, inside ``step``) reads them; the overlapped host
+        update never does, so moving them between steps is safe."""
         opt = OffloadStateType.optim_states
         for c in self.columns:
             for t in (c.exp_avg, c.exp_avg_sq, c.columns):
                 if t is not None and t.device == self.group.device:
                     yield StateBuffer(t, "device.zenflow_columns", state=opt)
+        if self.full is not None:  # several ranks: rewritten by every step's gather
+            grads = OffloadStateType.lp_grads
+            yield StateBuffer(self.full, "device.zenflow_grad", keep=False, state=grads)
 
     # ---- what a checkpoint keeps beyond the master and the host moments -----------------------
     def flush(self) -> None:
