@@ -108,3 +108,27 @@ def test_two_ranks_estimate_equals_memory_report():
             assert have[k] > 0, k
             assert states[k] == have[k], (k, states[k], have[k])
             assert predicted[k] == have[k], (k, predicted[k], have[k])
+
+
+def _save_one_rank(path: str, zf: dict) -> None:
+    engine = _engine(zf, 2)
+    _steps(engine, batches(3))  # mid-interval
+    engine.save_checkpoint(path, tag="one")
+
+
+def _resume(path: str, zf: dict) -> tuple[int, list[torch.Tensor]]:
+    engine = _engine(zf, 2)
+    engine.load_checkpoint(path, tag="one")
+    micro = engine.opt_groups[0].optimizer.micro
+    return micro, _steps(engine, batches(3, tdist.get_rank()))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_two_ranks_resume_one_rank_checkpoint_afresh_alike(tmp_path, overlap):
+    """A ZenFlow checkpoint of one rank resumed on two: the shards differ, so every rank starts
+    ZenFlow afresh (never one rank resuming its schedule while the other starts over)."""
+    zf = {**TOPK, "select_interval": 4, "overlap_step": overlap}
+    every_rank(1, _save_one_rank, str(tmp_path), zf)
+    ranks = every_rank(2, _resume, str(tmp_path), zf)
+    assert [micro for micro, _ in ranks] == [0, 0]  # afresh on both
+    assert _diff(ranks[0][1], ranks[1][1]) == 0.0

@@ -31,6 +31,7 @@ so the ranks' columns never differ.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterator
 
@@ -43,6 +44,8 @@ from ..buffers import OffloadStateType, StateBuffer
 from ..paths.host_update import HostUpdate
 from .columns import column_fragments, select_columns
 from .device_adam import ColumnState, adamw_columns, read, write
+
+log = logging.getLogger("zero_offload")
 
 
 class ZenFlowUpdate(HostUpdate):
@@ -260,15 +263,28 @@ class ZenFlowUpdate(HostUpdate):
         return out
 
     def load_extra_state(self, fetch: Callable[[str], torch.Tensor | None]) -> None:
-        """``extra_state`` back (``fetch(name)``: None when the checkpoint has no such tensor).
-        A checkpoint without ZenFlow's state starts it afresh: a selection at the next step."""
-        micro = fetch("zenflow.micro")
+        """``extra_state`` back (``fetch(name)``: None when the checkpoint has no such tensor;
+        ``restored``: whether it was). A checkpoint without ZenFlow's state, or with another shard
+        size (saved on another number of ranks), starts it afresh on every rank alike: a
+        selection at the next step."""
+        micro, accum = fetch("zenflow.micro"), fetch("zenflow.accum")
+        fits = micro is not None and accum is not None and accum.numel() == self.accum.numel()
+        if self.world > 1:  # every rank restores, or none: their schedules stay one
+            misfits = torch.tensor([0 if fits else 1], device=self.group.device)
+            dist.all_reduce(misfits)
+            fits = int(misfits[0]) == 0
+        if micro is not None and not fits:
+            log.warning(
+                "zero_optimization.zenflow: the checkpoint's ZenFlow state was saved on another "
+                "number of ranks; ZenFlow starts afresh (a selection at the next step)"
+            )
         self.accum.zero_()
         self.columns = [ColumnState(None) for _ in self.group.params]
-        self.micro = 0 if micro is None else int(micro[0])
-        if micro is None:
+        self.micro = int(micro[0]) if fits else 0
+        self.restored = fits
+        if not fits:
             return
-        self.accum.copy_(fetch("zenflow.accum"))
+        self.accum.copy_(accum)
         for i, (p, c) in enumerate(zip(self.group.params, self.columns)):
             c.step = int(fetch(f"zenflow.{i}.step")[0])
             for name in ("columns", "exp_avg", "exp_avg_sq"):
