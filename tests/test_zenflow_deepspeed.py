@@ -95,7 +95,7 @@ def test_zenflow_overlap_step_warmup_clip_select3_equals_deepspeed(tmp_path):
     _check(tmp_path, zf, 0.05)
 
 
-# Two ranks: the 368 elements of the model are cut at 184, inside the second Linear's fourth
+# Two ranks: the 368 elements of the model are cut at 184, inside the second Linear's fifth
 # column; its columns are ranked on each side of the cut (1 of 4, then 2 of 11 columns,
 # instead of 4 of 16 on one rank), so these fail if the ranks' fragments are not DeepSpeed's.
 @pytest.mark.parametrize("stage", [1, 2])
