@@ -98,12 +98,16 @@ def test_zenflow_overlap_step_warmup_clip_select3_equals_deepspeed(tmp_path):
 # Two ranks: the 368 elements of the model are cut at 184, inside the second Linear's fifth
 # column; its columns are ranked on each side of the cut (1 of 4, then 2 of 11 columns,
 # instead of 4 of 16 on one rank), so these fail if the ranks' fragments are not DeepSpeed's.
-@pytest.mark.parametrize("stage", [1, 2])
+# Stage 1 (slow): DeepSpeed's stage 1 and 2 ZenFlow train this model the same, bitwise.
+STAGES = [pytest.param(1, marks=pytest.mark.slow), 2]
+
+
+@pytest.mark.parametrize("stage", STAGES)
 def test_zenflow_two_ranks_equals_deepspeed(tmp_path, stage):
     zf = {**TOPK, "select_interval": 3, "full_warm_up_rounds": 1}
     _check(tmp_path, zf, 0.05, world=2, stage=stage)  # the clip's norm is both ranks'
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", STAGES)
 def test_zenflow_two_ranks_overlap_step_equals_deepspeed(tmp_path, stage):
     _check(tmp_path, {**TOPK, "select_interval": 4, "overlap_step": True}, 0.0, 2, stage)
