@@ -41,6 +41,8 @@ def run(
         cmd = [sys.executable, str(HERE / "zenflow_run.py"), str(out), "--impl", impl]
         cmd += ["--shape", "nobias", "--steps", "9", "--zenflow", json.dumps(zf)]
         cmd += ["--clip", str(clip), "--stage", str(stage)]
+        # DeepSpeed's column-major binding bug patched and its overlapped updates in order
+        # (zenflow_run.py); its 1-D selection bug avoided by the model without biases
         if impl == "deepspeed":
             cmd.append("--fix-binding")
         rank_env = dict(env, RANK=str(r), LOCAL_RANK=str(r)) if world > 1 else env

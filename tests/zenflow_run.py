@@ -2,9 +2,10 @@
 after initialize and after every ``step()``: the parity tests compare the two runs.
 
     python tests/zenflow_run.py OUT --impl deepspeed|zero_offload [--zenflow JSON] [--clip C]
-        [--steps 6] [--shape mlp|nobias] [--fix-binding]
+        [--steps 6] [--shape mlp|nobias] [--stage 1|2] [--fix-binding]
 
-One process, gloo, on the CPU. DeepSpeed is imported only with ``--impl deepspeed`` (a
+One process per rank, gloo, on the CPU (several ranks: the caller starts one per rank with
+RANK, WORLD_SIZE and MASTER_PORT set; each rank trains on its own batches). DeepSpeed is imported only with ``--impl deepspeed`` (a
 subprocess of the test), so the project's run never sees DeepSpeed's modules; ``--fix-binding``
 runs DeepSpeed's ZenFlow with its param binding fixed and its overlapped updates in order
 (docs/zenflow.md).
