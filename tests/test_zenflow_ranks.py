@@ -13,6 +13,7 @@ from zenflow_run import TOPK, batches, config, make_model
 
 import zero_offload
 from zero_offload.runtime.update.buffers import OffloadStateType
+from zero_offload.runtime.update.zenflow.columns import column_fragments, select_columns
 from zero_offload.runtime.update.zenflow.update import ZenFlowUpdate
 
 TERMS = ("device.zenflow_columns", "device.zenflow_grad", "host.zenflow_accum")
@@ -132,3 +133,18 @@ def test_two_ranks_resume_one_rank_checkpoint_afresh_alike(tmp_path, overlap):
     ranks = every_rank(2, _resume, str(tmp_path), zf)
     assert [micro for micro, _ in ranks] == [0, 0]  # afresh on both
     assert _diff(ranks[0][1], ranks[1][1]) == 0.0
+
+
+def test_column_fragments_cut_as_deepspeed_partitions():
+    """The tiny MLP without biases (368 elements, registration order) on two ranks: cut at 184,
+    20 elements into the second Linear's column 4 (12 rows); padded to a multiple of 2 * N."""
+    shapes = [(16, 8), (12, 16), (4, 12)]
+    assert column_fragments(shapes, 1) == [[(0, 8)], [(0, 16)], [(0, 12)]]
+    assert column_fragments(shapes, 2) == [[(0, 8)], [(0, 4), (5, 16)], [(0, 12)]]
+    # 10 elements, padded to 12 on three ranks (4 each): the (5, 2) param's second column is
+    # cut at 4 and 8; a fragment inside one column has no candidates
+    assert column_fragments([(5, 2)], 3) == [[(0, 0), (1, 1), (2, 2)]]
+    # after a 1-D param: cut at 6, inside the (2, 4) param's column 1 (its elements 3 of 2-3)
+    assert column_fragments([(3,), (2, 4)], 2) == [[], [(0, 1), (2, 4)]]
+    g = torch.arange(12 * 16, dtype=torch.float32).view(16, 12).t()  # column c larger with c
+    assert select_columns(g, 0.25, [(0, 4), (5, 16)]).tolist() == [3, 14, 15]
