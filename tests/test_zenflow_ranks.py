@@ -144,7 +144,7 @@ def test_column_fragments_cut_as_deepspeed_partitions():
     # 10 elements, padded to 12 on three ranks (4 each): the (5, 2) param's second column is
     # cut at 4 and 8; a fragment inside one column has no candidates
     assert column_fragments([(5, 2)], 3) == [[(0, 0), (1, 1), (2, 2)]]
-    # after a 1-D param: cut at 6, inside the (2, 4) param's column 1 (its elements 3 of 2-3)
+    # after a 1-D param: cut at 6, the (2, 4) param's element 3, inside its column 1
     assert column_fragments([(3,), (2, 4)], 2) == [[], [(0, 1), (2, 4)]]
     g = torch.arange(12 * 16, dtype=torch.float32).view(16, 12).t()  # column c larger with c
     assert select_columns(g, 0.25, [(0, 4), (5, 16)]).tolist() == [3, 14, 15]
