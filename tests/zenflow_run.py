@@ -4,7 +4,8 @@ after initialize and after every ``step()``: the parity tests compare the two ru
     python tests/zenflow_run.py OUT --impl deepspeed|zero_offload [--zenflow JSON] [--clip C]
         [--steps 6] [--shape mlp|nobias] [--stage 1|2] [--dtype fp32|bf16|fp16] [--fix-binding]
 
-One process, gloo, on the CPU. DeepSpeed is imported only with ``--impl deepspeed`` (a
+One process per rank, gloo, on the CPU (several ranks: the caller starts one per rank with
+RANK, WORLD_SIZE and MASTER_PORT set; each rank trains on its own batches). DeepSpeed is imported only with ``--impl deepspeed`` (a
 subprocess of the test), so the project's run never sees DeepSpeed's modules; ``--fix-binding``
 runs DeepSpeed's ZenFlow with its param binding fixed, its overlapped updates in order and its
 ``update_interval`` "auto" made to run (docs/zenflow.md).
@@ -42,8 +43,9 @@ def make_model(shape: str = "mlp") -> torch.nn.Module:
     )
 
 
-def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
+def batches(n: int, rank: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank 0's batches are the one-rank run's; every other rank has its own."""
+    g = torch.Generator().manual_seed(1 + 1000 * rank)
     return [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(n)]
 
 
@@ -67,8 +69,11 @@ def config(zenflow: dict | None, clip: float = 0.0, stage: int = 2, dtype: str =
     }
 
 
-def train(initialize, cfg: dict, steps: int, shape: str = "mlp") -> list[list[torch.Tensor]]:
-    """The params after initialize, then after every step (Muon: for the 2-D params)."""
+def train(
+    initialize, cfg: dict, steps: int, shape: str = "mlp", rank: int = 0
+) -> list[list[torch.Tensor]]:
+    """The params after initialize, then after every step (``rank``'s batches; Muon: for the
+    2-D params)."""
     model = make_model(shape)
     if (cfg.get("optimizer") or {}).get("type") == "Muon":
         for p in model.parameters():
@@ -76,7 +81,7 @@ def train(initialize, cfg: dict, steps: int, shape: str = "mlp") -> list[list[to
     engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=cfg)
     out = [[p.detach().clone().float() for p in engine.module.parameters()]]
     dtype = next(engine.module.parameters()).dtype
-    for x, y in batches(steps):
+    for x, y in batches(steps, rank):
         loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
         engine.backward(loss)
         engine.step()
@@ -204,7 +209,8 @@ def main(argv: list[str] | None = None) -> None:
         import zero_offload
 
         initialize = zero_offload.initialize
-    torch.save(train(initialize, cfg, args.steps, args.shape), args.out)
+    rank = int(os.environ["RANK"])
+    torch.save(train(initialize, cfg, args.steps, args.shape, rank), args.out)
 
 
 if __name__ == "__main__":

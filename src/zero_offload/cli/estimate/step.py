@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topk-ratio", type=float,
                    help="zero_optimization.zenflow.topk_ratio: count ZenFlow's buffers (the "
                    "selected columns' device moments, the host accumulator) in the stage 1/2 "
-                   "cpu rows of one rank (a --config with a zenflow block does it too)")  # fmt: skip
+                   "cpu rows, per rank (a --config with a zenflow block does it too)")  # fmt: skip
     p.add_argument("--overlap-step", action="store_true",
                    help="with --topk-ratio: zero_optimization.zenflow.overlap_step")  # fmt: skip
 

@@ -429,10 +429,12 @@ class ZeroOffloadEngine(
             alias_master=all(og.optimizer.aliased for og in groups) if groups else None,
             muon_numel=sum(og.flat.layout.total for og in groups if og.flat.hyper.get("use_muon")),
         )
-        zenflow = self.zero_plan.zenflow  # built: one rank, each group's own params
+        zenflow = self.zero_plan.zenflow  # built: each group's own params, on this rank
         for og in groups if zenflow is not None else ():
-            shapes = [tuple(p.shape) for p in og.flat.params]
-            for k, v in zenflow_bytes(shapes, og.flat.layout.total, zenflow).items():
+            shapes = [tuple(p.shape) for p in reversed(og.flat.params)]  # registration order
+            layout, grad_bytes = og.flat.layout, self.grad_accum_dtype.itemsize
+            got = zenflow_bytes(shapes, layout.shard_numel, zenflow, layout.world_size, grad_bytes)
+            for k, v in got.items():
                 out[k] = out.get(k, 0) + v
         persistent = self.param_store.persistent_bytes() if self.param_store is not None else 0
         if persistent:  # stage 3: gathered from the first step on (DeepSpeed's persistent params)

@@ -168,7 +168,9 @@ def states(numel: int, plan: ZeroPlan, shape: ModelShape | None = None) -> dict[
         if shape is not None:
             out["host.param_spares"] = param_spares(shape, plan)
     if plan.zenflow is not None and shape is not None and _zenflow_runs(plan):
-        out.update(zenflow_bytes(shape.param_shapes(), shard, plan.zenflow))
+        grad_bytes = plan.accum_bytes or plan.dtype_bytes
+        world = plan.world if plan.stage else 1
+        out.update(zenflow_bytes(shape.param_shapes(), shard, plan.zenflow, world, grad_bytes))
     persistent = persistent_numel(shape, plan) if plan.stage == 3 and shape is not None else 0
     if persistent:
         out["device.persistent_params"] = persistent * plan.dtype_bytes
@@ -177,8 +179,8 @@ def states(numel: int, plan: ZeroPlan, shape: ModelShape | None = None) -> dict[
 
 
 def _zenflow_runs(plan: ZeroPlan) -> bool:
-    """Where ZenFlow is built: one rank, stage 1 or 2, the optimizer in host memory."""
-    return plan.stage in (1, 2) and plan.world == 1 and plan.optimizer == "host"
+    """Where ZenFlow is built: stage 1 or 2, the optimizer in host memory."""
+    return plan.stage in (1, 2) and plan.optimizer == "host"
 
 
 def _reserve_pinned(out: dict[str, int], plan: ZeroPlan) -> None:

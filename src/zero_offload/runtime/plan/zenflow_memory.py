@@ -2,16 +2,21 @@
 as ``ZenFlowUpdate`` allocates them and ``memory_report()`` counts them:
 
 - ``device.zenflow_columns``: per 2-D param of shape (rows, cols), the two Adam moments of its
-  ``k = max(1, int(cols * topk_ratio))`` selected columns (rows x k each) and the columns' int64
-  indices (k); per 1-D param, the two moments of the whole param. The moments are in the params'
-  dtype (fp16: fp32). They exist from the first device update on (after the warm-up rounds).
+  ``k`` selected columns (rows x k each) and the columns' int64 indices (k); per 1-D param, the
+  two moments of the whole param. On one rank ``k = max(1, int(cols * topk_ratio))``; on several
+  the sum of that count over the param's fragments in DeepSpeed's partitions (``columns.py``).
+  The moments are in the params' dtype (fp16: fp32). They exist from the first device update on
+  (after the warm-up rounds). Every rank holds all of them (the device part is replicated).
+- ``device.zenflow_grad`` (several ranks): the whole reduced gradient of a step, gathered from
+  the ranks' shards for the device part, one element (the host gradient's dtype) per element of
+  the padded flat group.
 - ``host.zenflow_accum``: the fp32 accumulator of the gradients between host updates, one per
   shard element; ``overlap_step``: two (one filled while the other is being applied).
 - ``host.zenflow_overlap`` (``overlap_step``): the second set of host moments and the master's
   copy the params take one interval later, fp32, three per shard element.
 
-Nothing else: the device part reads the selected columns' gradient from the host grad shard and
-keeps no master columns between steps (its fp32 working copy lives for one param's update).
+Nothing else: on one rank the device part reads the selected columns' gradient from the host
+grad shard; it keeps no master columns between steps (its fp32 working copy lives for one param's update).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from ..update.zenflow.columns import num_selected
+from ..update.zenflow.columns import column_fragments, num_selected, selected_count
 
 INDEX_BYTES = 8  # the selected columns' indices: int64
 
@@ -54,14 +59,23 @@ def plan_from_config(config, world: int) -> ZenFlowPlan | None:
 
 
 def zenflow_bytes(
-    shapes: Iterable[tuple[int, ...]], shard: int, plan: ZenFlowPlan
+    shapes: Iterable[tuple[int, ...]],
+    shard: int,
+    plan: ZenFlowPlan,
+    world: int = 1,
+    grad_bytes: int = 4,
 ) -> dict[str, int]:
-    """ZenFlow's bytes by memory-report category, for params of ``shapes`` (1-D or 2-D) and a
-    shard of ``shard`` elements (the padded flat group on one rank)."""
+    """ZenFlow's bytes by memory-report category, for params of ``shapes`` (1-D or 2-D, in
+    registration order: it places DeepSpeed's partition cuts) and a shard of ``shard`` elements
+    (the padded flat group on one rank) on each of ``world`` ranks; ``grad_bytes``: the host
+    gradient's element size."""
+    shapes = [tuple(s) for s in shapes]
+    frags = column_fragments(shapes, world) if world > 1 else [None] * len(shapes)
     device = 0
-    for shape in shapes:
+    for shape, fr in zip(shapes, frags):
         if len(shape) == 2:
-            k = num_selected(shape[1], plan.topk_ratio)
+            k = num_selected(shape[1], plan.topk_ratio) if fr is None else None
+            k = selected_count(fr, plan.topk_ratio) if k is None else k
             device += 2 * shape[0] * k * plan.moment_bytes + k * INDEX_BYTES
         else:
             n = 1
@@ -72,6 +86,8 @@ def zenflow_bytes(
         "device.zenflow_columns": device,
         "host.zenflow_accum": shard * 4 * (2 if plan.overlap_step else 1),
     }
+    if world > 1:
+        out["device.zenflow_grad"] = shard * world * grad_bytes
     if plan.overlap_step:
         out["host.zenflow_overlap"] = shard * 4 * 3
     return out

@@ -2,23 +2,79 @@
 
 A column of a 2-D param of shape (rows, cols) is ``param[:, c]``; its importance is the L1 norm
 of that column of the step's gradient, summed over the column's contiguous copy (as DeepSpeed
-sums its column-major gradient bucket). ``max(1, int(cols * topk_ratio))`` columns are kept,
-in increasing index order. A 1-D param is updated on the device whole.
+sums its column-major gradient bucket). A 1-D param is updated on the device whole.
+
+Columns are ranked per *fragment*: the piece of the param inside one rank's partition of
+DeepSpeed's flat buffer (params in registration order, each 2-D param column-major, the total
+padded to a multiple of ``2 * world``, cut into ``world`` equal partitions). A fragment's
+candidates are the columns wholly inside it (a column cut by a partition boundary is never
+selected); ``max(1, int(n * topk_ratio))`` of its ``n`` candidates are kept. On one rank the
+only fragment is the whole param. The selected columns are the fragments' in increasing index
+order.
 """
 
 from __future__ import annotations
 
 import torch
 
+# DeepSpeed's stage 1/2 pads the flat group to a multiple of this times the world size.
+PARTITION_ALIGN = 2
+
 
 def num_selected(cols: int, topk_ratio: float) -> int:
     """DeepSpeed's count: at least one column of a non-empty param."""
-    return 0 if cols == 0 else max(1, int(cols * topk_ratio))
+    return 0 if cols <= 0 else max(1, int(cols * topk_ratio))
 
 
-def select_columns(grad: torch.Tensor, topk_ratio: float) -> torch.Tensor:
-    """The sorted indices of the top columns of the 2-D ``grad`` (int64, on its device)."""
+def column_fragments(shapes: list[tuple[int, ...]], world: int) -> list[list[tuple[int, int]]]:
+    """Per param (``shapes`` in registration order), the candidate column range ``[c0, c1)`` of
+    each of its fragments, in rank order; ``[]`` for a param that is not 2-D. A fragment inside
+    one column has no candidates (``c0 == c1``; DeepSpeed 0.19.8 fails on it)."""
+    numels = [_numel(s) for s in shapes]
+    unit = PARTITION_ALIGN * world
+    total = -(-sum(numels) // unit) * unit
+    part = total // world
+    out, off = [], 0
+    for shape, n in zip(shapes, numels):
+        frags = []
+        if len(shape) == 2:
+            rows = shape[0]
+            for r in range(world):
+                a, b = max(off, r * part), min(off + n, (r + 1) * part)
+                if a < b:
+                    lo, hi = a - off, b - off
+                    c0 = 0 if lo == 0 else (lo - 1) // rows + 1
+                    frags.append((c0, max(c0, hi // rows)))
+        out.append(frags)
+        off += n
+    return out
+
+
+def selected_count(frags: list[tuple[int, int]], topk_ratio: float) -> int:
+    """How many columns a 2-D param with these fragments has selected."""
+    return sum(num_selected(c1 - c0, topk_ratio) for c0, c1 in frags)
+
+
+def select_columns(
+    grad: torch.Tensor, topk_ratio: float, frags: list[tuple[int, int]] | None = None
+) -> torch.Tensor:
+    """The sorted indices of the top columns of the 2-D ``grad`` (int64, on its device), per
+    fragment (None: the whole param is one)."""
     rows, cols = grad.shape
     per_column = grad.t().contiguous().view(cols, rows).abs().sum(dim=1)
-    _, top = torch.topk(per_column, num_selected(cols, topk_ratio))
-    return top.sort()[0]
+    picks = []
+    for c0, c1 in frags if frags is not None else [(0, cols)]:
+        k = num_selected(c1 - c0, topk_ratio)
+        if k:
+            _, top = torch.topk(per_column[c0:c1], k)
+            picks.append(top.sort()[0] + c0)
+    if not picks:
+        return torch.zeros(0, dtype=torch.int64, device=grad.device)
+    return torch.cat(picks) if len(picks) > 1 else picks[0]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

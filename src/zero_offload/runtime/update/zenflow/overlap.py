@@ -125,6 +125,8 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
         self.join()
         super().load_extra_state(fetch)
         self.spare.zero_()
+        if not self.restored:  # afresh: nothing of the saved overlap state applies
+            fetch = lambda name: None  # noqa: E731
         self._live = fetch("zenflow.params")
         n = fetch("zenflow.updates_after_warmup")
         self.updates_after_warmup = 0 if n is None else int(n[0])

@@ -21,22 +21,33 @@ Invariant: the selected columns (and the 1-D params) are the device part's alone
 update's result for them is discarded, and the master holds their values again at the next
 selection. The device part's gradient is not clipped (as DeepSpeed); with fp16 it is unscaled
 (DeepSpeed's is not, docs/zenflow.md).
+
+Several ranks (stages 1 and 2, as DeepSpeed's): each rank's host part updates its own shard,
+clipped by the norm of the whole accumulated gradient (its squares summed over the ranks); the
+device part is the same on every rank (every rank updates every selected column, from the
+whole reduced gradient, all-gathered from the ranks' shards onto the device each step). Columns
+are ranked per DeepSpeed partition fragment (``columns.py``) and rank 0's choice is broadcast,
+so the ranks' columns never differ.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterator
 
 import torch
 
 from ....config.zero.zenflow import ZenFlowSchedule
+from ....core import dist
 from ....kernels.sumsq import sum_of_squares
 from ..buffers import OffloadStateType, StateBuffer
 from ..paths.host_update import HostUpdate
 from .auto_interval import AutoInterval
-from .columns import select_columns
+from .columns import column_fragments, select_columns
 from .device_adam import ColumnState, adamw_columns, read, write
+
+log = logging.getLogger("zero_offload")
 
 
 class ZenFlowUpdate(HostUpdate):
@@ -58,19 +69,29 @@ class ZenFlowUpdate(HostUpdate):
         layout = self.group.layout
         self.ranges = [(o, o + n) for o, n in zip(layout.offsets, layout.numels)]
         self.columns: list[ColumnState] = [ColumnState(None) for _ in self.group.params]
+        self.world = dist.world_size() if self.sharded else 1
+        # DeepSpeed's fragments are laid out in registration order: the reverse of flat order.
+        shapes = [tuple(p.shape) for p in reversed(self.group.params)]
+        self.fragments = list(reversed(column_fragments(shapes, self.world)))
+        # Several ranks: the whole reduced gradient of this step, gathered on the device.
+        self.full = None
+        if self.world > 1:
+            dt = self.grads.host_grad().dtype
+            self.full = torch.zeros(layout.total, dtype=dt, device=self.group.device)
 
     def step(self, factor: float) -> None:
         """Micro-step ``self.micro``'s update; ``factor`` (the engine's unscale x clip of this
         micro-step alone) is not used: the host part clips the accumulated gradient."""
         k, sched = self.micro, self.schedule
-        grad = self.grads.host_grad()
+        shard = self.grads.host_grad()
+        grad = self._whole_grad(shard)
         if sched.is_select(k):
             if k != 0:
                 self.master_from_params()
             self._select(grad)
         host = sched.is_update(k) if self.auto is None else self.auto.begin(k)
         u = sched.grad_divisor
-        self.accum.add_(grad.float(), alpha=1.0 / u)
+        self.accum.add_(shard.float(), alpha=1.0 / u)
         device_part = k >= sched.full_warm_up_rounds
         if self.auto is not None and device_part:
             self._observe(grad)
@@ -89,8 +110,24 @@ class ZenFlowUpdate(HostUpdate):
             self._device_part(grad, dev_scale)
         self.micro += 1
 
+    def _whole_grad(self, shard: torch.Tensor) -> torch.Tensor:
+        """This step's reduced gradient in flat coordinates: on one rank the host shard itself
+        (shard and flat offsets agree), on several all-gathered on the device."""
+        if self.full is None:
+            return shard
+        full, rank = self.full, self.group.rank
+        for s in self.segs:
+            full[s.flat_start : s.flat_start + s.numel].copy_(
+                shard[s.shard_start : s.shard_start + s.numel]
+            )
+        for b in self.group.layout.buckets:  # rank r's slice of bucket b is its r-th
+            n = b.slice_numel
+            own = full[b.start + rank * n : b.start + (rank + 1) * n]
+            dist.all_gather(full[b.start : b.start + b.numel], own, what="zenflow gradient")
+        return full
+
     def _param_grad(self, grad: torch.Tensor, i: int) -> torch.Tensor:
-        """Param ``i``'s part of this step's host gradient, in the param's shape (host)."""
+        """Param ``i``'s part of this step's gradient (flat coordinates), in its shape."""
         lo, hi = self.ranges[i]
         return grad[lo:hi].view(self.group.params[i].shape)
 
@@ -106,14 +143,33 @@ class ZenFlowUpdate(HostUpdate):
         for i, p in enumerate(self.group.params):
             c = self.columns[i]
             if p.dim() == 2:
-                c.columns = select_columns(self._param_grad(grad, i), ratio).to(p.device)
+                g = self._param_grad(grad, i)
+                c.columns = select_columns(g, ratio, self.fragments[i]).to(p.device)
             c.clear()
+        if self.world > 1:
+            self._agree_on_columns()
+
+    def _agree_on_columns(self) -> None:
+        """Every rank takes rank 0's columns: they are computed from the same gathered
+        gradient, and the broadcast makes sure no rank's differ."""
+        picked = [c.columns for c in self.columns if c.columns is not None]
+        if not picked:
+            return
+        flat = torch.cat(picked).to(self.group.device)
+        dist.broadcast(flat, src=0)
+        at = 0
+        for c in self.columns:
+            if c.columns is not None:
+                n = c.columns.numel()
+                c.columns = flat[at : at + n].to(c.columns.device).clone()
+                at += n
 
     def _device_part(self, grad: torch.Tensor, scale: float) -> None:
         h = self.group.hyper
         for i, (p, c) in enumerate(zip(self.group.params, self.columns)):
             g = self._param_grad(grad, i)
-            g = g[:, c.columns.cpu()] if c.columns is not None else g  # only these go up
+            if c.columns is not None:  # only these go up (from the host grad, one rank)
+                g = g[:, c.columns.to(g.device)]
             adamw_columns(p, (g.float() * scale).to(p.device), c, h)
 
     def _host_factor(self) -> float:
@@ -121,7 +177,12 @@ class ZenFlowUpdate(HostUpdate):
         scale = float(self.loss_scale())
         # one pass of the SIMD kernel (fp32 accumulation per thread): a float64 copy of the
         # whole shard was the largest cost of a host update on a CPU
-        norm = math.sqrt(float(sum_of_squares(self.accum))) / scale
+        sumsq = float(sum_of_squares(self.accum))
+        if self.world > 1:  # the whole accumulated gradient's norm: every rank's squares
+            t = torch.tensor([sumsq], dtype=torch.float64, device=self.group.device)
+            dist.all_reduce(t)
+            sumsq = float(t[0])
+        norm = math.sqrt(sumsq) / scale
         combined = scale
         if self.clip > 0:
             coef = (norm + 1e-6) / self.clip
@@ -147,17 +208,23 @@ class ZenFlowUpdate(HostUpdate):
             for t in (c.exp_avg, c.exp_avg_sq, c.columns):
                 dev += 0 if t is None else t.numel() * t.element_size()
         out["device.zenflow_columns"] = dev
+        if self.full is not None:
+            out["device.zenflow_grad"] = self.full.numel() * self.full.element_size()
         return out
 
     def device_buffers(self) -> Iterator[StateBuffer]:
         """The selected columns' moments and indices: optimizer state that ``offload_states``
-        may move. Only the device part (this thread, inside ``step``) reads them; the
-        overlapped host update never does, so moving them between steps is safe."""
+        may move; on several ranks the gathered gradient too (scratch, with the gradients).
+        Only the device part (this thread, inside ``step``) reads them; the overlapped host
+        update never does, so moving them between steps is safe."""
         opt = OffloadStateType.optim_states
         for c in self.columns:
             for t in (c.exp_avg, c.exp_avg_sq, c.columns):
                 if t is not None and t.device == self.group.device:
                     yield StateBuffer(t, "device.zenflow_columns", state=opt)
+        if self.full is not None:  # several ranks: rewritten by every step's gather
+            grads = OffloadStateType.lp_grads
+            yield StateBuffer(self.full, "device.zenflow_grad", keep=False, state=grads)
 
     # ---- what a checkpoint keeps beyond the master and the host moments -----------------------
     def flush(self) -> None:
@@ -168,13 +235,34 @@ class ZenFlowUpdate(HostUpdate):
         if self.micro == 0:
             return
         for i, (p, c) in enumerate(zip(self.group.params, self.columns)):
-            lo, hi = self.ranges[i]
-            view = self.master[lo:hi].view(p.shape)
-            if p.dim() == 1:
-                view.copy_(p.detach())
-            elif c.columns is not None:
-                cols = c.columns.to(view.device)
-                view[:, cols] = p.detach()[:, c.columns].to(view.device, view.dtype)
+            if p.dim() != 1 and c.columns is None:
+                continue
+            live = p.detach().to(self.master.device, self.master.dtype)
+            if p.dim() != 1:  # the master's own values, the selected columns' live ones
+                mask = torch.zeros(p.shape, dtype=torch.bool, device=live.device)
+                mask[:, c.columns.to(live.device)] = True
+                live = torch.where(mask, live, self._master_param(i).view(p.shape))
+            self._write_param_master(i, live.reshape(-1))
+
+    def _owned(self, i: int) -> Iterator[tuple[int, int, int]]:
+        """(param offset, shard offset, count) of each piece of param ``i`` in this shard."""
+        lo, hi = self.ranges[i]
+        for s in self.segs:
+            a, b = max(lo, s.flat_start), min(hi, s.flat_start + s.numel)
+            if a < b:
+                yield a - lo, s.shard_start + a - s.flat_start, b - a
+
+    def _master_param(self, i: int) -> torch.Tensor:
+        """Param ``i`` (flat) as the master holds it (zero where another rank's)."""
+        lo, hi = self.ranges[i]
+        out = torch.zeros(hi - lo, dtype=self.master.dtype, device=self.master.device)
+        for at, sh, n in self._owned(i):
+            out[at : at + n] = self.master[sh : sh + n]
+        return out
+
+    def _write_param_master(self, i: int, flat: torch.Tensor) -> None:
+        for at, sh, n in self._owned(i):
+            self.master[sh : sh + n] = flat[at : at + n]
 
     def extra_state(self) -> dict[str, torch.Tensor]:
         """The mid-interval state: the micro-step count, the accumulated host gradient, and
@@ -191,15 +279,28 @@ class ZenFlowUpdate(HostUpdate):
         return out
 
     def load_extra_state(self, fetch: Callable[[str], torch.Tensor | None]) -> None:
-        """``extra_state`` back (``fetch(name)``: None when the checkpoint has no such tensor).
-        A checkpoint without ZenFlow's state starts it afresh: a selection at the next step."""
-        micro = fetch("zenflow.micro")
+        """``extra_state`` back (``fetch(name)``: None when the checkpoint has no such tensor;
+        ``restored``: whether it was). A checkpoint without ZenFlow's state, or with another shard
+        size (saved on another number of ranks), starts it afresh on every rank alike: a
+        selection at the next step."""
+        micro, accum = fetch("zenflow.micro"), fetch("zenflow.accum")
+        fits = micro is not None and accum is not None and accum.numel() == self.accum.numel()
+        if self.world > 1:  # every rank restores, or none: their schedules stay one
+            misfits = torch.tensor([0 if fits else 1], device=self.group.device)
+            dist.all_reduce(misfits)
+            fits = int(misfits[0]) == 0
+        if micro is not None and not fits:
+            log.warning(
+                "zero_optimization.zenflow: the checkpoint's ZenFlow state was saved on another "
+                "number of ranks; ZenFlow starts afresh (a selection at the next step)"
+            )
         self.accum.zero_()
         self.columns = [ColumnState(None) for _ in self.group.params]
-        self.micro = 0 if micro is None else int(micro[0])
-        if micro is None:
+        self.micro = int(micro[0]) if fits else 0
+        self.restored = fits
+        if not fits:
             return
-        self.accum.copy_(fetch("zenflow.accum"))
+        self.accum.copy_(accum)
         if self.auto is not None:
             self.auto.load_state(self.group.index, len(self.group.params), fetch)
         for i, (p, c) in enumerate(zip(self.group.params, self.columns)):

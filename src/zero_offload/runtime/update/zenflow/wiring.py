@@ -1,7 +1,7 @@
 """Whether this engine runs ZenFlow, and its group update.
 
-What is built: stages 1 and 2, one rank, a fixed ``update_interval`` (``overlap_step`` either
-way), or "auto", the built-in Adam(W), ``offload_optimizer`` "cpu".
+What is built: stages 1 and 2, any number of ranks, a fixed ``update_interval`` (``overlap_step``
+either way) or "auto", the built-in Adam(W), ``offload_optimizer`` "cpu".
 What DeepSpeed 0.19.8 refuses or cannot run with ZenFlow is refused here, naming the key: the
 delayed update and a partial ratio (at load, ``check_zenflow``), a client optimizer and params
 of more than 2 dimensions (at initialize, ``refuse_model``). Any other ZenFlow config is not
@@ -28,7 +28,6 @@ def unbuilt(config, world_size: int, muon: bool = False) -> str | None:
     zc = config.zero_optimization
     reasons = [
         (zc.stage == 3, "stage 3"),
-        (world_size > 1, f"{world_size} ranks (one rank is built)"),
         (muon, "the Muon optimizer"),
     ]
     missing = [why for bad, why in reasons if bad]
