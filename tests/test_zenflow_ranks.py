@@ -148,3 +148,49 @@ def test_column_fragments_cut_as_deepspeed_partitions():
     assert column_fragments([(3,), (2, 4)], 2) == [[], [(0, 1), (2, 4)]]
     g = torch.arange(12 * 16, dtype=torch.float32).view(16, 12).t()  # column c larger with c
     assert select_columns(g, 0.25, [(0, 4), (5, 16)]).tolist() == [3, 14, 15]
+
+
+def test_rank_pieces_add_up_to_the_whole_gradient():
+    """``RankGrads`` on two ranks' shards (pieces cut inside rows, whole rows between), each
+    filling in only its own elements: the two halves, added as the all-reduce adds them, are the
+    one-rank answers: the selected columns' and the 1-D params' gradient exactly, the column and
+    |g| sums to rounding. Only those sizes exist on the device, never the whole gradient."""
+    from zero_offload.runtime.update.zenflow.step_grads import RankGrads, ShardGrads
+
+    torch.manual_seed(0)
+    shapes = [torch.Size((5, 7)), torch.Size((6,)), torch.Size((4, 9))]
+    numels = [s.numel() for s in shapes]
+    ranges, at = [], 0
+    for n in numels:
+        ranges.append((at, at + n))
+        at += n
+    flat = torch.randn(at)
+    cuts = {0: 12, 1: 3, 2: 17}  # per param: rank 0 holds [0, cut), rank 1 the rest
+    pieces = [[], []]
+    shards = [[], []]
+    for i, (lo, hi) in enumerate(ranges):
+        c = cuts[i]
+        for r, (a, b) in enumerate(((0, c), (c, hi - lo))):
+            pieces[r].append([(a, sum(len(x) for x in shards[r]), b - a)])
+            shards[r].append(flat[lo + a : lo + b])
+    columns = [torch.tensor([1, 4, 6]), None, torch.tensor([0, 8])]
+    counts = [3, 0, 2]
+    one = ShardGrads(ranges, shapes)
+    one.bind(flat)
+    halves = []
+    for r in range(2):
+        g = RankGrads(pieces[r], shapes, counts, torch.float32, torch.device("cpu"))
+        g.bind(torch.cat(shards[r]))
+        sums = g.column_sums()
+        halves.append(([p.clone() for p in g.parts(columns)], [None if s is None else s.clone() for s in sums],
+                       g.abs_sums([torch.float32] * 3)))  # fmt: skip
+        assert g.nbytes() == 4 * (5 * 3 + 6 + 4 * 2 + 7 + 9)
+    for want, a, b in zip(one.parts(columns), halves[0][0], halves[1][0]):
+        assert torch.equal(a + b, want)
+    for want, a, b in zip(one.column_sums(), halves[0][1], halves[1][1]):
+        assert (want is None) == (a is None)
+        if want is not None:
+            torch.testing.assert_close(a + b, want)
+    for want, a, b in zip(one.abs_sums([torch.float32] * 3), halves[0][2], halves[1][2]):
+        if want is not None:
+            torch.testing.assert_close(a + b, want)

@@ -7,9 +7,9 @@ as ``ZenFlowUpdate`` allocates them and ``memory_report()`` counts them:
   the sum of that count over the param's fragments in DeepSpeed's partitions (``columns.py``).
   The moments are in the params' dtype (fp16: fp32). They exist from the first device update on
   (after the warm-up rounds). Every rank holds all of them (the device part is replicated).
-- ``device.zenflow_grad`` (several ranks): the whole reduced gradient of a step, gathered from
-  the ranks' shards for the device part, one element (the host gradient's dtype) per element of
-  the padded flat group.
+- ``device.zenflow_grad`` (several ranks): the buffers the ranks' pieces are all-reduced in
+  (``step_grads.py``), in the host gradient's dtype: per 2-D param its selected columns'
+  gradient (rows x k) and its column norms (cols), per 1-D param its whole gradient.
 - ``host.zenflow_accum``: the fp32 accumulator of the gradients between host updates, one per
   shard element; ``overlap_step``: two (one filled while the other is being applied).
 - ``host.zenflow_overlap`` (``overlap_step``): the second set of host moments and the master's
@@ -71,23 +71,25 @@ def zenflow_bytes(
     gradient's element size."""
     shapes = [tuple(s) for s in shapes]
     frags = column_fragments(shapes, world) if world > 1 else [None] * len(shapes)
-    device = 0
+    device = reduced = 0
     for shape, fr in zip(shapes, frags):
         if len(shape) == 2:
             k = num_selected(shape[1], plan.topk_ratio) if fr is None else None
             k = selected_count(fr, plan.topk_ratio) if k is None else k
             device += 2 * shape[0] * k * plan.moment_bytes + k * INDEX_BYTES
+            reduced += shape[0] * k + shape[1]
         else:
             n = 1
             for d in shape:
                 n *= d
             device += 2 * n * plan.moment_bytes
+            reduced += n
     out = {
         "device.zenflow_columns": device,
         "host.zenflow_accum": shard * 4 * (2 if plan.overlap_step else 1),
     }
-    if world > 1:
-        out["device.zenflow_grad"] = shard * world * grad_bytes
+    if world > 1:  # the selected columns' and 1-D params' gradient, and the column norms
+        out["device.zenflow_grad"] = reduced * grad_bytes
     if plan.overlap_step:
         out["host.zenflow_overlap"] = shard * 4 * 3
     return out

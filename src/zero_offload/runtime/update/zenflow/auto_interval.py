@@ -56,11 +56,11 @@ class AutoInterval:
         return self.boundary
 
     @torch.no_grad()
-    def observe(self, key: Any, grad: torch.Tensor, selected: torch.Tensor) -> None:
-        """One 2-D param's gradient this micro-step (in the param's dtype) and its selected
-        columns' part of it."""
+    def observe(self, key: Any, total: torch.Tensor, selected: torch.Tensor) -> None:
+        """One 2-D param's sum of |g| this micro-step (``g`` in the param's dtype) and its
+        selected columns' part of ``g``."""
         r, ui = self.schedule.topk_ratio, self.interval
-        total = grad.abs().sum().to(torch.bfloat16).reshape(1)  # DeepSpeed's bf16 sum buffer
+        total = total.to(torch.bfloat16).reshape(1)  # DeepSpeed's bf16 sum buffer
         critic = selected.abs().sum()
         avg = self.avg_critic.get(key, 0)
         self.avg_critic[key] = (avg * (ui - 1) + critic) / ui / (r * 10)

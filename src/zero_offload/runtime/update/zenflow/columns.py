@@ -62,14 +62,21 @@ def select_columns(
     fragment (None: the whole param is one)."""
     rows, cols = grad.shape
     per_column = grad.t().contiguous().view(cols, rows).abs().sum(dim=1)
+    return select_from_sums(per_column, topk_ratio, frags)
+
+
+def select_from_sums(
+    per_column: torch.Tensor, topk_ratio: float, frags: list[tuple[int, int]] | None = None
+) -> torch.Tensor:
+    """``select_columns`` from the columns' L1 norms (``per_column``, one per column)."""
     picks = []
-    for c0, c1 in frags if frags is not None else [(0, cols)]:
+    for c0, c1 in frags if frags is not None else [(0, per_column.numel())]:
         k = num_selected(c1 - c0, topk_ratio)
         if k:
             _, top = torch.topk(per_column[c0:c1], k)
             picks.append(top.sort()[0] + c0)
     if not picks:
-        return torch.zeros(0, dtype=torch.int64, device=grad.device)
+        return torch.zeros(0, dtype=torch.int64, device=per_column.device)
     return torch.cat(picks) if len(picks) > 1 else picks[0]
 
 

@@ -25,9 +25,10 @@ selection. The device part's gradient is not clipped (as DeepSpeed); with fp16 i
 Several ranks (stages 1 and 2, as DeepSpeed's): each rank's host part updates its own shard,
 clipped by the norm of the whole accumulated gradient (its squares summed over the ranks); the
 device part is the same on every rank (every rank updates every selected column, from the
-whole reduced gradient, all-gathered from the ranks' shards onto the device each step). Columns
-are ranked per DeepSpeed partition fragment (``columns.py``) and rank 0's choice is broadcast,
-so the ranks' columns never differ.
+selected columns' gradient all-reduced from the ranks' shard pieces, ``step_grads.py``; the
+whole gradient never travels). Columns are ranked per DeepSpeed partition fragment
+(``columns.py``) on the column norms all-reduced the same way, and rank 0's choice is
+broadcast, so the ranks' columns never differ.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ from ....kernels.sumsq import sum_of_squares
 from ..buffers import OffloadStateType, StateBuffer
 from ..paths.host_update import HostUpdate
 from .auto_interval import AutoInterval
-from .columns import column_fragments, select_columns
+from .columns import column_fragments, select_from_sums, selected_count
 from .device_adam import ColumnState, adamw_columns, read, write
+from .step_grads import RankGrads, ShardGrads
 
 log = logging.getLogger("zero_offload")
 
@@ -73,33 +75,43 @@ class ZenFlowUpdate(HostUpdate):
         # DeepSpeed's fragments are laid out in registration order: the reverse of flat order.
         shapes = [tuple(p.shape) for p in reversed(self.group.params)]
         self.fragments = list(reversed(column_fragments(shapes, self.world)))
-        # Several ranks: the whole reduced gradient of this step, gathered on the device.
-        self.full = None
-        if self.world > 1:
-            dt = self.grads.host_grad().dtype
-            self.full = torch.zeros(layout.total, dtype=dt, device=self.group.device)
+        self.step_grads = self._step_grads()
+
+    def _step_grads(self) -> ShardGrads | RankGrads:
+        """How this micro-step's gradient reaches the parts (``step_grads.py``)."""
+        shapes = [p.shape for p in self.group.params]
+        if self.world == 1:
+            return ShardGrads(self.ranges, shapes)
+        pieces = [list(self._owned(i)) for i in range(len(shapes))]
+        counts = [selected_count(f, self.schedule.topk_ratio) for f in self.fragments]
+        dt = self.grads.host_grad().dtype
+        return RankGrads(pieces, shapes, counts, dt, self.group.device)
 
     def step(self, factor: float) -> None:
         """Micro-step ``self.micro``'s update; ``factor`` (the engine's unscale x clip of this
         micro-step alone) is not used: the host part clips the accumulated gradient."""
         k, sched = self.micro, self.schedule
         shard = self.grads.host_grad()
-        grad = self._whole_grad(shard)
+        grads = self.step_grads
+        grads.bind(shard)
         if sched.is_select(k):
             if k != 0:
                 self.master_from_params()
-            self._select(grad)
+            self._select(grads)
         host = sched.is_update(k) if self.auto is None else self.auto.begin(k)
         u = sched.grad_divisor
         self.accum.add_(shard.float(), alpha=1.0 / u)
         device_part = k >= sched.full_warm_up_rounds
+        parts = None
+        if device_part:  # the selected columns' (and 1-D params') gradient, every rank's alike
+            parts = grads.parts([c.columns for c in self.columns])
         if self.auto is not None and device_part:
-            self._observe(grad)
+            self._observe(grads, parts)
         # fp16: unscaled (DeepSpeed's is not, and the square of a loss-scaled gradient
         # overflows its fp16 moments); the loss scale is 1 otherwise.
         dev_scale = 1.0 / (u * float(self.loss_scale()))
         if not host:
-            self._device_part(grad, dev_scale)
+            self._device_part(parts, dev_scale)
         elif not device_part:  # the warm-up: every element is the host's
             self._host_part(k + 1)
         else:
@@ -107,44 +119,24 @@ class ZenFlowUpdate(HostUpdate):
             self._host_part(k + 1)
             for p, c, v in zip(self.group.params, self.columns, kept):
                 write(p, c, v)
-            self._device_part(grad, dev_scale)
+            self._device_part(parts, dev_scale)
         self.micro += 1
 
-    def _whole_grad(self, shard: torch.Tensor) -> torch.Tensor:
-        """This step's reduced gradient in flat coordinates: on one rank the host shard itself
-        (shard and flat offsets agree), on several all-gathered on the device."""
-        if self.full is None:
-            return shard
-        full, rank = self.full, self.group.rank
-        for s in self.segs:
-            full[s.flat_start : s.flat_start + s.numel].copy_(
-                shard[s.shard_start : s.shard_start + s.numel]
-            )
-        for b in self.group.layout.buckets:  # rank r's slice of bucket b is its r-th
-            n = b.slice_numel
-            own = full[b.start + rank * n : b.start + (rank + 1) * n]
-            dist.all_gather(full[b.start : b.start + b.numel], own, what="zenflow gradient")
-        return full
-
-    def _param_grad(self, grad: torch.Tensor, i: int) -> torch.Tensor:
-        """Param ``i``'s part of this step's gradient (flat coordinates), in its shape."""
-        lo, hi = self.ranges[i]
-        return grad[lo:hi].view(self.group.params[i].shape)
-
-    def _observe(self, grad: torch.Tensor) -> None:
+    def _observe(self, grads: ShardGrads | RankGrads, parts: list[torch.Tensor]) -> None:
         """The "auto" rule's sums of this micro-step, per 2-D param, in the param's dtype."""
-        for i, (p, c) in enumerate(zip(self.group.params, self.columns)):
+        dtypes = [p.dtype for p in self.group.params]
+        totals = grads.abs_sums(dtypes)
+        for i, p in enumerate(self.group.params):
             if p.dim() == 2:
-                g = self._param_grad(grad, i).to(p.dtype)
-                self.auto.observe((self.group.index, i), g, g[:, c.columns.cpu()])
+                self.auto.observe((self.group.index, i), totals[i], parts[i].to(p.dtype))
 
-    def _select(self, grad: torch.Tensor) -> None:
+    def _select(self, grads: ShardGrads | RankGrads) -> None:
         ratio = self.schedule.topk_ratio
+        sums = grads.column_sums()
         for i, p in enumerate(self.group.params):
             c = self.columns[i]
             if p.dim() == 2:
-                g = self._param_grad(grad, i)
-                c.columns = select_columns(g, ratio, self.fragments[i]).to(p.device)
+                c.columns = select_from_sums(sums[i], ratio, self.fragments[i]).to(p.device)
             c.clear()
         if self.world > 1:
             self._agree_on_columns()
@@ -164,12 +156,11 @@ class ZenFlowUpdate(HostUpdate):
                 c.columns = flat[at : at + n].to(c.columns.device).clone()
                 at += n
 
-    def _device_part(self, grad: torch.Tensor, scale: float) -> None:
+    def _device_part(self, parts: list[torch.Tensor], scale: float) -> None:
+        """AdamW over the selected columns and the 1-D params, from ``parts`` (their gradient;
+        on one rank read from the host grad shard, so only these go up)."""
         h = self.group.hyper
-        for i, (p, c) in enumerate(zip(self.group.params, self.columns)):
-            g = self._param_grad(grad, i)
-            if c.columns is not None:  # only these go up (from the host grad, one rank)
-                g = g[:, c.columns.to(g.device)]
+        for p, c, g in zip(self.group.params, self.columns, parts):
             adamw_columns(p, (g.float() * scale).to(p.device), c, h)
 
     def _host_factor(self) -> float:
@@ -208,8 +199,8 @@ class ZenFlowUpdate(HostUpdate):
             for t in (c.exp_avg, c.exp_avg_sq, c.columns):
                 dev += 0 if t is None else t.numel() * t.element_size()
         out["device.zenflow_columns"] = dev
-        if self.full is not None:
-            out["device.zenflow_grad"] = self.full.numel() * self.full.element_size()
+        if self.world > 1:
+            out["device.zenflow_grad"] = self.step_grads.nbytes()
         return out
 
     def device_buffers(self) -> Iterator[StateBuffer]:
@@ -222,9 +213,9 @@ class ZenFlowUpdate(HostUpdate):
             for t in (c.exp_avg, c.exp_avg_sq, c.columns):
                 if t is not None and t.device == self.group.device:
                     yield StateBuffer(t, "device.zenflow_columns", state=opt)
-        if self.full is not None:  # several ranks: rewritten by every step's gather
+        for t in self.step_grads.buffers():  # several ranks: rewritten by every step's reduce
             grads = OffloadStateType.lp_grads
-            yield StateBuffer(self.full, "device.zenflow_grad", keep=False, state=grads)
+            yield StateBuffer(t, "device.zenflow_grad", keep=False, state=grads)
 
     # ---- what a checkpoint keeps beyond the master and the host moments -----------------------
     def flush(self) -> None:
