@@ -31,9 +31,18 @@ TOPK = {
 
 def make_model(shape: str = "mlp") -> torch.nn.Module:
     """``"mlp"``: a tiny MLP; ``"nobias"``: the same without biases (DeepSpeed 0.19.8's column
-    selection misreads its gradient bucket after a 1-D param, docs/zenflow.md)."""
+    selection misreads its gradient bucket after a 1-D param, docs/zenflow.md); ``"odd"``:
+    widths whose columns stage 3's partition cuts on two ranks."""
     torch.manual_seed(0)
     bias = shape != "nobias"
+    if shape == "odd":  # the (6, 9) weight's column 4 straddles stage 3's 2-rank cut
+        return torch.nn.Sequential(
+            torch.nn.Linear(8, 9),
+            torch.nn.Tanh(),
+            torch.nn.Linear(9, 6),
+            torch.nn.Tanh(),
+            torch.nn.Linear(6, 4),
+        )
     return torch.nn.Sequential(
         torch.nn.Linear(8, 16, bias=bias),
         torch.nn.Tanh(),

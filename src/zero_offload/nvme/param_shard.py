@@ -158,10 +158,13 @@ class NvmeParamShard:
         return cached + self.spare_bytes + sum(host_bytes(p[2]) for p in self.pending)
 
     def flush(self, lo: int = 0, hi: int | None = None) -> None:
-        """Wait for the pending writes overlapping elements [lo, hi) (all by default)."""
+        """Wait for the pending writes whose 4096-byte blocks overlap those of elements
+        [lo, hi) (all by default): a write rewrites its blocks whole, neighbours included."""
         keep, first_error = [], None
+        a, b = self._blocks(lo, self.numel if hi is None else hi)
         for entry in self.pending:
-            if entry[0] < (self.numel if hi is None else hi) and entry[1] > lo:
+            wa, wb = self._blocks(entry[0], entry[1])
+            if wa < b and wb > a:
                 try:
                     self._finish(entry)
                 except NvmeSwapError as e:

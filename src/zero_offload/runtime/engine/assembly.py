@@ -312,7 +312,9 @@ def build_updates(
     sharded = e.stage >= 1
     zenflow = zenflow_for(e, groups, client)  # its schedule, or None
     homes = [_param_home(e, g, gi, sharded) for gi, g in enumerate(groups)]
-    states = _states(e, groups, homes, sharded, client)
+    # ZenFlow keeps the master apart from the params: its overlapped host update writes the
+    # master while the next steps read the params, and its device part writes params only
+    states = _states(e, groups, homes, sharded, client, alias=zenflow is None)
     policy = UpdatePolicy(sharded, adamw, place)
     auto = None if zenflow is None else auto_rule(zenflow, [p for g in groups for p in g.params])
     out = []
@@ -365,14 +367,17 @@ def _param_home(e: _Building, g: FlatGroup, gi: int, sharded: bool) -> ParamHome
     )
 
 
-def _states(e, groups, homes, sharded: bool, client) -> list[ShardState]:
+def _states(e, groups, homes, sharded: bool, client, alias: bool = True) -> list[ShardState]:
     """Each group's optimizer state: the params themselves as the master where that holds
-    (fp32 on the device, ``alias_state``), else a master of its own where the placement says;
-    a Muon group's is that master with one momentum buffer instead of Adam's moments."""
+    (fp32 on the device, ``alias_state``; ``alias`` False: never), else a master of its own
+    where the placement says; a Muon group's is that master with one momentum buffer instead
+    of Adam's moments."""
     muon = {g.index for g in groups if g.hyper.get("use_muon")}
     adam = client is None
     aliases = [
         alias_state(g, h, sharded, e.placement, client, adam and g.index not in muon)
+        if alias
+        else None
         for g, h in zip(groups, homes)
     ]
     rest = [g for g, a in zip(groups, aliases) if a is None]

@@ -27,6 +27,7 @@ from ..plan.memory_bounds import check_working_set, free_bytes
 from ..plan.memory_model import StepShape, predict
 from ..plan.model_shape import ModelShape
 from ..plan.zenflow_memory import zenflow_bytes
+from ..update.zenflow.wiring import shape_of
 from ..precision.overflow_cause import overflow_cause
 from ..stage3.memory_efficient_linear import detach as detach_linear
 from ..update.group_step import step_groups
@@ -431,7 +432,7 @@ class ZeroOffloadEngine(
         )
         zenflow = self.zero_plan.zenflow  # built: each group's own params, on this rank
         for og in groups if zenflow is not None else ():
-            shapes = [tuple(p.shape) for p in reversed(og.flat.params)]  # registration order
+            shapes = [shape_of(p) for p in reversed(og.flat.params)]  # registration order
             layout, grad_bytes = og.flat.layout, self.grad_accum_dtype.itemsize
             got = zenflow_bytes(shapes, layout.shard_numel, zenflow, layout.world_size, grad_bytes)
             for k, v in got.items():

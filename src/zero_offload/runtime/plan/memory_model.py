@@ -126,7 +126,7 @@ class ZeroPlan:
             ratio=float(oc.ratio) if oc is not None and zc.offload_device == "cpu" else 1.0,
             pin_optimizer=_pins(device, oc, zc.offload_device),
             pin_params=_pins(device, pc, zc.offload_param_device),
-            zenflow=plan_from_config(config, world),
+            zenflow=plan_from_config(config, world, device),
         )
 
 
@@ -139,8 +139,8 @@ def _pins(device: torch.device | None, section, where: str) -> bool:
 def _aliased(plan: ZeroPlan) -> bool:
     """fp32 params are their own master where the optimizer state sits beside them in memory
     (``state_build.alias_state``): both on the device, or at stage 3 both in host memory."""
-    if plan.dtype_bytes != 4 or plan.optimizer != plan.params:
-        return False
+    if plan.dtype_bytes != 4 or plan.optimizer != plan.params or plan.zenflow is not None:
+        return False  # ZenFlow keeps a master of its own (``assembly.build_updates``)
     return plan.optimizer == "device" or (
         plan.optimizer == "host" and plan.stage == 3 and plan.ratio >= 1.0 and not plan.delayed
     )
@@ -179,8 +179,8 @@ def states(numel: int, plan: ZeroPlan, shape: ModelShape | None = None) -> dict[
 
 
 def _zenflow_runs(plan: ZeroPlan) -> bool:
-    """Where ZenFlow is built: stage 1 or 2, the optimizer in host memory."""
-    return plan.stage in (1, 2) and plan.optimizer == "host"
+    """Where ZenFlow is built: stages 1-3, the optimizer in host memory."""
+    return plan.stage in (1, 2, 3) and plan.optimizer == "host"
 
 
 def _reserve_pinned(out: dict[str, int], plan: ZeroPlan) -> None:

@@ -59,9 +59,14 @@ class AutoInterval:
     def observe(self, key: Any, total: torch.Tensor, selected: torch.Tensor) -> None:
         """One 2-D param's sum of |g| this micro-step (``g`` in the param's dtype) and its
         selected columns' part of ``g``."""
-        r, ui = self.schedule.topk_ratio, self.interval
         total = total.to(torch.bfloat16).reshape(1)  # DeepSpeed's bf16 sum buffer
-        critic = selected.abs().sum()
+        self.observe_sums(key, total, selected.abs().sum())
+
+    @torch.no_grad()
+    def observe_sums(self, key: Any, total: torch.Tensor, critic: torch.Tensor) -> None:
+        """``observe`` from the sums themselves: ``total`` as DeepSpeed keeps it (stage 3: in
+        the params' dtype, summed over the ranks) and the selected part's ``critic``."""
+        r, ui = self.schedule.topk_ratio, self.interval
         avg = self.avg_critic.get(key, 0)
         self.avg_critic[key] = (avg * (ui - 1) + critic) / ui / (r * 10)
         self.non_critic[key] = self.non_critic.get(key, 0) + (total - critic) / ((1 - r) * 10)

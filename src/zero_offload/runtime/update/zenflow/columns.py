@@ -11,6 +11,12 @@ candidates are the columns wholly inside it (a column cut by a partition boundar
 selected); ``max(1, int(n * topk_ratio))`` of its ``n`` candidates are kept. On one rank the
 only fragment is the whole param. The selected columns are the fragments' in increasing index
 order.
+
+Stage 3 (DeepSpeed's ``engine_stage3.py``): each param is partitioned on its own, stored
+transposed (a column is contiguous) and cut into ``world`` slices of ``ceil(numel / world)``
+elements (``stage3_candidates``). A column wholly inside one slice is a candidate; the top
+``max(1, int(n * topk_ratio))`` of a param's ``n`` candidates are kept, ranked together across
+the slices (``select_global``), not per slice.
 """
 
 from __future__ import annotations
@@ -78,6 +84,44 @@ def select_from_sums(
     if not picks:
         return torch.zeros(0, dtype=torch.int64, device=per_column.device)
     return torch.cat(picks) if len(picks) > 1 else picks[0]
+
+
+def stage3_candidates(shape: tuple[int, ...], world: int) -> list[tuple[int, int]]:
+    """Per slice of DeepSpeed's stage-3 partition of a 2-D param (in rank order), its candidate
+    column range ``[c0, c1)``; empty (``c0 == c1``) for a slice inside one column (DeepSpeed
+    0.19.8 fails on it); a rank whose slice is all padding has none."""
+    rows, cols = shape
+    numel = rows * cols
+    size = -(-numel // world)
+    out = []
+    for r in range(world):
+        start = r * size
+        if start >= numel:
+            break
+        end = min(start + size, numel)
+        c0 = -(-start // rows)
+        out.append((c0, max(c0, end // rows)))
+    return out
+
+
+def stage3_count(shape: tuple[int, ...], world: int, topk_ratio: float) -> int:
+    """How many columns a 2-D param has selected at stage 3."""
+    return num_selected(sum(c1 - c0 for c0, c1 in stage3_candidates(shape, world)), topk_ratio)
+
+
+def select_global(
+    per_column: torch.Tensor, topk_ratio: float, ranges: list[tuple[int, int]]
+) -> torch.Tensor:
+    """The sorted indices of the top ``max(1, int(n * topk_ratio))`` of the ``n`` candidate
+    columns in ``ranges``, ranked together (the candidates in increasing column order, as
+    DeepSpeed concatenates its ranks' sums); none without candidates."""
+    device = per_column.device
+    idx = [torch.arange(c0, c1, device=device) for c0, c1 in ranges if c1 > c0]
+    if not idx:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    cand = torch.cat(idx)
+    _, top = torch.topk(per_column[cand], num_selected(cand.numel(), topk_ratio))
+    return cand[top].sort()[0]
 
 
 def _numel(shape: tuple[int, ...]) -> int:

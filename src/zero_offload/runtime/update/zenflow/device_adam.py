@@ -45,12 +45,22 @@ def write(param: torch.Tensor, state: ColumnState, value: torch.Tensor) -> None:
 
 @torch.no_grad()
 def adamw_columns(param: torch.Tensor, grad: torch.Tensor, state: ColumnState, hyper: dict) -> None:
-    """One AdamW step of the selected part of ``param`` with ``grad`` (its shape). Decoupled
-    weight decay whatever the host optimizer's mode, as DeepSpeed's selective AdamW."""
+    """One AdamW step of the selected part of ``param`` with ``grad`` (its shape)."""
+    write(param, state, adamw_values(read(param, state), grad, state, hyper))
+
+
+@torch.no_grad()
+def adamw_values(
+    values: torch.Tensor, grad: torch.Tensor, state: ColumnState, hyper: dict
+) -> torch.Tensor:
+    """One AdamW step of the device part's ``values`` (any shape, the params' dtype) with
+    ``grad`` (their shape); returns the new values in that dtype. Decoupled weight decay
+    whatever the host optimizer's mode, as DeepSpeed's selective AdamW."""
     # fp16: fp32 arithmetic and moments (in fp16, eps 1e-8 is 0 and a small squared gradient
-    # is 0: the update divides by zero); other dtypes: the param's own, as DeepSpeed.
-    work = torch.float32 if param.dtype == torch.float16 else param.dtype
-    sel = read(param, state).to(work)
+    # is 0: the update divides by zero); other dtypes: the params' own, as DeepSpeed.
+    dtype = values.dtype
+    work = torch.float32 if dtype == torch.float16 else dtype
+    sel = values.to(work)
     grad = grad.to(work)
     if state.exp_avg is None or state.exp_avg.shape != sel.shape:
         state.exp_avg = torch.zeros_like(sel)
@@ -65,4 +75,4 @@ def adamw_columns(param: torch.Tensor, grad: torch.Tensor, state: ColumnState, h
     step_size = lr / (1 - beta1**step)
     denom = (state.exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
     sel.addcdiv_(state.exp_avg, denom, value=-step_size)
-    write(param, state, sel.to(param.dtype))
+    return sel.to(dtype)

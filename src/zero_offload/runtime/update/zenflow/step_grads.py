@@ -83,12 +83,14 @@ class RankGrads:
         counts: list[int],
         dtype: torch.dtype,
         device: torch.device,
+        parts: bool = True,
     ) -> None:
+        """``parts``: ``parts()`` is used (stages 1-2; stage 3 reads its own shard)."""
         self.pieces, self.shapes = pieces, shapes
         self.sizes = [s[0] * k if len(s) == 2 else s.numel() for s, k in zip(shapes, counts)]
         ncols = sum(s[1] for s in shapes if len(s) == 2)
         # the device buffers the all-reduces run in: rewritten whole by every use
-        self.packed = torch.zeros(sum(self.sizes), dtype=dtype, device=device)
+        self.packed = torch.zeros(sum(self.sizes) if parts else 0, dtype=dtype, device=device)
         self.colsums = torch.zeros(ncols, dtype=dtype, device=device)
         self.shard: torch.Tensor | None = None
 

@@ -29,6 +29,12 @@ selected columns' gradient all-reduced from the ranks' shard pieces, ``step_grad
 whole gradient never travels). Columns are ranked per DeepSpeed partition fragment
 (``columns.py``) on the column norms all-reduced the same way, and rank 0's choice is
 broadcast, so the ranks' columns never differ.
+
+Stage 3 (as DeepSpeed's): params are not materialized. Columns are candidates by DeepSpeed's
+per-param stage-3 partition and ranked together across it (``columns.py``); the device part
+updates, on each rank, the selected elements its param shard holds, from its own grad shard
+(``values.py``: no gradient travels), and the param home then drops its stale gathered copies.
+A 2-D param of one row is updated whole, as a 1-D param (DeepSpeed treats it so).
 """
 
 from __future__ import annotations
@@ -45,9 +51,17 @@ from ....kernels.sumsq import sum_of_squares
 from ..buffers import OffloadStateType, StateBuffer
 from ..paths.host_update import HostUpdate
 from .auto_interval import AutoInterval
-from .columns import column_fragments, select_from_sums, selected_count
-from .device_adam import ColumnState, adamw_columns, read, write
+from .columns import (
+    column_fragments,
+    select_from_sums,
+    select_global,
+    selected_count,
+    stage3_candidates,
+)
+from .device_adam import ColumnState, adamw_values
 from .step_grads import RankGrads, ShardGrads
+from .values import ParamValues, ShardValues
+from .wiring import shape_of
 
 log = logging.getLogger("zero_offload")
 
@@ -72,20 +86,44 @@ class ZenFlowUpdate(HostUpdate):
         self.ranges = [(o, o + n) for o, n in zip(layout.offsets, layout.numels)]
         self.columns: list[ColumnState] = [ColumnState(None) for _ in self.group.params]
         self.world = dist.world_size() if self.sharded else 1
-        # DeepSpeed's fragments are laid out in registration order: the reverse of flat order.
-        shapes = [tuple(p.shape) for p in reversed(self.group.params)]
-        self.fragments = list(reversed(column_fragments(shapes, self.world)))
+        self.stage3 = self.group.flat is None  # params live in the param store's shards
+        self.shapes = [shape_of(p) for p in self.group.params]
+        # the params the device part updates whole (columns None), and the others' candidates
+        self.whole = [len(s) != 2 or (self.stage3 and s[0] == 1) for s in self.shapes]
+        if self.stage3:
+            self.fragments = [[] if w else stage3_candidates(s, self.world)
+                              for s, w in zip(self.shapes, self.whole)]  # fmt: skip
+        else:  # DeepSpeed's fragments are laid out in registration order: flat order reversed
+            frags = column_fragments(list(reversed(self.shapes)), self.world)
+            self.fragments = list(reversed(frags))
         self.step_grads = self._step_grads()
+        self.values = self._values()
 
     def _step_grads(self) -> ShardGrads | RankGrads:
         """How this micro-step's gradient reaches the parts (``step_grads.py``)."""
-        shapes = [p.shape for p in self.group.params]
+        shapes = [torch.Size(s) for s in self.shapes]
         if self.world == 1:
             return ShardGrads(self.ranges, shapes)
         pieces = [list(self._owned(i)) for i in range(len(shapes))]
         counts = [selected_count(f, self.schedule.topk_ratio) for f in self.fragments]
         dt = self.grads.host_grad().dtype
-        return RankGrads(pieces, shapes, counts, dt, self.group.device)
+        # stage 3: the device part reads its own shard; only the column norms are reduced
+        return RankGrads(pieces, shapes, counts, dt, self.group.device, parts=not self.stage3)
+
+    def _values(self) -> ParamValues | ShardValues:
+        """Where the device part reads and writes (``values.py``)."""
+        if not self.stage3:
+            return ParamValues(self.group.params)
+        pieces = [list(self._owned(i)) for i in range(len(self.shapes))]
+        g = self.group
+        return ShardValues(self.home, pieces, self.shapes, self.whole, g.device, g.dtype)
+
+    def _parts(self, grads: ShardGrads | RankGrads, shard: torch.Tensor) -> list[torch.Tensor]:
+        """The device part's gradient: every rank's alike (stages 1-2), or the rank's own
+        held elements (stage 3)."""
+        if self.stage3:
+            return self.values.parts(shard)
+        return grads.parts([c.columns for c in self.columns])
 
     def step(self, factor: float) -> None:
         """Micro-step ``self.micro``'s update; ``factor`` (the engine's unscale x clip of this
@@ -103,8 +141,8 @@ class ZenFlowUpdate(HostUpdate):
         self.accum.add_(shard.float(), alpha=1.0 / u)
         device_part = k >= sched.full_warm_up_rounds
         parts = None
-        if device_part:  # the selected columns' (and 1-D params') gradient, every rank's alike
-            parts = grads.parts([c.columns for c in self.columns])
+        if device_part:  # the selected columns' (and 1-D params') gradient
+            parts = self._parts(grads, shard)
         if self.auto is not None and device_part:
             self._observe(grads, parts)
         # fp16: unscaled (DeepSpeed's is not, and the square of a loss-scaled gradient
@@ -115,31 +153,40 @@ class ZenFlowUpdate(HostUpdate):
         elif not device_part:  # the warm-up: every element is the host's
             self._host_part(k + 1)
         else:
-            kept = [read(p, c) for p, c in zip(self.group.params, self.columns)]
+            kept = [self.values.read(i, c) for i, c in enumerate(self.columns)]
             self._host_part(k + 1)
-            for p, c, v in zip(self.group.params, self.columns, kept):
-                write(p, c, v)
-            self._device_part(parts, dev_scale)
+            self._device_part(parts, dev_scale, kept)
         self.micro += 1
 
     def _observe(self, grads: ShardGrads | RankGrads, parts: list[torch.Tensor]) -> None:
         """The "auto" rule's sums of this micro-step, per 2-D param, in the param's dtype."""
-        dtypes = [p.dtype for p in self.group.params]
+        dtypes = [self.group.dtype] * len(self.shapes)
         totals = grads.abs_sums(dtypes)
-        for i, p in enumerate(self.group.params):
-            if p.dim() == 2:
-                self.auto.observe((self.group.index, i), totals[i], parts[i].to(p.dtype))
+        if self.stage3:  # the ranks' held selected elements: their sums added
+            critic = self.values.critic_sums(parts, dtypes)
+        for i in range(len(self.shapes)):
+            if self.whole[i]:
+                continue
+            key = (self.group.index, i)
+            if self.stage3:
+                self.auto.observe_sums(key, totals[i], critic[i])
+            else:
+                self.auto.observe(key, totals[i], parts[i].to(dtypes[i]))
 
     def _select(self, grads: ShardGrads | RankGrads) -> None:
         ratio = self.schedule.topk_ratio
         sums = grads.column_sums()
-        for i, p in enumerate(self.group.params):
-            c = self.columns[i]
-            if p.dim() == 2:
-                c.columns = select_from_sums(sums[i], ratio, self.fragments[i]).to(p.device)
+        pick = select_global if self.stage3 else select_from_sums
+        for i, c in enumerate(self.columns):
+            if not self.whole[i]:
+                c.columns = pick(sums[i], ratio, self.fragments[i]).to(self.group.device)
             c.clear()
         if self.world > 1:
             self._agree_on_columns()
+        if self.stage3:
+            for i, c in enumerate(self.columns):
+                if not self.whole[i]:
+                    self.values.select(i, c.columns)
 
     def _agree_on_columns(self) -> None:
         """Every rank takes rank 0's columns: they are computed from the same gathered
@@ -156,12 +203,18 @@ class ZenFlowUpdate(HostUpdate):
                 c.columns = flat[at : at + n].to(c.columns.device).clone()
                 at += n
 
-    def _device_part(self, parts: list[torch.Tensor], scale: float) -> None:
+    def _device_part(
+        self, parts: list[torch.Tensor], scale: float, kept: list[torch.Tensor] | None = None
+    ) -> None:
         """AdamW over the selected columns and the 1-D params, from ``parts`` (their gradient;
-        on one rank read from the host grad shard, so only these go up)."""
-        h = self.group.hyper
-        for p, c, g in zip(self.group.params, self.columns, parts):
-            adamw_columns(p, (g.float() * scale).to(p.device), c, h)
+        on one rank read from the host grad shard, so only these go up), starting from
+        ``kept`` (their values before a host update wrote them) where given."""
+        h, vals = self.group.hyper, self.values
+        vals.begin()
+        for i, (c, g) in enumerate(zip(self.columns, parts)):
+            v = kept[i] if kept is not None else vals.read(i, c)
+            vals.write(i, c, adamw_values(v, (g.float() * scale).to(v.device), c, h))
+        vals.end()
 
     def _host_factor(self) -> float:
         """The accumulated gradient's unscale x clip, as DeepSpeed's step computes it."""
@@ -198,6 +251,9 @@ class ZenFlowUpdate(HostUpdate):
         for c in self.columns:
             for t in (c.exp_avg, c.exp_avg_sq, c.columns):
                 dev += 0 if t is None else t.numel() * t.element_size()
+        if self.stage3:  # the held elements' shard positions (and their device copy)
+            out["host.zenflow_index"], on_device = self.values.nbytes()
+            dev += on_device
         out["device.zenflow_columns"] = dev
         if self.world > 1:
             out["device.zenflow_grad"] = self.step_grads.nbytes()
@@ -224,6 +280,12 @@ class ZenFlowUpdate(HostUpdate):
         host update's result for them is discarded, and a selection resets them anyway."""
         super().flush()
         if self.micro == 0:
+            return
+        if self.stage3:
+            if not self.aliased:  # the held elements' live values, at their shard positions
+                for i, c in enumerate(self.columns):
+                    ix = self.values.index[i]
+                    self.master[ix] = self.values.read(i, c).to(self.master.dtype).cpu()
             return
         for i, (p, c) in enumerate(zip(self.group.params, self.columns)):
             if p.dim() != 1 and c.columns is None:
@@ -294,9 +356,11 @@ class ZenFlowUpdate(HostUpdate):
         self.accum.copy_(accum)
         if self.auto is not None:
             self.auto.load_state(self.group.index, len(self.group.params), fetch)
-        for i, (p, c) in enumerate(zip(self.group.params, self.columns)):
+        for i, c in enumerate(self.columns):
             c.step = int(fetch(f"zenflow.{i}.step")[0])
             for name in ("columns", "exp_avg", "exp_avg_sq"):
                 t = fetch(f"zenflow.{i}.{name}")
                 if t is not None:
-                    setattr(c, name, t.to(p.device))
+                    setattr(c, name, t.to(self.group.device))
+            if self.stage3 and not self.whole[i] and c.columns is not None:
+                self.values.select(i, c.columns)

@@ -1,6 +1,6 @@
 """Whether this engine runs ZenFlow, and its group update.
 
-What is built: stages 1 and 2, any number of ranks, a fixed ``update_interval`` (``overlap_step``
+What is built: stages 1, 2 and 3, any number of ranks, a fixed ``update_interval`` (``overlap_step``
 either way) or "auto", the built-in Adam(W), ``offload_optimizer`` "cpu".
 What DeepSpeed 0.19.8 refuses or cannot run with ZenFlow is refused here, naming the key: the
 delayed update and a partial ratio (at load, ``check_zenflow``), a client optimizer and params
@@ -26,10 +26,7 @@ KEY = "zero_optimization.zenflow"
 def unbuilt(config, world_size: int, muon: bool = False) -> str | None:
     """What of this config is not built (None: ZenFlow runs); the memory plan asks it too."""
     zc = config.zero_optimization
-    reasons = [
-        (zc.stage == 3, "stage 3"),
-        (muon, "the Muon optimizer"),
-    ]
+    reasons = [(muon, "the Muon optimizer")]
     missing = [why for bad, why in reasons if bad]
     return ", ".join(missing) if missing else None
 
@@ -55,12 +52,17 @@ def refuse_model(model: ZenFlowModel) -> None:
             f"optimizer ({type(model.client).__name__}) cannot run ZenFlow's device and host parts"
         )
     for p, name in zip(model.params, model.names):
-        if p.dim() > 2:
+        if len(shape_of(p)) > 2:
             raise ValueError(
                 f"{KEY}: params of at most 2 dimensions (columns are ranked per 2-D param); "
-                f"{name} has shape {tuple(p.shape)}: remove zenflow or keep such params out of "
+                f"{name} has shape {shape_of(p)}: remove zenflow or keep such params out of "
                 "the optimizer"
             )
+
+
+def shape_of(p: torch.Tensor) -> tuple[int, ...]:
+    """A param's shape; a partitioned (stage-3 or zero.Init) param's is its ``ds_shape``."""
+    return tuple(getattr(p, "ds_shape", p.shape))
 
 
 def zenflow_schedule(
@@ -87,7 +89,7 @@ def auto_rule(schedule: ZenFlowSchedule, params: list[torch.Tensor]):
 
     if not schedule.auto_update:
         return None
-    return AutoInterval(schedule, sum(1 for p in params if p.dim() == 2))
+    return AutoInterval(schedule, sum(1 for p in params if len(shape_of(p)) == 2))
 
 
 def build_zenflow_update(

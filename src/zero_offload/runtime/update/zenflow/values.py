@@ -1,0 +1,143 @@
+"""Where the device part of a ZenFlow step reads and writes its values, per stage.
+
+- ``ParamValues`` (stages 1-2): every rank's params are whole (views of the flat buffer); the
+  device part, the same on every rank, reads and writes ``param[:, columns]`` (a 1-D param: all
+  of it) from the selected gradient every rank has (``step_grads.py``).
+- ``ShardValues`` (stage 3): params are not materialized. The device part reads and writes the
+  elements of the selected columns (a param updated whole: all of it) that this rank's param
+  shard holds, from the same elements of its grad shard. Every element is held by exactly one
+  rank, so the ranks' updates together are the whole device part and no gradient travels
+  (DeepSpeed's stage 3 updates the selected columns of each rank's own partition the same way).
+  Values are flat, the held elements in shard order (row-major within a param: on one rank the
+  same order as ``param[:, columns]``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ....core import dist
+from ..param_home import ParamHome
+from .device_adam import ColumnState, read, write
+
+Piece = tuple[int, int, int]  # (offset in the param, offset in the shard, count)
+
+
+class ParamValues:
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+
+    def read(self, i: int, c: ColumnState) -> torch.Tensor:
+        return read(self.params[i], c)
+
+    def write(self, i: int, c: ColumnState, value: torch.Tensor) -> None:
+        write(self.params[i], c, value)
+
+    def begin(self) -> None:
+        """Writes into whole params need no ordering: nothing else reads them meanwhile."""
+
+    def end(self) -> None:
+        """Every rank wrote the same values: nothing to gather."""
+
+
+class ShardValues:
+    """``pieces[i]``: the pieces of param ``i`` in this rank's shard; ``whole[i]``: the device
+    part updates param ``i`` whole (its columns are None)."""
+
+    def __init__(
+        self,
+        home: ParamHome,
+        pieces: list[list[Piece]],
+        shapes: list[tuple[int, ...]],
+        whole: list[bool],
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.home, self.pieces, self.shapes, self.device = home, pieces, shapes, device
+        self.dtype = dtype
+        # Per param the shard positions of the held elements the device part updates (int64,
+        # host; a copy beside a device shard): set at each selection, once for a whole param.
+        self.index: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64) for _ in shapes]
+        self._on_shard: list[torch.Tensor | None] = [None] * len(shapes)
+        for i, w in enumerate(whole):
+            if w:
+                self.select(i, None)
+
+    def select(self, i: int, cols: torch.Tensor | None) -> None:
+        """Param ``i``'s device-part elements this rank holds: columns ``cols`` (None: all)."""
+        pos = []
+        ncols = self.shapes[i][-1]
+        mask = None
+        if cols is not None:
+            mask = torch.zeros(ncols, dtype=torch.bool)
+            mask[cols.cpu()] = True
+        for at, sh, n in self.pieces[i]:
+            if mask is None:
+                pos.append(torch.arange(sh, sh + n))
+                continue
+            p = torch.arange(at, at + n)
+            pos.append(p[mask[p % ncols]] + (sh - at))
+        self.index[i] = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64)
+        self._on_shard[i] = None
+
+    def _shard_index(self, i: int, shard: torch.Tensor) -> torch.Tensor:
+        if shard.device == self.index[i].device:
+            return self.index[i]
+        if self._on_shard[i] is None:
+            self._on_shard[i] = self.index[i].to(shard.device)
+        return self._on_shard[i]
+
+    def parts(self, grad_shard: torch.Tensor) -> list[torch.Tensor]:
+        """This micro-step's gradient of each param's held device-part elements."""
+        return [grad_shard[ix].to(self.device, non_blocking=True) for ix in self.index]
+
+    def read(self, i: int, c: ColumnState | None = None) -> torch.Tensor:
+        shard = self.home.shard_tensor()
+        if shard is not None:
+            return shard[self._shard_index(i, shard)].to(self.device)
+        out = [self.home.read(sh, sh + n)[ix - sh].clone() for sh, n, ix in self._runs(i)]
+        if not out:
+            return torch.zeros(0, dtype=self.dtype, device=self.device)
+        return torch.cat(out).to(self.device)
+
+    def write(self, i: int, c: ColumnState | None, value: torch.Tensor) -> None:
+        shard = self.home.shard_tensor()
+        if shard is not None:
+            shard[self._shard_index(i, shard)] = value.to(shard.device, shard.dtype)
+            return
+        at = 0
+        for sh, n, ix in self._runs(i):  # a swap file: read the piece, put the values, write
+            buf = self.home.read(sh, sh + n).clone()
+            k = ix.numel()
+            buf[ix - sh] = value[at : at + k].to(buf.device, buf.dtype)
+            self.home.write(sh, buf)
+            at += k
+
+    def _runs(self, i: int):
+        """(shard offset, count, positions) of each piece of param ``i`` with held elements."""
+        ix = self.index[i]
+        for _, sh, n in self.pieces[i]:
+            inside = ix[(ix >= sh) & (ix < sh + n)]
+            if inside.numel():
+                yield sh, n, inside
+
+    def begin(self) -> None:
+        self.home.prepare_write()  # nothing still reads the shard values replaced
+
+    def end(self) -> None:
+        self.home.flush()
+        self.home.publish()  # gathered copies are stale: the next fetch gathers the new values
+
+    def critic_sums(self, parts: list[torch.Tensor], dtypes: list[torch.dtype]) -> list:
+        """Per param the sum of |g| over its selected elements, every rank's held ones added
+        (fp32 partial sums, then in ``dtypes[i]``)."""
+        sums = torch.stack([g.to(dt).abs().sum().float() for g, dt in zip(parts, dtypes)])
+        if dist.world_size() > 1:
+            dist.all_reduce(sums)
+        return [s.to(dt) for s, dt in zip(sums, dtypes)]
+
+    def nbytes(self) -> tuple[int, int]:
+        """(host, device) bytes of the positions."""
+        host = sum(ix.numel() * ix.element_size() for ix in self.index)
+        dev = sum(0 if t is None else t.numel() * t.element_size() for t in self._on_shard)
+        return host, dev
