@@ -101,7 +101,9 @@ def test_cli_estimate_counts_zenflow(tmp_path, capsys):
     by_config = zenflow_lines([*base, "--config", str(path)])
     assert len(by_config) == 1 and "device.zenflow_columns" in by_config[0]
     by_flag = zenflow_lines([*base, "--stage", "2", "--topk-ratio", "0.5"])
-    assert by_flag == by_config  # the stage 2 cpu row only (nvme and stage 3: no ZenFlow)
+    assert by_flag == by_config  # the stage 2 cpu row only (nvme: no ZenFlow)
+    stage3 = zenflow_lines([*base, "--stage", "3", "--topk-ratio", "0.5"])
+    assert len(stage3) == 2 and all("host.zenflow_index" in ln for ln in stage3)  # cpu rows
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -81,10 +81,14 @@ def plan_for(
     if args.config:
         base = ZeroPlan.from_config(load(args), args.gpus)
     ratio = getattr(args, "ratio", 1.0)  # --ratio, else the config's
+    zenflow = zenflow_of(args, dtype_bytes) or base.zenflow
+    if zenflow is not None:  # the row's stage and param placement
+        zenflow = dataclasses.replace(zenflow, stage3=stage == 3,
+                                      shard_on_device=stage == 3 and par == "device")  # fmt: skip
     return dataclasses.replace(base, stage=stage, optimizer=opt, params=par,
                                dtype_bytes=dtype_bytes, world=args.gpus,
                                ratio=ratio if ratio < 1.0 else base.ratio,
-                               zenflow=zenflow_of(args, dtype_bytes) or base.zenflow)  # fmt: skip
+                               zenflow=zenflow)  # fmt: skip
 
 
 def zenflow_of(args: argparse.Namespace, dtype_bytes: int) -> ZenFlowPlan | None:

@@ -27,7 +27,6 @@ from ..plan.memory_bounds import check_working_set, free_bytes
 from ..plan.memory_model import StepShape, predict
 from ..plan.model_shape import ModelShape
 from ..plan.zenflow_memory import zenflow_bytes
-from ..update.zenflow.wiring import shape_of
 from ..precision.overflow_cause import overflow_cause
 from ..stage3.memory_efficient_linear import detach as detach_linear
 from ..update.group_step import step_groups
@@ -40,6 +39,7 @@ from ..update.offload.offload_states import (
     MovedStates,
     OffloadStatesAPI,
 )
+from ..update.zenflow.wiring import shape_of
 from . import guards
 from .assembly import assemble
 from .deepspeed_api.compile import CompileAPI

@@ -25,7 +25,6 @@ KEY = "zero_optimization.zenflow"
 
 def unbuilt(config, world_size: int, muon: bool = False) -> str | None:
     """What of this config is not built (None: ZenFlow runs); the memory plan asks it too."""
-    zc = config.zero_optimization
     reasons = [(muon, "the Muon optimizer")]
     missing = [why for bad, why in reasons if bad]
     return ", ".join(missing) if missing else None
