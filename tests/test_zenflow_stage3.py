@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as tdist
 from distributed import every_rank
-from test_zenflow import max_diff, reference
+from test_zenflow import AUTO, max_diff, reference
 from zenflow_run import TOPK, batches, config, make_model
 
 import zero_offload
@@ -83,19 +83,43 @@ def test_one_rank_equals_reference(one_rank, zf, zero, clip):
     assert max_diff(got, ref) < 2e-5, max_diff(got, ref)
 
 
-def test_one_rank_equals_stage2_bitwise(one_rank):
-    """On one rank stage 3 selects as stages 1-2 do: the same training, bit for bit."""
-    _, got = _run(TOPK, CPU)
-    cfg = config(TOPK)
-    model = make_model()
-    engine, *_ = zero_offload.initialize(model=model, model_parameters=model.parameters(),
-                                         config=cfg)  # fmt: skip
-    two = []
+def _losses_and_params(engine, dtype: torch.dtype, stage3: bool) -> list[list[torch.Tensor]]:
+    out = []
     for x, y in batches(7):
-        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        engine.backward(torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y))
         engine.step()
-        two.append([p.detach().clone() for p in engine.module.parameters()])
-    assert max_diff(got, two) == 0.0
+        out.append(_params(engine) if stage3 else [p.detach().clone() for p in
+                                                    engine.module.parameters()])  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize(
+    "zf, dtype, zero",
+    [
+        (TOPK, "fp32", CPU),
+        (AUTO, "fp32", None),
+        (AUTO, "fp32", CPU),
+        (TOPK, "bf16", None),
+        (TOPK, "bf16", CPU),
+        (TOPK, "fp16", CPU),
+    ],  # fmt: skip
+    ids=["fp32_host", "auto_device", "auto_host", "bf16_device", "bf16_host", "fp16_host"],
+)
+def test_one_rank_equals_stage2_bitwise(one_rank, zf, dtype, zero):
+    """On one rank stage 3 selects as stages 1-2 do: the same training, bit for bit, in every
+    precision and with "auto"."""
+    runs = []
+    for stage in (3, 2):
+        cfg = _config(zf, zero if stage == 3 else None)
+        cfg["zero_optimization"]["stage"] = stage
+        if dtype != "fp32":
+            cfg[dtype] = {"enabled": True}
+        model = make_model()
+        engine, *_ = zero_offload.initialize(model=model, model_parameters=model.parameters(),
+                                             config=cfg)  # fmt: skip
+        assert isinstance(engine.opt_groups[0].optimizer, ZenFlowUpdate)
+        runs.append(_losses_and_params(engine, engine.module[0].weight.dtype, stage == 3))
+    assert max_diff(*runs) == 0.0
 
 
 # The "odd" model's (6, 9) weight has 8 candidate columns on two ranks (column 4 straddles the
