@@ -1,5 +1,6 @@
 """ZenFlow's step against plain ZeRO-Offload and against DeepSpeed 0.19.8's own ZenFlow, side by
-side on this machine's CPU: the same model, data and recipe, one rank, ZeRO stage 2 with
+side on this machine's CPU: the same model, data and recipe, one rank, ZeRO stage 2 (``--stage``
+1 or 3; stage 3 partitions every param, ``--offload-param`` puts the shard in host memory) with
 ``offload_optimizer: {device: cpu}``, three rows:
 
 | row | what runs |
@@ -64,7 +65,11 @@ def zenflow_block(args: argparse.Namespace) -> dict:
 
 
 def config(args: argparse.Namespace, zenflow: bool) -> dict:
-    zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    zero = {"stage": args.stage, "offload_optimizer": {"device": "cpu"}}
+    if args.stage == 3:  # every param partitioned; the param shard where --offload-param says
+        zero["stage3_param_persistence_threshold"] = 0
+        if args.offload_param:
+            zero["offload_param"] = {"device": "cpu"}
     if zenflow:
         zero["zenflow"] = zenflow_block(args)
     return {
@@ -199,6 +204,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--update-interval", type=int, default=2)
     p.add_argument("--overlap-step", type=int, choices=[0, 1], default=1)
     p.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    p.add_argument("--stage", type=int, choices=[1, 2, 3], default=2)
+    p.add_argument("--offload-param", action="store_true", help="stage 3: offload_param cpu")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--timeout", type=float, default=600.0, help="per row (a hang guard)")
     p.add_argument("--quick", action="store_true", help="hidden 64 x 2 layers, 3+1 steps")
@@ -228,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU: {cpu_kind()}, {args.threads} threads per run; torch {torch.__version__}"
           + (f"; device: {gpu}" if gpu else "; device: this CPU"))  # fmt: skip
     print(f"model: {args.layers} x Linear({args.hidden}, {args.hidden}) ({params / 1e6:.2f}M "
-          f"params), micro batch {args.micro}, stage 2 + offload_optimizer cpu, one rank; "
+          f"params), micro batch {args.micro}, stage {args.stage} + offload_optimizer cpu"
+          f"{' + offload_param cpu' if args.stage == 3 and args.offload_param else ''}, one rank; "
           f"zenflow {json.dumps(zenflow_block(args))}; median of {args.steps} steps after "
           f"{args.warmup}")  # fmt: skip
     print(table(rows))

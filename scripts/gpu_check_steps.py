@@ -128,6 +128,14 @@ def _zenflow(ctx: Ctx) -> list[str]:
                   "--warmup", "2"]  # fmt: skip
 
 
+def _zenflow3(ctx: Ctx) -> list[str]:
+    """ZenFlow at stage 3 with the param shard in host memory (the device part reads and
+    writes the selected elements there) against plain stage-3 offload, as ``_zenflow``."""
+    cmd = _zenflow(ctx)
+    cmd[cmd.index(str(ctx.scratch / "zenflow.json"))] = str(ctx.scratch / "zenflow3.json")
+    return cmd + ["--stage", "3", "--offload-param"]
+
+
 def _cpu_suite(ctx: Ctx) -> list[str]:
     sel = ["-m", "not cuda and not slow", "--ignore", PROBES, "--ignore", SANITIZER]
     if not ctx.cuda:
@@ -148,6 +156,7 @@ STEPS: tuple[Step, ...] = (
     Step("overlap", "bench.log", 80, True, _overlap, data=("traces/summary.json",)),
     Step("throughput", "bench.log", 110, True, _throughput, data=("throughput.json",)),
     Step("zenflow", "bench.log", 20, True, _zenflow, data=("zenflow.json",)),
+    Step("zenflow3", "bench.log", 20, True, _zenflow3, data=("zenflow3.json",)),
     Step("cpu_suite", "cpu_suite.log", None, False, _cpu_suite,
          env={"CUDA_VISIBLE_DEVICES": ""}),
 )  # fmt: skip

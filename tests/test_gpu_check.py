@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import gpu_check_run as runner  # noqa: E402
 from gpu_check_steps import STEPS, cuda_test_files  # noqa: E402
 
-WIRING = ("cuda_tests", "sanitizer", "pcie", "overlap", "throughput", "zenflow")
+WIRING = ("cuda_tests", "sanitizer", "pcie", "overlap", "throughput", "zenflow", "zenflow3")
 
 
 def test_rehearsal_runs_every_step(tmp_path: Path) -> None:
