@@ -16,7 +16,12 @@ from zero_offload.runtime.update.buffers import OffloadStateType
 from zero_offload.runtime.update.zenflow.columns import column_fragments, select_columns
 from zero_offload.runtime.update.zenflow.update import ZenFlowUpdate
 
-TERMS = ("device.zenflow_columns", "device.zenflow_grad", "host.zenflow_accum")
+TERMS = (
+    "device.zenflow_columns",
+    "device.zenflow_grad",
+    "host.zenflow_accum",
+    "host.zenflow_staging",
+)
 
 
 def _engine(zf: dict | None, stage: int):

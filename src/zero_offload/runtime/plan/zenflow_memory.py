@@ -10,6 +10,8 @@ as ``ZenFlowUpdate`` allocates them and ``memory_report()`` counts them:
 - ``device.zenflow_grad`` (several ranks): the buffers the ranks' pieces are all-reduced in
   (``step_grads.py``), in the host gradient's dtype: per 2-D param its selected columns'
   gradient (rows x k) and its column norms (cols), per 1-D param its whole gradient.
+- ``host.zenflow_staging`` (several ranks): the host buffer the selected gradient is assembled
+  in before its upload (pinned beside a GPU), the size of its part of ``device.zenflow_grad``.
 - ``host.zenflow_accum``: the fp32 accumulator of the gradients between host updates, one per
   shard element; ``overlap_step``: two (one filled while the other is being applied).
 - ``host.zenflow_overlap`` (``overlap_step``): the second set of host moments and the master's
@@ -93,22 +95,24 @@ def zenflow_bytes(
     if plan.stage3:
         return _stage3_bytes(shapes, shard, plan, world, grad_bytes)
     frags = column_fragments(shapes, world) if world > 1 else [None] * len(shapes)
-    device = reduced = 0
+    device = parts = norms = 0
     for shape, fr in zip(shapes, frags):
         if len(shape) == 2:
             k = num_selected(shape[1], plan.topk_ratio) if fr is None else None
             k = selected_count(fr, plan.topk_ratio) if k is None else k
             device += 2 * shape[0] * k * plan.moment_bytes + k * INDEX_BYTES
-            reduced += shape[0] * k + shape[1]
+            parts += shape[0] * k
+            norms += shape[1]
         else:
             n = 1
             for d in shape:
                 n *= d
             device += 2 * n * plan.moment_bytes
-            reduced += n
+            parts += n
     out = {"device.zenflow_columns": device}
     if world > 1:  # the selected columns' and 1-D params' gradient, and the column norms
-        out["device.zenflow_grad"] = reduced * grad_bytes
+        out["device.zenflow_grad"] = (parts + norms) * grad_bytes
+        out["host.zenflow_staging"] = parts * grad_bytes  # where the parts are assembled
     return _host_terms(out, shard, plan)
 
 

@@ -40,11 +40,15 @@ class AutoInterval:
         self.boundary = False
         self.non_critic: dict[Any, Any] = {}
         self.avg_critic: dict[Any, Any] = {}
+        # this micro-step's per-param comparisons, counted in one device-to-host sync when the
+        # decision is read (``_settle``), not one per param
+        self._votes: list[torch.Tensor] = []
 
     def begin(self, micro: int) -> bool:
         """Whether micro-step ``micro`` (0-based) ends an interval with a host update."""
         if micro == self.micro:
             return self.boundary
+        self._settle()
         self.micro = micro
         ends, self.need, self.count = self.need, False, 0
         if ends:
@@ -59,7 +63,8 @@ class AutoInterval:
     def observe(self, key: Any, total: torch.Tensor, selected: torch.Tensor) -> None:
         """One 2-D param's sum of |g| this micro-step (``g`` in the param's dtype) and its
         selected columns' part of ``g``."""
-        total = total.to(torch.bfloat16).reshape(1)  # DeepSpeed's bf16 sum buffer
+        # DeepSpeed's bf16 sum buffer, beside the selected part (one rank: summed on the host)
+        total = total.to(selected.device, torch.bfloat16).reshape(1)
         self.observe_sums(key, total, selected.abs().sum())
 
     @torch.no_grad()
@@ -70,13 +75,22 @@ class AutoInterval:
         avg = self.avg_critic.get(key, 0)
         self.avg_critic[key] = (avg * (ui - 1) + critic) / ui / (r * 10)
         self.non_critic[key] = self.non_critic.get(key, 0) + (total - critic) / ((1 - r) * 10)
-        if bool(self.non_critic[key] >= self.avg_critic[key]):
-            self.count += 1
+        vote = self.non_critic[key] >= self.avg_critic[key]
+        self._votes.append(vote.reshape(-1).to(critic.device))
+
+    def _settle(self) -> None:
+        """Count this micro-step's params that need an update; enough of them (one or more
+        having been seen) and the next micro-step ends the interval."""
+        if not self._votes:
+            return
+        self.count += int(torch.cat(self._votes).sum())  # one sync for the micro-step
+        self._votes = []
         if self.count >= self.threshold:
             self.need = True
 
     # ---- checkpoints: a group keeps the counters and its own params' sums, in their dtypes ---
     def state(self, group: int, num_params: int) -> dict[str, torch.Tensor]:
+        self._settle()
         counters = [self.micro, self.interval, int(self.need), self.count, int(self.boundary)]
         out = {"zenflow.auto": torch.tensor(counters)}
         for i in range(num_params):

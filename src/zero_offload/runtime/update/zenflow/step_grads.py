@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 
 from ....core import dist
+from ....core.pinned_bytes import host_bytes
+from ....core.streams import alloc_host
 
 Piece = tuple[int, int, int]  # (offset in the param, offset in the shard, count)
 
@@ -68,6 +70,9 @@ class ShardGrads:
     def nbytes(self) -> int:
         return 0
 
+    def host_nbytes(self) -> int:
+        return 0
+
     def buffers(self) -> list[torch.Tensor]:
         return []
 
@@ -91,6 +96,11 @@ class RankGrads:
         ncols = sum(s[1] for s in shapes if len(s) == 2)
         # the device buffers the all-reduces run in: rewritten whole by every use
         self.packed = torch.zeros(sum(self.sizes) if parts else 0, dtype=dtype, device=device)
+        # where ``parts`` assembles each step's pieces: pinned beside a GPU so the upload is
+        # asynchronous; refilled only after the last upload from it ran (``_uploaded``)
+        cuda = device.type == "cuda"
+        self.staging = alloc_host(self.packed.numel(), dtype, cuda)
+        self._uploaded = None
         self.colsums = torch.zeros(ncols, dtype=dtype, device=device)
         self.shard: torch.Tensor | None = None
 
@@ -134,7 +144,9 @@ class RankGrads:
         return [None if o is None else self.colsums[o[0] : o[0] + o[1]] for o in out]
 
     def parts(self, columns: list[torch.Tensor | None]) -> list[torch.Tensor]:
-        host = torch.zeros(self.packed.numel(), dtype=self.shard.dtype)
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        host = self.staging.zero_()
         spans, at = [], 0
         for i, (shape, cols) in enumerate(zip(self.shapes, columns)):
             size = self.sizes[i]
@@ -148,6 +160,9 @@ class RankGrads:
                 spans.append((at, (shape[0], size // shape[0])))
             at += size
         self._reduce(self.packed, host)
+        if self.packed.is_cuda:
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
         return [self.packed[a : a + int(torch.Size(s).numel())].view(s) for a, s in spans]
 
     def _fill_columns(self, i: int, cols: torch.Tensor, out: torch.Tensor) -> None:
@@ -177,11 +192,15 @@ class RankGrads:
         return out
 
     def _reduce(self, dev: torch.Tensor, host: torch.Tensor) -> None:
-        dev.copy_(host)
+        dev.copy_(host, non_blocking=host.is_pinned())
         dist.all_reduce(dev)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers())
+
+    def host_nbytes(self) -> int:
+        """The staging's bytes (as the pinned allocator holds them)."""
+        return host_bytes(self.staging)
 
     def buffers(self) -> list[torch.Tensor]:
         return [self.packed, self.colsums]

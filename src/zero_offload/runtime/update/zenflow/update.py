@@ -257,6 +257,8 @@ class ZenFlowUpdate(HostUpdate):
         out["device.zenflow_columns"] = dev
         if self.world > 1:
             out["device.zenflow_grad"] = self.step_grads.nbytes()
+            if self.step_grads.host_nbytes():  # where the pieces are assembled (stages 1-2)
+                out["host.zenflow_staging"] = self.step_grads.host_nbytes()
         return out
 
     def device_buffers(self) -> Iterator[StateBuffer]:
