@@ -44,10 +44,15 @@ def _adamw(p, g, m, v, step, clear=False):
     p.addcdiv_(m, denom, value=-LR / (1 - BETAS[0] ** step))
 
 
-def reference(zf: dict, steps: int, clip: float = 0.0) -> list[list[torch.Tensor]]:
-    """DeepSpeed's ZenFlow for one rank, fixed update_interval, no overlap, in plain PyTorch."""
+def reference(
+    zf: dict, steps: int, clip: float = 0.0, shape: str = "mlp", world: int = 1
+) -> list[list[torch.Tensor]]:
+    """DeepSpeed's ZenFlow for one rank, fixed update_interval, in plain PyTorch (stages 1-3:
+    on one rank each 2-D param's candidates are all its columns). ``world`` ranks, each on its
+    own batches, their gradients averaged: DeepSpeed's stage 3 where no partition boundary cuts
+    a column (its top-k is then over every column of the param, as here)."""
     sched = resolve_schedule(ZenFlowConfig(**zf), None)
-    u, model = sched.update_interval, make_model()
+    u, model = sched.update_interval, make_model(shape)
     params = list(model.parameters())
     master = [p.detach().clone() for p in params]
     # host moments: two sets with overlap_step (set (k // U) & 1; in the warm-up k & 1)
@@ -73,8 +78,8 @@ def reference(zf: dict, steps: int, clip: float = 0.0) -> list[list[torch.Tensor
             else:
                 p.data.copy_(sel)
 
-    for k, (x, y) in enumerate(batches(steps)):
-        loss = torch.nn.functional.mse_loss(model(x), y) / u
+    for k, data in enumerate(zip(*(batches(steps, r) for r in range(world)))):
+        loss = sum(torch.nn.functional.mse_loss(model(x), y) for x, y in data) / world / u
         grads = torch.autograd.grad(loss, params)
         if sched.is_select(k):
             if k:
