@@ -2,14 +2,17 @@
 after initialize and after every ``step()``: the parity tests compare the two runs.
 
     python tests/zenflow_run.py OUT --impl deepspeed|zero_offload [--zenflow JSON] [--clip C]
-        [--steps 6] [--shape mlp|nobias] [--stage 1|2] [--dtype fp32|bf16|fp16] [--fix-binding]
+        [--steps 6] [--shape mlp|nobias|odd] [--stage 1|2|3] [--offload-param]
+        [--dtype fp32|bf16|fp16] [--fix-binding]
 
 One process per rank, gloo, on the CPU (several ranks: the caller starts one per rank with
 RANK, WORLD_SIZE and MASTER_PORT set; each rank trains on its own batches). DeepSpeed is imported only with ``--impl deepspeed`` (a
 subprocess of the test), so the project's run never sees DeepSpeed's modules; ``--fix-binding``
 runs DeepSpeed's ZenFlow with its param binding fixed, its overlapped updates in order and its
-``update_interval`` "auto" made to run (docs/zenflow.md).
-"""
+``update_interval`` "auto" made to run (docs/zenflow.md), and its stage 3 on the CPU
+(``zenflow_ds3_patches.py``). Stage 3 partitions every param (``--offload-param``: into host
+memory); the params are gathered to be saved, each in the model's own shape (DeepSpeed's
+stage-3 ZenFlow stores 2-D params transposed)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,12 @@ import json
 import os
 
 import torch
+from zenflow_ds3_patches import (
+    finish_overlapped_updates_stage3,
+    fix_auto_update_stage3,
+    fix_stage3_devices,
+    fix_stage3_moment_shapes,
+)
 
 TOPK = {
     "topk_ratio": 0.25,
@@ -32,16 +41,18 @@ TOPK = {
 def make_model(shape: str = "mlp") -> torch.nn.Module:
     """``"mlp"``: a tiny MLP; ``"nobias"``: the same without biases (DeepSpeed 0.19.8's column
     selection misreads its gradient bucket after a 1-D param, docs/zenflow.md); ``"odd"``:
-    widths whose columns stage 3's partition cuts on two ranks."""
+    widths whose columns stage 3's partition cuts on two ranks, without biases (DeepSpeed 0.19.8's
+    stage-3 ZenFlow fails on a 1-D param of odd length on two ranks: its last rank's gradient
+    partition is one element shorter than its param partition)."""
     torch.manual_seed(0)
     bias = shape != "nobias"
     if shape == "odd":  # the (6, 9) weight's column 4 straddles stage 3's 2-rank cut
         return torch.nn.Sequential(
-            torch.nn.Linear(8, 9),
+            torch.nn.Linear(8, 9, bias=False),
             torch.nn.Tanh(),
-            torch.nn.Linear(9, 6),
+            torch.nn.Linear(9, 6, bias=False),
             torch.nn.Tanh(),
-            torch.nn.Linear(6, 4),
+            torch.nn.Linear(6, 4, bias=False),
         )
     return torch.nn.Sequential(
         torch.nn.Linear(8, 16, bias=bias),
@@ -58,8 +69,20 @@ def batches(n: int, rank: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(n)]
 
 
-def config(zenflow: dict | None, clip: float = 0.0, stage: int = 2, dtype: str = "fp32") -> dict:
+def config(
+    zenflow: dict | None,
+    clip: float = 0.0,
+    stage: int = 2,
+    dtype: str = "fp32",
+    offload_param: bool = False,
+) -> dict:
+    """Stage 3: every param partitioned (persistence threshold 0), and with ``offload_param``
+    its partition in host memory."""
     zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+        if offload_param:
+            zero["offload_param"] = {"device": "cpu"}
     if zenflow is not None:
         zero["zenflow"] = zenflow
     precision = {dtype: {"enabled": True}} if dtype != "fp32" else {}
@@ -79,22 +102,49 @@ def config(zenflow: dict | None, clip: float = 0.0, stage: int = 2, dtype: str =
 
 
 def train(
-    initialize, cfg: dict, steps: int, shape: str = "mlp", rank: int = 0
+    initialize,
+    cfg: dict,
+    steps: int,
+    shape: str = "mlp",
+    rank: int = 0,
+    gather=None,
+    transposed: bool = False,
 ) -> list[list[torch.Tensor]]:
     """The params after initialize, then after every step (``rank``'s batches; Muon: for the
-    2-D params)."""
+    2-D params), each in the model's own shape. ``gather``: the ``GatheredParameters`` that
+    reads a stage-3 engine's partitioned params; ``transposed``: its 2-D params are stored
+    transposed (DeepSpeed's stage-3 ZenFlow)."""
     model = make_model(shape)
+    shapes = [p.shape for p in model.parameters()]
     if (cfg.get("optimizer") or {}).get("type") == "Muon":
         for p in model.parameters():
             p.use_muon = p.dim() == 2
     engine, _, _, _ = initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    out = [[p.detach().clone().float() for p in engine.module.parameters()]]
+    out = [read_params(engine, shapes, gather, transposed)]
     dtype = next(engine.module.parameters()).dtype
     for x, y in batches(steps, rank):
         loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
         engine.backward(loss)
         engine.step()
-        out.append([p.detach().clone().float() for p in engine.module.parameters()])
+        out.append(read_params(engine, shapes, gather, transposed))
+    return out
+
+
+def read_params(engine, shapes, gather=None, transposed: bool = False) -> list[torch.Tensor]:
+    """The engine's params in fp32, each in the model's shape ``shapes`` (gathered whole first
+    with ``gather``; ``transposed``: every 2-D param's storage is its transpose)."""
+    params = list(engine.module.parameters())
+    if gather is None:
+        return [p.detach().clone().float() for p in params]
+    out = []
+    with gather(params):
+        for p, s in zip(params, shapes):
+            t = p.detach().t() if transposed and p.dim() == 2 else p.detach()
+            if t.shape != s:
+                raise ValueError(
+                    f"gathered param of shape {tuple(t.shape)}, the model's {tuple(s)}"
+                )
+            out.append(t.clone().float())
     return out
 
 
@@ -188,12 +238,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--zenflow", default=json.dumps(TOPK))
     ap.add_argument("--clip", type=float, default=0.0)
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--shape", choices=["mlp", "nobias"], default="mlp")
-    ap.add_argument("--stage", type=int, choices=[1, 2], default=2)
+    ap.add_argument("--shape", choices=["mlp", "nobias", "odd"], default="mlp")
+    ap.add_argument("--stage", type=int, choices=[1, 2, 3], default=2)
     ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    ap.add_argument("--offload-param", action="store_true")  # stage 3: offload_param cpu
     # DeepSpeed's ZenFlow with its param binding fixed and its overlapped updates in order
+    # (stage 3: its CUDA-only buffers on the CPU, zenflow_ds3_patches.py)
     ap.add_argument("--fix-binding", action="store_true")
     args = ap.parse_args(argv)
+    if args.offload_param and args.stage != 3:
+        ap.error("--offload-param needs --stage 3")
     for k, v in {
         "MASTER_ADDR": "127.0.0.1",
         "RANK": "0",
@@ -203,7 +257,9 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault(k, v)
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
     torch.set_num_threads(1)
-    cfg = config(json.loads(args.zenflow), args.clip, args.stage, args.dtype)
+    zf = json.loads(args.zenflow)
+    cfg = config(zf, args.clip, args.stage, args.dtype, args.offload_param)
+    gather = None
     if args.impl == "deepspeed":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
@@ -213,13 +269,24 @@ def main(argv: list[str] | None = None) -> None:
             fix_deepspeed_binding()
             finish_overlapped_updates()
             fix_auto_update()
+            fix_stage3_devices()
+            fix_stage3_moment_shapes()
+            finish_overlapped_updates_stage3()
+            fix_auto_update_stage3()
         initialize = deepspeed.initialize
+        if args.stage == 3:
+            gather = deepspeed.zero.GatheredParameters
     else:
         import zero_offload
 
         initialize = zero_offload.initialize
+        if args.stage == 3:
+            gather = zero_offload.zero.GatheredParameters
     rank = int(os.environ["RANK"])
-    torch.save(train(initialize, cfg, args.steps, args.shape, rank), args.out)
+    # DeepSpeed's stage-3 ZenFlow stores each 2-D param transposed (its column contiguous)
+    transposed = args.impl == "deepspeed" and args.stage == 3 and zf is not None
+    run = train(initialize, cfg, args.steps, args.shape, rank, gather, transposed)
+    torch.save(run, args.out)
 
 
 if __name__ == "__main__":
