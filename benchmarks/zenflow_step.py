@@ -7,7 +7,7 @@ side on this machine's CPU: the same model, data and recipe, one rank, ZeRO stag
 | --- | --- |
 | `offload` | `zero_offload.initialize`, plain ZeRO-Offload (the host Adam over the whole shard every step) |
 | `zenflow` | `zero_offload.initialize` with the `zero_optimization.zenflow` block |
-| `deepspeed zenflow` | `deepspeed.initialize`, the same config, DeepSpeed's ZenFlow (its stage 1/2 param binding fixed as `tests/zenflow_run.py` fixes it, nothing else changed; its overlapped optimizer process runs as it does) |
+| `deepspeed zenflow` | `deepspeed.initialize`, the same config, DeepSpeed's ZenFlow (its stage 1/2 param binding fixed as `tests/zenflow_run.py` fixes it; at stage 3 its CUDA-only selection buffers put on the CPU, `tests/zenflow_ds3_patches.py`; nothing else changed; its overlapped optimizer process runs as it does) |
 
 The model is a stack of bias-free square Linear layers with tanh between them (no 1-D params:
 DeepSpeed 0.19.8's column selection misreads its gradient bucket after one, docs/zenflow.md),
@@ -105,10 +105,13 @@ def worker(args: argparse.Namespace) -> dict:
         import deepspeed
 
         sys.path.insert(0, str(REPO / "tests"))
+        from zenflow_ds3_patches import fix_stage3_devices
         from zenflow_run import fix_deepspeed_binding
 
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-        fix_deepspeed_binding()
+        fix_deepspeed_binding()  # stages 1-2
+        if args.stage == 3:  # its CUDA-only selection buffers on the CPU
+            fix_stage3_devices()
         initialize = deepspeed.initialize
     else:
         import zero_offload
@@ -134,7 +137,7 @@ def worker(args: argparse.Namespace) -> dict:
         if i >= args.warmup:
             walls.append(wall)
         losses.append(float(loss.detach()))
-    params = sum(p.numel() for p in model.parameters())
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # stage 3
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {"wall": walls, "losses": losses, "params": params, "gpu": gpu}
 
