@@ -8,8 +8,8 @@ as ``ZenFlowUpdate`` allocates them and ``memory_report()`` counts them:
   The moments are in the params' dtype (fp16: fp32). They exist from the first device update on
   (after the warm-up rounds). Every rank holds all of them (the device part is replicated).
 - ``device.zenflow_grad`` (several ranks): the buffers the ranks' pieces are all-reduced in
-  (``step_grads.py``), in the host gradient's dtype: per 2-D param its selected columns'
-  gradient (rows x k) and its column norms (cols), per 1-D param its whole gradient.
+  (``step_grads.py``): per 2-D param its selected columns' gradient (rows x k, in the host
+  gradient's dtype) and its column norms (cols, fp32), per 1-D param its whole gradient.
 - ``host.zenflow_staging`` (several ranks): the host buffer the selected gradient is assembled
   in before its upload (pinned beside a GPU), the size of its part of ``device.zenflow_grad``.
 - ``host.zenflow_accum``: the fp32 accumulator of the gradients between host updates, one per
@@ -111,7 +111,7 @@ def zenflow_bytes(
             parts += n
     out = {"device.zenflow_columns": device}
     if world > 1:  # the selected columns' and 1-D params' gradient, and the column norms
-        out["device.zenflow_grad"] = (parts + norms) * grad_bytes
+        out["device.zenflow_grad"] = parts * grad_bytes + norms * 4  # the norms in fp32
         out["host.zenflow_staging"] = parts * grad_bytes  # where the parts are assembled
     return _host_terms(out, shard, plan)
 
@@ -144,5 +144,5 @@ def _stage3_bytes(
         device += held * INDEX_BYTES
     out = {"device.zenflow_columns": device, "host.zenflow_index": held * INDEX_BYTES}
     if world > 1:
-        out["device.zenflow_grad"] = ncols * grad_bytes
+        out["device.zenflow_grad"] = ncols * 4  # fp32
     return _host_terms(out, shard, plan)

@@ -101,7 +101,10 @@ class RankGrads:
         cuda = device.type == "cuda"
         self.staging = alloc_host(self.packed.numel(), dtype, cuda)
         self._uploaded = None
-        self.colsums = torch.zeros(ncols, dtype=dtype, device=device)
+        # fp32: the ranks' partial column norms are added unrounded, and the whole norm is
+        # rounded once to the gradient's dtype, as a single sum over the column rounds it
+        self.colsums = torch.zeros(ncols, dtype=torch.float32, device=device)
+        self.dtype = dtype
         self.shard: torch.Tensor | None = None
 
     def bind(self, shard: torch.Tensor) -> None:
@@ -126,7 +129,7 @@ class RankGrads:
                 yield row + whole, 0, vals[whole * cols :]
 
     def column_sums(self) -> list[torch.Tensor | None]:
-        host = torch.zeros(self.colsums.numel(), dtype=self.shard.dtype)
+        host = torch.zeros(self.colsums.numel(), dtype=torch.float32)
         out, at = [], 0
         for i, shape in enumerate(self.shapes):
             if len(shape) != 2:
@@ -135,13 +138,14 @@ class RankGrads:
             mine = host[at : at + shape[1]]
             for _, c0, vals in self._rows(i):
                 if vals.dim() == 2:
-                    mine += vals.abs().sum(dim=0)
+                    mine += vals.abs().sum(dim=0, dtype=torch.float32)
                 else:
-                    mine[c0 : c0 + vals.numel()] += vals.abs()
+                    mine[c0 : c0 + vals.numel()] += vals.abs().float()
             out.append((at, shape[1]))
             at += shape[1]
         self._reduce(self.colsums, host)
-        return [None if o is None else self.colsums[o[0] : o[0] + o[1]] for o in out]
+        sums = self.colsums.to(self.dtype)
+        return [None if o is None else sums[o[0] : o[0] + o[1]] for o in out]
 
     def parts(self, columns: list[torch.Tensor | None]) -> list[torch.Tensor]:
         if self._uploaded is not None:

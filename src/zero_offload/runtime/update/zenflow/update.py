@@ -9,7 +9,8 @@ Per micro-step ``k`` (DeepSpeed 0.19.8's order, fixed ``update_interval`` U):
 - at a selection (``schedule.is_select(k)``): the master becomes the params (not at k = 0), the
   device moments are zeroed, and the columns are chosen from this micro-step's gradient;
 - the host accumulator adds this micro-step's gradient divided by U (DeepSpeed sets
-  gradient_accumulation_steps to U and scales the loss by 1/U; "auto": not divided, and
+  gradient_accumulation_steps to U and scales the loss by 1/U; a bf16 gradient's sum is
+  rounded to bf16, as DeepSpeed accumulates it; "auto": not divided, and
   ``auto`` decides which micro-steps are host updates, ``auto_interval.py``);
 - not a host update: the device part updates the selected columns with that gradient;
 - a host update: the selected columns' values are kept aside, the host Adam runs over the
@@ -139,6 +140,11 @@ class ZenFlowUpdate(HostUpdate):
         host = sched.is_update(k) if self.auto is None else self.auto.begin(k)
         u = sched.grad_divisor
         self.accum.add_(shard.float(), alpha=1.0 / u)
+        if shard.dtype == torch.bfloat16:
+            # DeepSpeed accumulates the interval's bf16 gradients in bf16 (its default
+            # gradient_accumulation_dtype): each sum rounded to it. fp16 stays fp32: a sum of
+            # loss-scaled fp16 gradients may overflow where each one did not.
+            self.accum.copy_(self.accum.to(shard.dtype))
         device_part = k >= sched.full_warm_up_rounds
         parts = None
         if device_part:  # the selected columns' (and 1-D params') gradient
@@ -179,7 +185,9 @@ class ZenFlowUpdate(HostUpdate):
         pick = select_global if self.stage3 else select_from_sums
         for i, c in enumerate(self.columns):
             if not self.whole[i]:
-                c.columns = pick(sums[i], ratio, self.fragments[i]).to(self.group.device)
+                c.columns = pick(self._ranked(sums[i]), ratio, self.fragments[i]).to(
+                    self.group.device
+                )
             c.clear()
         if self.world > 1:
             self._agree_on_columns()
@@ -187,6 +195,11 @@ class ZenFlowUpdate(HostUpdate):
             for i, c in enumerate(self.columns):
                 if not self.whole[i]:
                     self.values.select(i, c.columns)
+
+    def _ranked(self, sums: torch.Tensor) -> torch.Tensor:
+        """The column norms as DeepSpeed ranks them: at stage 3 in its sum buffer's dtype, the
+        params' (a bf16 norm rounds, and ties fall to the lower column, as in its top-k)."""
+        return sums.to(self.group.dtype) if self.stage3 else sums
 
     def _agree_on_columns(self) -> None:
         """Every rank takes rank 0's columns: they are computed from the same gathered
