@@ -171,6 +171,14 @@ def test_zenflow_two_ranks_equals_deepspeed(tmp_path, stage):
     _check(tmp_path, zf, 0.05, world=2, stage=stage)  # the clip's norm is both ranks'
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zenflow_four_ranks_equals_deepspeed(tmp_path, stage):
+    """Four ranks: stage 2's fragments and stage 3's per-param slices cut more columns."""
+    zf = {**TOPK, "select_interval": 3, "full_warm_up_rounds": 1}
+    _check(tmp_path, zf, 0.05, world=4, stage=stage)
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_zenflow_two_ranks_overlap_step_equals_deepspeed(tmp_path, stage):
     _check(tmp_path, {**TOPK, "select_interval": 4, "overlap_step": True}, 0.0, 2, stage)
