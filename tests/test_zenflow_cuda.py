@@ -50,7 +50,7 @@ def _run(zf: dict, stage: int, zero: dict | None = None, steps: int = 7):
         engine.step()
         params = list(engine.module.parameters())
         with zero_offload.zero.GatheredParameters(params):
-            out.append([p.detach().float().cpu() for p in params])
+            out.append([p.detach().float().cpu().clone() for p in params])
     moments = [c.exp_avg for c in update.columns if c.exp_avg is not None]
     assert moments and all(m.is_cuda for m in moments)
     return out
