@@ -125,6 +125,7 @@ def test_zenflow_auto_update_interval_equals_deepspeed(tmp_path):
     _check(tmp_path, {**AUTO, "auto_ratio": 0.6}, 0.0)
 
 
+@pytest.mark.slow  # the default suite's time: "auto" and overlap each run in other cases
 def test_zenflow_auto_overlap_step_equals_deepspeed(tmp_path):
     """With overlap_step the host moments alternate with DeepSpeed's auto-update state, which
     flips at every backward (set (k + 1) & 1 after the warm-up)."""
@@ -179,6 +180,7 @@ def test_zenflow_four_ranks_equals_deepspeed(tmp_path, stage):
     _check(tmp_path, zf, 0.05, world=4, stage=stage)
 
 
+@pytest.mark.slow  # the default suite's time (overlap on one rank runs by default)
 @pytest.mark.parametrize("stage", STAGES)
 def test_zenflow_two_ranks_overlap_step_equals_deepspeed(tmp_path, stage):
     _check(tmp_path, {**TOPK, "select_interval": 4, "overlap_step": True}, 0.0, 2, stage)
@@ -230,7 +232,8 @@ def _slow_but(*fast: str, skip: tuple[str, ...] = ()) -> list:
             for c in STAGE3_CASES if c not in skip]  # fmt: skip
 
 
-@pytest.mark.parametrize("case", _slow_but("step", "two_ranks_cut"))
+# one rank at stage 3 is stage 2's step bit for bit (test_zenflow_stage3.py), compared above
+@pytest.mark.parametrize("case", _slow_but("two_ranks_cut"))
 def test_zenflow_stage3_equals_deepspeed(tmp_path, case):
     """To fp32 rounding at every step (the ranks' params equal bitwise): one rank; two ranks
     with a column cut by DeepSpeed's per-param partition, clipping and a warm-up round."""

@@ -284,6 +284,9 @@ class ZenFlowUpdate(HostUpdate):
             for t in (c.exp_avg, c.exp_avg_sq, c.columns):
                 if t is not None and t.device == self.group.device:
                     yield StateBuffer(t, "device.zenflow_columns", state=opt)
+        if self.stage3:  # the held elements' positions beside a device param shard
+            for t in self.values.device_index():
+                yield StateBuffer(t, "device.zenflow_columns", state=opt)
         for t in self.step_grads.buffers():  # several ranks: rewritten by every step's reduce
             grads = OffloadStateType.lp_grads
             yield StateBuffer(t, "device.zenflow_grad", keep=False, state=grads)

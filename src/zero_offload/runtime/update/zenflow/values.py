@@ -136,6 +136,11 @@ class ShardValues:
             dist.all_reduce(sums)
         return [s.to(dt) for s, dt in zip(sums, dtypes)]
 
+    def device_index(self) -> list[torch.Tensor]:
+        """The positions' copies beside a device param shard (optimizer state for
+        ``offload_states``: they move with the column moments)."""
+        return [t for t in self._on_shard if t is not None and t.device == self.device]
+
     def nbytes(self) -> tuple[int, int]:
         """(host, device) bytes of the positions."""
         host = sum(ix.numel() * ix.element_size() for ix in self.index)
