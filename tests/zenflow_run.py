@@ -45,22 +45,12 @@ def make_model(shape: str = "mlp") -> torch.nn.Module:
     stage-3 ZenFlow fails on a 1-D param of odd length on two ranks: its last rank's gradient
     partition is one element shorter than its param partition)."""
     torch.manual_seed(0)
-    bias = shape != "nobias"
-    if shape == "odd":  # the (6, 9) weight's column 4 straddles stage 3's 2-rank cut
-        return torch.nn.Sequential(
-            torch.nn.Linear(8, 9, bias=False),
-            torch.nn.Tanh(),
-            torch.nn.Linear(9, 6, bias=False),
-            torch.nn.Tanh(),
-            torch.nn.Linear(6, 4, bias=False),
-        )
-    return torch.nn.Sequential(
-        torch.nn.Linear(8, 16, bias=bias),
-        torch.nn.Tanh(),
-        torch.nn.Linear(16, 12, bias=bias),
-        torch.nn.Tanh(),
-        torch.nn.Linear(12, 4, bias=bias),
-    )
+    # the "odd" model's (6, 9) weight has its column 4 straddle stage 3's 2-rank cut
+    widths = (8, 9, 6, 4) if shape == "odd" else (8, 16, 12, 4)
+    layers: list[torch.nn.Module] = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [torch.nn.Linear(a, b, bias=shape == "mlp"), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers[:-1])
 
 
 def batches(n: int, rank: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -55,7 +55,8 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
         self.join()
         super().master_from_params(initial)
 
-    def _host_part(self, step: int) -> None:
+    def _host_part(self, step: int, publish: bool = True) -> None:
+        """``publish``: unused (the update lands one interval later, published by ``_copy``)."""
         k, sched = step - 1, self.schedule
         self.join()
         if k < sched.full_warm_up_rounds:

@@ -97,6 +97,8 @@ class ZenFlowUpdate(HostUpdate):
         else:  # DeepSpeed's fragments are laid out in registration order: flat order reversed
             frags = column_fragments(list(reversed(self.shapes)), self.world)
             self.fragments = list(reversed(frags))
+        # the pieces of each param this rank's shard holds
+        self.pieces = [list(self._owned(i)) for i in range(len(self.shapes))]
         self.step_grads = self._step_grads()
         self.values = self._values()
 
@@ -105,19 +107,19 @@ class ZenFlowUpdate(HostUpdate):
         shapes = [torch.Size(s) for s in self.shapes]
         if self.world == 1:
             return ShardGrads(self.ranges, shapes)
-        pieces = [list(self._owned(i)) for i in range(len(shapes))]
         counts = [selected_count(f, self.schedule.topk_ratio) for f in self.fragments]
         dt = self.grads.host_grad().dtype
         # stage 3: the device part reads its own shard; only the column norms are reduced
-        return RankGrads(pieces, shapes, counts, dt, self.group.device, parts=not self.stage3)
+        dev = self.group.device
+        return RankGrads(self.pieces, shapes, counts, dt, dev, parts=not self.stage3)
 
     def _values(self) -> ParamValues | ShardValues:
         """Where the device part reads and writes (``values.py``)."""
         if not self.stage3:
             return ParamValues(self.group.params)
-        pieces = [list(self._owned(i)) for i in range(len(self.shapes))]
         g = self.group
-        return ShardValues(self.home, pieces, self.shapes, self.whole, g.device, g.dtype)
+        return ShardValues(self.home, self.pieces, self.shapes, self.whole, g.device, g.dtype,
+                           self.streams)  # fmt: skip
 
     def _parts(self, grads: ShardGrads | RankGrads, shard: torch.Tensor) -> list[torch.Tensor]:
         """The device part's gradient: every rank's alike (stages 1-2), or the rank's own
@@ -139,7 +141,7 @@ class ZenFlowUpdate(HostUpdate):
             self._select(grads)
         host = sched.is_update(k) if self.auto is None else self.auto.begin(k)
         u = sched.grad_divisor
-        self.accum.add_(shard.float(), alpha=1.0 / u)
+        self.accum.add_(shard, alpha=1.0 / u)  # promoted in the kernel: no fp32 copy
         if shard.dtype == torch.bfloat16:
             # DeepSpeed accumulates the interval's bf16 gradients in bf16 (its default
             # gradient_accumulation_dtype): each sum rounded to it. fp16 stays fp32: a sum of
@@ -160,7 +162,9 @@ class ZenFlowUpdate(HostUpdate):
             self._host_part(k + 1)
         else:
             kept = [self.values.read(i, c) for i, c in enumerate(self.columns)]
-            self._host_part(k + 1)
+            # stage 3: the device part's own publish follows (one drop of the stale gathered
+            # copies and one gather of the persistent params per step, not two)
+            self._host_part(k + 1, publish=not self.stage3)
             self._device_part(parts, dev_scale, kept)
         self.micro += 1
 
@@ -247,14 +251,16 @@ class ZenFlowUpdate(HostUpdate):
                 combined = scale * coef
         return 1.0 / combined
 
-    def _host_part(self, step: int) -> None:
+    def _host_part(self, step: int, publish: bool = True) -> None:
         """The host Adam over the whole shard with the accumulated gradient, as DeepSpeed's
-        step at its accumulation boundary: the norm's clip, bias correction at ``step``."""
+        step at its accumulation boundary: the norm's clip, bias correction at ``step``;
+        ``publish`` False: the caller publishes the home after writing it again."""
         factor = self._host_factor()
         self.home.prepare_write()
         self.step_count = step
         self._host_pass(self.accum, factor, self._hyper(), upload=True)
-        self.home.publish()
+        if publish:
+            self.home.publish()
         self.accum.zero_()
 
     def nbytes(self) -> dict[str, int]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ....core import dist
+from ....core.streams import Streams
 from ..param_home import ParamHome
 from .device_adam import ColumnState, read, write
 
@@ -52,9 +53,10 @@ class ShardValues:
         whole: list[bool],
         device: torch.device,
         dtype: torch.dtype,
+        streams: Streams,
     ) -> None:
         self.home, self.pieces, self.shapes, self.device = home, pieces, shapes, device
-        self.dtype = dtype
+        self.dtype, self.streams = dtype, streams
         # Per param the shard positions of the held elements the device part updates (int64,
         # host; a copy beside a device shard): set at each selection, once for a whole param.
         self.index: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64) for _ in shapes]
@@ -123,6 +125,9 @@ class ShardValues:
 
     def begin(self) -> None:
         self.home.prepare_write()  # nothing still reads the shard values replaced
+        # a host update's uploads into a device shard land first (its publish may not have
+        # run yet: the device part's ``end`` publishes for both)
+        self.streams.wait(None, self.streams.h2d)
 
     def end(self) -> None:
         self.home.flush()
