@@ -367,7 +367,7 @@ def test_overlap_step_runs_the_host_update_during_the_next_steps():
     for _ in range(2):  # the second step ends the first interval: its host update starts
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
         engine.step()
-    assert zf._pending is not None  # on the worker while the next forward/backward run
+    assert zf._running is not None  # on the worker while the next forward/backward run
     assert zf.worker._threads and "host-update" in next(iter(zf.worker._threads)).name
     engine.flush_delayed_update()  # eval and saving wait for it
-    assert zf._pending is None
+    assert zf._running is None

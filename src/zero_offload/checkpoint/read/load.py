@@ -17,6 +17,7 @@ import torch
 from .. import rng
 from ..collective import failed_ranks
 from ..format import MODEL_FILE, RNG_CUDA, RNG_TORCH, CheckpointError, shard_tensor
+from ...runtime.update.shard_optimizer import TornStateError
 from .load_plan import COUNTERS, LoadPlan, make_plan
 from .reader import CheckpointReader
 
@@ -142,7 +143,10 @@ def load_checkpoint(
     is no ``latest`` file (DeepSpeed's behaviour). A collective: every rank calls it.
     ``load_module_strict`` False: module keys on one side only are skipped (the model keeps its
     own values) instead of refused."""
-    engine.flush_delayed_update()  # a pending host update must not land on top of the load
+    try:
+        engine.flush_delayed_update()  # a pending host update must not land on top of the load
+    except TornStateError:
+        pass  # a failed update: the load replaces what it left
     _refuse_deepspeed_folder(load_dir, tag)
     err: BaseException | None = None
     ckpt = plan = None

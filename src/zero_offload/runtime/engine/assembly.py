@@ -317,6 +317,10 @@ def build_updates(
     states = _states(e, groups, homes, sharded, client, alias=zenflow is None)
     policy = UpdatePolicy(sharded, adamw, place)
     auto = None if zenflow is None else auto_rule(zenflow, [p for g in groups for p in g.params])
+    if zenflow is not None and zenflow.overlap_step and e.executor is None:
+        # the engine's one host-update worker: the groups' overlapped updates run one after
+        # another with the kernel's threads, and destroy() joins it
+        e.set(executor=HostWorker(e.device, place.threads))
     out = []
     for g, home, state in zip(groups, homes, states):
         gs = GradShard(
@@ -333,7 +337,8 @@ def build_updates(
         args = (g, gs, home, state, policy, e.streams)
         if zenflow is not None:
             clip = float(e.config.gradient_clipping)
-            so = build_zenflow_update(args, zenflow, clip, lambda: e.loss_scaler.loss_scale, auto)
+            scale = lambda: e.loss_scaler.loss_scale  # noqa: E731
+            so = build_zenflow_update(args, zenflow, clip, scale, auto, e.executor)
         else:
             so = build_shard_optimizer(*args, e.executor, client)
         out.append(OptimizerGroup(g, gs, home, so, place))

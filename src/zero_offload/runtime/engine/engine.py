@@ -29,7 +29,7 @@ from ..plan.model_shape import ModelShape
 from ..plan.zenflow_memory import zenflow_bytes
 from ..precision.overflow_cause import overflow_cause
 from ..stage3.memory_efficient_linear import detach as detach_linear
-from ..update.group_step import step_groups
+from ..update.group_step import StepRolledBackError, step_groups
 from ..update.offload.offload_states import (
     BACKWARD_NEEDS,
     EVERYTHING,
@@ -256,7 +256,8 @@ class ZeroOffloadEngine(
             with self._timed("step"):
                 try:
                     self._take_step()
-                except NvmeSwapError:  # rolled back: the micro-step is spent, a new window next
+                except (NvmeSwapError, StepRolledBackError):  # rolled back: the micro-step is
+                    # spent, a new window next
                     self.micro_steps += 1
                     self.global_samples += samples
                     window.restart(self.global_steps, self.micro_steps)

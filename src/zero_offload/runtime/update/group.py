@@ -123,7 +123,9 @@ class OptimizerGroup:
 
     # ---- its saved state and fragments (checkpoints, the tensor-fragment API) ------------------
     def save(self) -> GroupSave:
+        """What a checkpoint keeps of the group; refused while the state is torn."""
         so = self.optimizer
+        so.check_intact()
         return GroupSave(
             self.flat, so.segs, bool(so.sharded), int(so.step_count), so.state.numel, so.client,
             so.state, so.chunks, so.extra_state(),

@@ -82,6 +82,7 @@ class GroupLoad:
 
     def finish(self, step_count: int) -> None:
         self._so.step_count = step_count
+        self._so.mend()  # a whole step's state replaced whatever a failed update left
         self._so.params_from_master()
 
 

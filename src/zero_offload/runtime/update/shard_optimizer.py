@@ -42,6 +42,18 @@ from .paths.client_update import ClientUpdate
 from .placement import Placement
 
 
+class TornStateError(RuntimeError):
+    """The optimizer state is not one committed step: an update failed after part of it was
+    applied. Loading a checkpoint (``engine.load_checkpoint``) restores a whole step."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(
+            f"the optimizer state is only partly updated ({reason}); no step or save runs "
+            "on it: load the last checkpoint (engine.load_checkpoint) to go on"
+        )
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class UpdatePolicy:
     """What the update of one group needs to know besides its buffers."""
@@ -85,6 +97,9 @@ class ShardOptimizer:
         self.client = ClientUpdate(client, group.hyper, state.master) if client else None
         self.step_count = 0
         self._staged_step: tuple[float, bool] | None = None  # (factor, delayed) until commit
+        # Why the state no longer is one committed step (a commit that failed part way, an
+        # overlapped update that failed): then no step and no save runs until a load.
+        self.torn: str | None = None
 
     @property
     def master(self) -> torch.Tensor:
@@ -159,6 +174,7 @@ class ShardOptimizer:
     def stage(self, factor: float, delayed: bool = False) -> None:
         """This step's update, ready to commit: the factor kept (``delayed``: commit starts the
         delayed update instead of a synchronous one); nothing is written yet."""
+        self.check_intact()
         self._staged_step = (factor, delayed)
 
     def commit(self) -> None:
@@ -170,7 +186,7 @@ class ShardOptimizer:
         if delayed:
             self.launch(factor)
         else:
-            self.step(factor)
+            self._synchronous(factor)
 
     def rollback(self) -> None:
         """The staged update forgotten: state, step count and params are the last committed
@@ -181,9 +197,27 @@ class ShardOptimizer:
         """Start a delayed update (the host placement's, ``host_update.py``)."""
         raise RuntimeError("the delayed update runs on the host placement only")
 
+    def tear(self, reason: str) -> None:
+        """The state is not one committed step any more (``reason`` says why): every later
+        step and save is refused until a checkpoint is loaded (``mend``)."""
+        self.torn = self.torn or reason
+
+    def mend(self) -> None:
+        """A checkpoint's state was loaded over the torn one."""
+        self.torn = None
+
+    def check_intact(self) -> None:
+        if self.torn is not None:
+            raise TornStateError(self.torn)
+
     # ---- the step ------------------------------------------------------------------------------
     def step(self, factor: float) -> None:
-        """One synchronous update with the combined grad factor (unscale x clip)."""
+        """One synchronous update with the combined grad factor (unscale x clip): the protocol's
+        stage and commit, back to back."""
+        self.stage(factor)
+        self.commit()
+
+    def _synchronous(self, factor: float) -> None:
         self.flush()
         self.home.prepare_write()
         self.step_count += 1

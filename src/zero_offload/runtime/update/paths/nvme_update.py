@@ -36,6 +36,7 @@ class NvmeUpdate(HostUpdate):
         """This step's update written, not committed, not published (the config refuses the
         delayed update on NVMe)."""
         assert not delayed, "the delayed update runs on the host placement only"
+        self.check_intact()
         self.flush()
         self.home.prepare_write()
         self.step_count += 1

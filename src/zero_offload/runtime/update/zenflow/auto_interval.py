@@ -88,6 +88,18 @@ class AutoInterval:
         if self.count >= self.threshold:
             self.need = True
 
+    # ---- a staged micro-step: what ``begin`` and ``observe`` change, kept and put back ----
+    def snapshot(self) -> tuple:
+        """The rule as it is now (its sums are replaced, never changed in place, so shallow
+        copies keep them)."""
+        counters = (self.micro, self.interval, self.need, self.count, self.boundary)
+        return counters, dict(self.non_critic), dict(self.avg_critic), list(self._votes)
+
+    def restore(self, snap: tuple) -> None:
+        counters, non, avg, votes = snap
+        self.micro, self.interval, self.need, self.count, self.boundary = counters
+        self.non_critic, self.avg_critic, self._votes = dict(non), dict(avg), list(votes)
+
     # ---- checkpoints: a group keeps the counters and its own params' sums, in their dtypes ---
     def state(self, group: int, num_params: int) -> dict[str, torch.Tensor]:
         self._settle()

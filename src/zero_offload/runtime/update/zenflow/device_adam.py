@@ -22,11 +22,10 @@ class ColumnState:
     exp_avg_sq: torch.Tensor | None = None
     step: int = 0
 
-    def clear(self) -> None:
-        """New columns: the moments start from zero, the step count goes on."""
-        if self.exp_avg is not None:
-            self.exp_avg.zero_()
-            self.exp_avg_sq.zero_()
+    def reselected(self, columns: torch.Tensor | None) -> ColumnState:
+        """The state for new ``columns``: the moments start from zero, the step count goes
+        on."""
+        return ColumnState(columns, step=self.step)
 
 
 def read(param: torch.Tensor, state: ColumnState) -> torch.Tensor:
@@ -44,9 +43,15 @@ def write(param: torch.Tensor, state: ColumnState, value: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def adamw_columns(param: torch.Tensor, grad: torch.Tensor, state: ColumnState, hyper: dict) -> None:
-    """One AdamW step of the selected part of ``param`` with ``grad`` (its shape)."""
-    write(param, state, adamw_values(read(param, state), grad, state, hyper))
+def adamw_step(
+    values: torch.Tensor, grad: torch.Tensor, state: ColumnState, hyper: dict
+) -> tuple[torch.Tensor, ColumnState]:
+    """``adamw_values`` without touching ``state``: the new values and the state after the
+    step (its moments new tensors), so that a step can be staged and then kept or dropped."""
+    after = ColumnState(state.columns, step=state.step)
+    if state.exp_avg is not None:
+        after.exp_avg, after.exp_avg_sq = state.exp_avg.clone(), state.exp_avg_sq.clone()
+    return adamw_values(values, grad, after, hyper), after
 
 
 @torch.no_grad()

@@ -26,13 +26,15 @@ import concurrent.futures
 import torch
 
 from ....kernels.host_adam import host_adam_step
-from ..paths.host_update import HostUpdate
 from ..paths.host_worker import HostWorker
-from .update import ZenFlowUpdate
+from ..shard_optimizer import TornStateError
+from .update import KEY, ZenFlowUpdate
 
 
 class ZenFlowOverlapUpdate(ZenFlowUpdate):
-    def __init__(self, *args, **kw) -> None:
+    def __init__(self, *args, worker: HostWorker, **kw) -> None:
+        """``worker``: the engine's one host-update worker (shared by its groups, joined by
+        ``engine.destroy``)."""
         super().__init__(*args, **kw)
         n = self.span.numel
         # The second set of moments (the first is the shard state's) and the master's copy.
@@ -41,19 +43,30 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
         self.stale = torch.zeros(n, dtype=torch.float32)
         self.spare = torch.zeros(n, dtype=torch.float32)  # the accumulator not being filled
         self.updates_after_warmup = 0
-        self.worker = HostWorker(self.group.device, self.threads)
-        self._pending: concurrent.futures.Future | None = None
+        self.worker = worker
+        self._running: concurrent.futures.Future | None = None
 
     def join(self) -> None:
-        """Wait for the running host update (its error is raised here)."""
-        pending = getattr(self, "_pending", None)  # None too while __init__ runs
-        self._pending = None
-        if pending is not None:
-            pending.result()
+        """Wait for the running host update. Its failure leaves the master and moments partly
+        updated by an update already counted: the state is torn (``TornStateError``)."""
+        running, self._running = self._running, None
+        if running is None:
+            return
+        try:
+            running.result()
+        except Exception as e:
+            reason = (
+                f"{KEY}.overlap_step: the overlapped host update of param group "
+                f"{self.group.index} failed ({type(e).__name__}: {e})"
+            )
+            self.tear(reason)
+            raise TornStateError(reason) from e
 
-    def master_from_params(self, initial: bool = False) -> None:
-        self.join()
-        super().master_from_params(initial)
+    def close(self) -> None:
+        """The running update finished (its error, if any, is dropped with the engine)."""
+        running, self._running = self._running, None
+        if running is not None:
+            concurrent.futures.wait([running])
 
     def _host_part(self, step: int, publish: bool = True) -> None:
         """``publish``: unused (the update lands one interval later, published by ``_copy``)."""
@@ -80,13 +93,14 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
         h["bias_correction"] = bool(self.group.hyper.get("bias_correction", True))
         grad, self.accum, self.spare = self.accum, self.spare, self.accum
         self.step_count = step
+        threads = self.worker.threads
 
         def update() -> None:
-            host_adam_step(self.master, m, v, grad, None, threads=self.worker.threads, **h)
+            host_adam_step(self.master, m, v, grad, None, threads=threads, **h)
             self.stale.copy_(self.master)
             grad.zero_()
 
-        self._pending = self.worker.submit(update)
+        self._running = self.worker.submit(update)
 
     def nbytes(self) -> dict[str, int]:
         out = super().nbytes()
@@ -103,12 +117,11 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
         self.home.publish()
 
     # ---- checkpoints: the second moments, the copy, and the params the copy has not reached --
-    def flush(self) -> None:
+    def _master_takes_live_values(self) -> None:
         """The running update finishes; the master is left as it is: with overlap its selected
         columns are not idle (a copy made before a selection reaches the columns that stop
         being selected)."""
         self.join()
-        HostUpdate.flush(self)
 
     def extra_state(self) -> dict[str, torch.Tensor]:
         self.join()
@@ -123,7 +136,7 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
         return out
 
     def load_extra_state(self, fetch) -> None:
-        self.join()
+        self.close()  # a failed update's error is moot: the load replaces what it wrote
         super().load_extra_state(fetch)
         self.spare.zero_()
         if not self.restored:  # afresh: nothing of the saved overlap state applies

@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -54,17 +55,43 @@ from ..paths.host_update import HostUpdate
 from .auto_interval import AutoInterval
 from .columns import (
     column_fragments,
+    num_selected,
     select_from_sums,
     select_global,
     selected_count,
     stage3_candidates,
 )
-from .device_adam import ColumnState, adamw_values
+from .device_adam import ColumnState, adamw_step
 from .step_grads import RankGrads, ShardGrads
 from .values import ParamValues, ShardValues
 from .wiring import shape_of
 
 log = logging.getLogger("zero_offload")
+KEY = "zero_optimization.zenflow"
+
+
+@dataclass
+class _Undo:
+    """What a staged micro-step changed before its commit, to put back on a rollback."""
+
+    auto: tuple | None  # the "auto" rule before the micro-step
+    index: list[torch.Tensor] | None = None  # stage 3: the positions before a selection
+    values: tuple | None = None  # (columns, values) the device part's write replaced
+
+
+@dataclass
+class _Staged:
+    """A staged micro-step: what ``commit`` applies."""
+
+    k: int
+    select: bool
+    host: bool
+    columns: list[ColumnState]  # the columns and device moments after the micro-step
+    scale: float  # the loss scale its gradient carries
+    shard: torch.Tensor  # its gradient (the host grad shard)
+    values: list[torch.Tensor] | None = None  # the device part's new values
+    written: bool = False  # ``values`` are in the params already (written by ``stage``)
+    undo: _Undo | None = None
 
 
 class ZenFlowUpdate(HostUpdate):
@@ -101,6 +128,8 @@ class ZenFlowUpdate(HostUpdate):
         self.pieces = [list(self._owned(i)) for i in range(len(self.shapes))]
         self.step_grads = self._step_grads()
         self.values = self._values()
+        self._held: _Staged | None = None
+        self._flushed = False  # the master holds the live values since the last commit
 
     def _step_grads(self) -> ShardGrads | RankGrads:
         """How this micro-step's gradient reaches the parts (``step_grads.py``)."""
@@ -121,52 +150,14 @@ class ZenFlowUpdate(HostUpdate):
         return ShardValues(self.home, self.pieces, self.shapes, self.whole, g.device, g.dtype,
                            self.streams)  # fmt: skip
 
-    def _parts(self, grads: ShardGrads | RankGrads, shard: torch.Tensor) -> list[torch.Tensor]:
+    def _parts(
+        self, grads: ShardGrads | RankGrads, shard: torch.Tensor, columns: list[ColumnState]
+    ) -> list[torch.Tensor]:
         """The device part's gradient: every rank's alike (stages 1-2), or the rank's own
         held elements (stage 3)."""
         if self.stage3:
             return self.values.parts(shard)
-        return grads.parts([c.columns for c in self.columns])
-
-    def step(self, factor: float) -> None:
-        """Micro-step ``self.micro``'s update; ``factor`` (the engine's unscale x clip of this
-        micro-step alone) is not used: the host part clips the accumulated gradient."""
-        k, sched = self.micro, self.schedule
-        shard = self.grads.host_grad()
-        grads = self.step_grads
-        grads.bind(shard)
-        if sched.is_select(k):
-            if k != 0:
-                self.master_from_params()
-            self._select(grads)
-        host = sched.is_update(k) if self.auto is None else self.auto.begin(k)
-        u = sched.grad_divisor
-        self.accum.add_(shard, alpha=1.0 / u)  # promoted in the kernel: no fp32 copy
-        if shard.dtype == torch.bfloat16:
-            # DeepSpeed accumulates the interval's bf16 gradients in bf16 (its default
-            # gradient_accumulation_dtype): each sum rounded to it. fp16 stays fp32: a sum of
-            # loss-scaled fp16 gradients may overflow where each one did not.
-            self.accum.copy_(self.accum.to(shard.dtype))
-        device_part = k >= sched.full_warm_up_rounds
-        parts = None
-        if device_part:  # the selected columns' (and 1-D params') gradient
-            parts = self._parts(grads, shard)
-        if self.auto is not None and device_part:
-            self._observe(grads, parts)
-        # fp16: unscaled (DeepSpeed's is not, and the square of a loss-scaled gradient
-        # overflows its fp16 moments); the loss scale is 1 otherwise.
-        dev_scale = 1.0 / (u * float(self.loss_scale()))
-        if not host:
-            self._device_part(parts, dev_scale)
-        elif not device_part:  # the warm-up: every element is the host's
-            self._host_part(k + 1)
-        else:
-            kept = [self.values.read(i, c) for i, c in enumerate(self.columns)]
-            # stage 3: the device part's own publish follows (one drop of the stale gathered
-            # copies and one gather of the persistent params per step, not two)
-            self._host_part(k + 1, publish=not self.stage3)
-            self._device_part(parts, dev_scale, kept)
-        self.micro += 1
+        return grads.parts([c.columns for c in columns])
 
     def _observe(self, grads: ShardGrads | RankGrads, parts: list[torch.Tensor]) -> None:
         """The "auto" rule's sums of this micro-step, per 2-D param, in the param's dtype."""
@@ -183,59 +174,182 @@ class ZenFlowUpdate(HostUpdate):
             else:
                 self.auto.observe(key, totals[i], parts[i].to(dtypes[i]))
 
-    def _select(self, grads: ShardGrads | RankGrads) -> None:
+    def counts(self) -> list[int]:
+        """Per param how many columns a selection picks (0: updated whole)."""
         ratio = self.schedule.topk_ratio
+        if self.stage3:
+            return [0 if w else num_selected(sum(b - a for a, b in f), ratio)
+                    for f, w in zip(self.fragments, self.whole)]  # fmt: skip
+        return [0 if w else selected_count(f, ratio) for f, w in zip(self.fragments, self.whole)]
+
+    def _select(self, grads: ShardGrads | RankGrads, undo: _Undo) -> list[ColumnState]:
+        """The new columns (their moments from zero), the same on every rank: rank 0's. A
+        rank whose choice fails still takes part in the broadcast (its columns -1), so the
+        ranks fail together instead of waiting on each other."""
+        ratio, dev = self.schedule.topk_ratio, self.group.device
         sums = grads.column_sums()
         pick = select_global if self.stage3 else select_from_sums
-        for i, c in enumerate(self.columns):
-            if not self.whole[i]:
-                c.columns = pick(self._ranked(sums[i]), ratio, self.fragments[i]).to(
-                    self.group.device
-                )
-            c.clear()
+        error, chosen = None, []
+        for i, n in enumerate(self.counts()):
+            if self.whole[i]:
+                chosen.append(None)
+                continue
+            try:
+                cols = pick(self._ranked(sums[i]), ratio, self.fragments[i]).to(dev)
+            except Exception as e:
+                error = error or e
+                cols = torch.full((n,), -1, dtype=torch.int64, device=dev)
+            chosen.append(cols)
         if self.world > 1:
-            self._agree_on_columns()
+            chosen = self._agree_on_columns(chosen)
+        if error is not None:
+            raise error
+        if any(c is not None and bool((c < 0).any()) for c in chosen):
+            raise RuntimeError(f"{KEY}: the column selection failed on rank 0")
         if self.stage3:
-            for i, c in enumerate(self.columns):
-                if not self.whole[i]:
-                    self.values.select(i, c.columns)
+            undo.index = self.values.swap(
+                [self.values.index_of(i, None if w else c)
+                 for i, (c, w) in enumerate(zip(chosen, self.whole))]  # fmt: skip
+            )
+        return [c.reselected(cols) for c, cols in zip(self.columns, chosen)]
 
     def _ranked(self, sums: torch.Tensor) -> torch.Tensor:
         """The column norms as DeepSpeed ranks them: at stage 3 in its sum buffer's dtype, the
         params' (a bf16 norm rounds, and ties fall to the lower column, as in its top-k)."""
         return sums.to(self.group.dtype) if self.stage3 else sums
 
-    def _agree_on_columns(self) -> None:
+    def _agree_on_columns(self, chosen: list) -> list:
         """Every rank takes rank 0's columns: they are computed from the same gathered
         gradient, and the broadcast makes sure no rank's differ."""
-        picked = [c.columns for c in self.columns if c.columns is not None]
+        picked = [c for c in chosen if c is not None]
         if not picked:
-            return
+            return chosen
         flat = torch.cat(picked).to(self.group.device)
         dist.broadcast(flat, src=0)
-        at = 0
-        for c in self.columns:
-            if c.columns is not None:
-                n = c.columns.numel()
-                c.columns = flat[at : at + n].to(c.columns.device).clone()
-                at += n
+        out, at = [], 0
+        for c in chosen:
+            if c is None:
+                out.append(None)
+                continue
+            n = c.numel()
+            out.append(flat[at : at + n].to(c.device).clone())
+            at += n
+        return out
 
-    def _device_part(
-        self, parts: list[torch.Tensor], scale: float, kept: list[torch.Tensor] | None = None
-    ) -> None:
-        """AdamW over the selected columns and the 1-D params, from ``parts`` (their gradient;
-        on one rank read from the host grad shard, so only these go up), starting from
-        ``kept`` (their values before a host update wrote them) where given."""
+    # ---- the step protocol: stage does what can fail, commit what cannot --------------------
+    # The device part, the selection, the collectives and the reads of a swap file run in
+    # ``stage``; a failure there rolls back every group (``group_step.py``). What ``stage``
+    # wrote (the device part of a micro-step that is neither a host update nor a selection)
+    # it can undo: the values it replaced are kept until ``commit`` or ``rollback``. ``commit``
+    # adds the gradient to the accumulator, runs the host part and writes what ``stage``
+    # computed; it reads no file except through an NVMe param home.
+    stage_writes = True
+
+    def stage(self, factor: float, delayed: bool = False) -> None:
+        """Micro-step ``self.micro``, staged; ``factor`` (the engine's unscale x clip of this
+        micro-step alone) is not used: the host part clips the accumulated gradient."""
+        if delayed:
+            raise RuntimeError("ZenFlow has no delayed update (the config refuses it)")
+        self.check_intact()
+        undo = _Undo(self.auto.snapshot() if self.auto is not None else None)
+        try:
+            self._held = self._stage(undo)
+        except BaseException:
+            self._undo(undo)
+            raise
+
+    def _stage(self, undo: _Undo) -> _Staged:
+        k, sched = self.micro, self.schedule
+        shard = self.grads.host_grad()
+        grads = self.step_grads
+        grads.bind(shard)
+        select = sched.is_select(k)
+        host = sched.is_update(k) if self.auto is None else self.auto.begin(k)
+        columns = self._select(grads, undo) if select else self.columns
+        device_part = k >= sched.full_warm_up_rounds
+        parts = self._parts(grads, shard, columns) if device_part else None
+        if self.auto is not None and device_part:
+            self._observe(grads, parts)
+        # fp16: the micro-step's own loss scale (it may change within an interval)
+        scale = float(self.loss_scale())
+        staged = _Staged(k, select, host, list(columns), scale, shard, undo=undo)
+        # local work from here on: every collective of this micro-step is behind
+        if host or (select and k != 0):
+            self.join()  # the overlapped update of the last interval
+        if not device_part:
+            return staged
+        # fp16: unscaled (DeepSpeed's is not, and the square of a loss-scaled gradient
+        # overflows its fp16 moments); the loss scale is 1 otherwise.
+        dev_scale = 1.0 / (self.schedule.grad_divisor * scale)
         h, vals = self.group.hyper, self.values
+        before = [vals.read(i, c) for i, c in enumerate(columns)]  # a swap file's reads
+        new = []
+        for i, (c, g) in enumerate(zip(columns, parts)):
+            v, after = adamw_step(before[i], (g.float() * dev_scale).to(before[i].device), c, h)
+            new.append(v)
+            staged.columns[i] = after
+        staged.values = new
+        if not (host or select):  # written now, undone by writing ``before`` back
+            undo.values = (columns, before)
+            self._write_values(columns, new)
+            staged.written = True
+        return staged
+
+    def commit(self) -> None:
+        staged, self._held = self._held, None
+        if staged is None:
+            return
+        s, sched = staged, self.schedule
+        # each micro-step's gradient unscaled by its own loss scale, divided by U as DeepSpeed
+        # divides the loss (the interval's gradients are then one scale's, whatever fp16 did)
+        self.accum.add_(s.shard, alpha=1.0 / (sched.grad_divisor * s.scale))
+        if s.shard.dtype == torch.bfloat16:
+            # DeepSpeed accumulates the interval's bf16 gradients in bf16 (its default
+            # gradient_accumulation_dtype): each sum rounded to it. fp16 stays fp32: a sum of
+            # fp16 gradients may overflow where each one did not.
+            self.accum.copy_(self.accum.to(s.shard.dtype))
+        if s.select and s.k != 0:
+            self.master_from_params()
+        self.columns = list(s.columns)
+        if s.host:
+            # stage 3 with a device part: its own publish follows (one drop of the stale
+            # gathered copies and one gather of the persistent params per step, not two)
+            self._host_part(s.k + 1, publish=s.values is None or not self.stage3)
+        if s.values is not None and not s.written:
+            self._write_values(s.columns, s.values)
+        self.micro += 1
+        self.step_count = self.micro  # committed micro-steps: each is an update
+        self._flushed = False
+
+    def rollback(self) -> None:
+        staged, self._held = self._held, None
+        if staged is not None:
+            self._undo(staged.undo)
+
+    def _undo(self, undo: _Undo) -> None:
+        """What a staged micro-step changed, put back: the values the device part wrote, the
+        positions of a stage-3 selection, the "auto" rule's sums."""
+        if undo.values is not None:
+            columns, before = undo.values
+            self._write_values(columns, before)
+        if undo.index is not None:
+            self.values.swap(undo.index)
+        if undo.auto is not None:
+            self.auto.restore(undo.auto)
+
+    def _write_values(self, columns: list[ColumnState], values: list[torch.Tensor]) -> None:
+        vals = self.values
         vals.begin()
-        for i, (c, g) in enumerate(zip(self.columns, parts)):
-            v = kept[i] if kept is not None else vals.read(i, c)
-            vals.write(i, c, adamw_values(v, (g.float() * scale).to(v.device), c, h))
+        for i, (c, v) in enumerate(zip(columns, values)):
+            vals.write(i, c, v)
         vals.end()
 
+    def join(self) -> None:
+        """Wait for a running host update (only the overlapped path has one)."""
+
     def _host_factor(self) -> float:
-        """The accumulated gradient's unscale x clip, as DeepSpeed's step computes it."""
-        scale = float(self.loss_scale())
+        """The accumulated gradient's clip, as DeepSpeed's step computes it (the accumulator is
+        unscaled already: each micro-step's gradient by its own loss scale)."""
         # one pass of the SIMD kernel (fp32 accumulation per thread): a float64 copy of the
         # whole shard was the largest cost of a host update on a CPU
         sumsq = float(sum_of_squares(self.accum))
@@ -243,12 +357,12 @@ class ZenFlowUpdate(HostUpdate):
             t = torch.tensor([sumsq], dtype=torch.float64, device=self.group.device)
             dist.all_reduce(t)
             sumsq = float(t[0])
-        norm = math.sqrt(sumsq) / scale
-        combined = scale
+        norm = math.sqrt(sumsq)
+        combined = 1.0
         if self.clip > 0:
             coef = (norm + 1e-6) / self.clip
             if coef > 1:
-                combined = scale * coef
+                combined = coef
         return 1.0 / combined
 
     def _host_part(self, step: int, publish: bool = True) -> None:
@@ -301,10 +415,15 @@ class ZenFlowUpdate(HostUpdate):
     def flush(self) -> None:
         """The master takes the device part's values of the selected columns (and the 1-D
         params), so that a checkpoint's master is the live params. Training is unchanged: the
-        host update's result for them is discarded, and a selection resets them anyway."""
+        host update's result for them is discarded, and a selection resets them anyway. Done
+        once per committed micro-step (the fragment API flushes at every call)."""
         super().flush()
-        if self.micro == 0:
+        if self._flushed or self.micro == 0:
             return
+        self._master_takes_live_values()
+        self._flushed = True
+
+    def _master_takes_live_values(self) -> None:
         if self.stage3:
             if not self.aliased:  # the held elements' live values, at their shard positions
                 for i, c in enumerate(self.columns):
@@ -372,6 +491,7 @@ class ZenFlowUpdate(HostUpdate):
                 "number of ranks; ZenFlow starts afresh (a selection at the next step)"
             )
         self.accum.zero_()
+        self._flushed = False
         self.columns = [ColumnState(None) for _ in self.group.params]
         self.micro = int(micro[0]) if fits else 0
         self.restored = fits

@@ -67,6 +67,12 @@ class ShardValues:
 
     def select(self, i: int, cols: torch.Tensor | None) -> None:
         """Param ``i``'s device-part elements this rank holds: columns ``cols`` (None: all)."""
+        self.index[i] = self.index_of(i, cols)
+        self._on_shard[i] = None
+
+    def index_of(self, i: int, cols: torch.Tensor | None) -> torch.Tensor:
+        """The shard positions of param ``i``'s elements in columns ``cols`` (None: all) that
+        this rank holds."""
         pos = []
         ncols = self.shapes[i][-1]
         mask = None
@@ -79,8 +85,14 @@ class ShardValues:
                 continue
             p = torch.arange(at, at + n)
             pos.append(p[mask[p % ncols]] + (sh - at))
-        self.index[i] = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64)
-        self._on_shard[i] = None
+        return torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64)
+
+    def swap(self, index: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every param's positions become ``index``; returns the previous ones (a staged
+        selection is undone by swapping them back)."""
+        old, self.index = self.index, list(index)
+        self._on_shard = [None] * len(self.index)
+        return old
 
     def _shard_index(self, i: int, shard: torch.Tensor) -> torch.Tensor:
         if shard.device == self.index[i].device:

@@ -97,12 +97,15 @@ def build_zenflow_update(
     clip: float,
     loss_scale: Callable[[], float],
     auto=None,
+    worker=None,
 ):
     """The group's update: ``args`` are ``build_shard_optimizer``'s (group, grads, home, state,
-    policy, streams); ``loss_scale`` is read at each host update (fp16's changes); ``auto``:
-    ``auto_rule``'s object."""
+    policy, streams); ``loss_scale`` is read at each micro-step (fp16's changes); ``auto``:
+    ``auto_rule``'s object; ``worker``: the engine's host-update worker (``overlap_step``)."""
     from .overlap import ZenFlowOverlapUpdate
     from .update import ZenFlowUpdate
 
-    cls = ZenFlowOverlapUpdate if schedule.overlap_step else ZenFlowUpdate
-    return cls(*args, schedule=schedule, clip=clip, loss_scale=loss_scale, auto=auto)
+    kw = dict(schedule=schedule, clip=clip, loss_scale=loss_scale, auto=auto)
+    if schedule.overlap_step:
+        return ZenFlowOverlapUpdate(*args, worker=worker, **kw)
+    return ZenFlowUpdate(*args, **kw)
