@@ -251,10 +251,12 @@ def all_gather(
     return _run("all_gather", _all_gather, out, inp, async_op=async_op, what=what)
 
 
-def all_reduce(t: torch.Tensor, async_op: bool = False):
+def all_reduce(t: torch.Tensor, async_op: bool = False, op: str = "sum"):
+    """``op``: "sum", "min" or "max"."""
     if world_size() == 1:
         return None
-    return _run("all_reduce", dist.all_reduce, t, async_op=async_op)
+    reduce_op = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+    return _run("all_reduce", dist.all_reduce, t, async_op=async_op, op=reduce_op)
 
 
 def broadcast(t: torch.Tensor, src: int = 0) -> None:

@@ -24,6 +24,9 @@ Invariants:
   (``known[j]``: it wrote it), taken before the write is submitted; every read is checked
   against it, and every read first checks that the file is still the one this run created, so
   a file changed, truncated, removed or replaced underneath the run is an ``NvmeSwapError``.
+  A write that fails puts its blocks' sums back as they were and is remembered per block
+  (``failed``) until a later write of the block succeeds: a read that then does not match
+  names that failed write, not another process.
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ class NvmeParamShard:
         hold(self.file)
         self.sums = torch.zeros(self.file.nbytes // BLOCK, dtype=torch.int64)
         self.known = torch.zeros(self.file.nbytes // BLOCK, dtype=torch.bool)
-        self.pending: list = []  # (lo, hi, buffer, request) of writes in flight
+        self.pending: list = []  # (lo, hi, buffer, request, undo) of writes in flight
+        self.failed: dict[int, str] = {}  # block -> this run's failed write of it
         self.ahead_hits = 0  # fetches served by a read-ahead (how well the guesses work)
         self._spare: dict[int, list[torch.Tensor]] = {}  # free buffers by size (CPU only)
         self.spare_bytes = 0  # bytes of the buffers in _spare
@@ -104,6 +108,12 @@ class NvmeParamShard:
         j = a // BLOCK
         n = buf.numel() // BLOCK
         bad = first_mismatch(buf, self.sums[j : j + n], self.known[j : j + n])
+        if bad is not None and j + bad in self.failed:
+            raise NvmeSwapError(
+                f"{self.file.path}: param-shard elements {lo}..{hi} (block {j + bad}) do not "
+                f"hold what this run last wrote there: {self.failed[j + bad]}; the block's "
+                f"contents are unknown; {RESTART}"
+            )
         if bad is not None:
             raise NvmeSwapError(
                 f"{self.file.path}: param-shard elements {lo}..{hi} (block {j + bad}) do not "
@@ -291,18 +301,43 @@ class NvmeParamShard:
         self.flush(lo, hi)  # two writes of one block in flight could land in either order
 
     def _submit_write(self, lo: int, hi: int, buf: torch.Tensor) -> None:
-        a = self._blocks(lo, hi)[0]
-        self.sums[a // BLOCK : (a + buf.numel()) // BLOCK] = block_sums(buf)
-        self.known[a // BLOCK : (a + buf.numel()) // BLOCK] = True
         while len(self.pending) >= MAX_PENDING_WRITES:  # bounded host memory for writes
             self._finish(self.pending.pop(0))
-        self.pending.append((lo, hi, buf, self.aio.write(self.file, a, buf)))
+        a = self._blocks(lo, hi)[0]
+        j0, j1 = a // BLOCK, (a + buf.numel()) // BLOCK
+        undo = (j0, self.sums[j0:j1].clone(), self.known[j0:j1].clone())
+        self.sums[j0:j1] = block_sums(buf)
+        self.known[j0:j1] = True
+        try:
+            req = self.aio.write(self.file, a, buf)
+        except OSError as e:
+            self._failed_write(undo, lo, hi, e)
+            raise NvmeSwapError(
+                f"{self.file.path}: write of param-shard elements {lo}..{hi} failed: {e}"
+            ) from e
+        self.pending.append((lo, hi, buf, req, undo))
         self.shared.note()
 
     def _finish(self, entry) -> None:
-        wlo, whi, buf, req = entry
-        self._wait(req, "write", wlo, whi)
-        self._recycle(buf)
+        wlo, whi, buf, req, undo = entry
+        try:
+            self._wait(req, "write", wlo, whi)
+        except NvmeSwapError as e:
+            self._failed_write(undo, wlo, whi, e.__cause__ or e)
+            raise
+        finally:
+            self._recycle(buf)
+        for j in range(undo[0], undo[0] + undo[1].numel()):
+            self.failed.pop(j, None)  # the block holds what this run wrote: known again
+
+    def _failed_write(self, undo: tuple, lo: int, hi: int, error: BaseException) -> None:
+        """The blocks' sums as before the write that failed; the failure kept per block."""
+        j0, sums, known = undo
+        self.sums[j0 : j0 + sums.numel()] = sums
+        self.known[j0 : j0 + known.numel()] = known
+        why = f"this run's write of elements {lo}..{hi} failed ({error})"
+        for j in range(j0, j0 + sums.numel()):
+            self.failed[j] = why
 
     def nbytes(self) -> dict[str, int]:
         return {

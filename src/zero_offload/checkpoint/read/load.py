@@ -14,11 +14,13 @@ from pathlib import Path
 
 import torch
 
+from ...core import dist
+
 from .. import rng
 from ..collective import failed_ranks
 from ..format import MODEL_FILE, RNG_CUDA, RNG_TORCH, CheckpointError, shard_tensor
 from ...runtime.update.shard_optimizer import TornStateError
-from .load_plan import COUNTERS, LoadPlan, make_plan
+from .load_plan import COUNTERS, LoadPlan, extra_reader, make_plan
 from .reader import CheckpointReader
 
 log = logging.getLogger("zero_offload")
@@ -49,7 +51,7 @@ def _apply(
                     write(dst, ckpt.read_slice(f, shard_tensor(og.index, kind), src, src + n))
                 for lo, hi in gp.padding:
                     write(lo, torch.zeros(hi - lo, dtype=torch.float32))
-            load.extra(_extra_reader(ckpt, plan, og.index))
+            load.extra(extra_reader(ckpt, plan, og.index))
             _restore_hyper(og.flat.hyper, old.hyper)
             load.finish(old.step_count)  # the 16-bit params: the master's cast, as after a step
     else:
@@ -76,16 +78,28 @@ def _apply(
     engine.zero_grad()  # a new accumulation window starts at the loaded step
 
 
-def _extra_reader(ckpt: CheckpointReader, plan: LoadPlan, gi: int):
-    """Group ``gi``'s extra state tensors from this rank's own file; absent names read None."""
-    f = plan.rng_file  # this rank's own file, when the checkpoint has one for it
-    names = ckpt.header(f).tensors if f is not None else {}
-
-    def read(kind: str) -> torch.Tensor | None:
-        name = shard_tensor(gi, kind)
-        return ckpt.read_tensor(f, name) if name in names else None
-
-    return read
+def _agree_on_extra(engine, ckpt: CheckpointReader, plan: LoadPlan) -> None:
+    """The ranks' saved extra state (ZenFlow's micro-step and columns) is one state: compared
+    across ranks before anything is loaded, refused on every rank where it differs."""
+    digests = []
+    for og in engine.opt_groups:
+        fetch = extra_reader(ckpt, plan, og.index) if plan.rng_file is not None else None
+        d = og.optimizer.extra_digest(fetch) if fetch is not None else None
+        digests.append(torch.full((3,), -1, dtype=torch.int64) if d is None else d)
+    if not digests:
+        return
+    mine = torch.cat(digests).to(engine.device)
+    low, high = mine.clone(), mine.clone()
+    dist.all_reduce(low, op="min")
+    dist.all_reduce(high, op="max")
+    differ = (low != high).view(-1, 3).any(dim=1)
+    if bool(differ.any()):
+        gi = int(differ.nonzero()[0])
+        ckpt.close()
+        raise CheckpointError(
+            f"{ckpt.path}: param group {gi}: the ranks' files hold different ZenFlow state "
+            "(micro-step or selected columns): the ranks would train apart; nothing was loaded"
+        )
 
 
 def _restore_hyper(hyper: dict, saved: dict) -> None:
@@ -167,6 +181,8 @@ def load_checkpoint(
         raise CheckpointError(
             f"checkpoint validation failed on rank(s) {failed}; nothing was loaded"
         )
+    if ckpt is not None and use_opt and engine.world_size > 1:
+        _agree_on_extra(engine, ckpt, plan)
     if ckpt is None:
         log.warning(
             "no %s file in %s: nothing loaded (pass tag= to load a specific checkpoint)",

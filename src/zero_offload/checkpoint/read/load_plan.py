@@ -166,11 +166,41 @@ def _plan_rng(engine, ckpt: CheckpointReader, plan: LoadPlan) -> None:
                 raise ValueError("python state must hold 625 integers")
     except (KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{ckpt.path / name}: RNG metadata is malformed ({e})") from None
+    if info.get("rank") != rank:
+        raise CheckpointError(
+            f"{ckpt.path / name}: written by rank {info.get('rank')}, read by rank {rank}: the "
+            "rank files were swapped or renamed (each holds its own rank's state)"
+        )
     for t in (RNG_TORCH, RNG_CUDA):
         if t in header.tensors:
             ckpt.require_tensor(name, t, "U8", None)
             plan.ranges.setdefault(name, []).append(ckpt.tensor_range(name, t))
     plan.rng_json, plan.rng_file = state, name
+
+
+def _plan_extra(engine, ckpt: CheckpointReader, plan: LoadPlan) -> None:
+    """Each group's own saved state (ZenFlow's) checked against the update it loads into."""
+    same_world = len(ckpt.meta["ranks"]["files"]) == engine.world_size
+    path = ckpt.path / plan.rng_file
+    for og, old in zip(engine.opt_groups, ckpt.groups):
+        try:
+            og.optimizer.check_extra_state(
+                extra_reader(ckpt, plan, og.index), old.step_count, same_world
+            )
+        except ValueError as e:
+            raise CheckpointError(f"{path}: param group {og.index}: {e}") from None
+
+
+def extra_reader(ckpt: CheckpointReader, plan: LoadPlan, gi: int):
+    """Group ``gi``'s extra state tensors from this rank's own file; absent names read None."""
+    f = plan.rng_file  # this rank's own file, when the checkpoint has one for it
+    names = ckpt.header(f).tensors if f is not None else {}
+
+    def read(kind: str):
+        name = shard_tensor(gi, kind)
+        return ckpt.read_tensor(f, name) if name in names else None
+
+    return read
 
 
 def make_plan(
@@ -182,6 +212,9 @@ def make_plan(
         _plan_groups(engine, ckpt, plan)
     if not module_only:
         _plan_rng(engine, ckpt, plan)
+    if use_opt and plan.rng_file is not None:
+        _plan_extra(engine, ckpt, plan)
+    if not module_only:
         for key in COUNTERS:
             if not isinstance(ckpt.meta["counters"].get(key), int):
                 raise CheckpointError(

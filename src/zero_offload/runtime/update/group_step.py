@@ -83,15 +83,14 @@ def _commit_all(groups: Sequence[OptimizerGroup], step: int) -> None:
 
 def _rollback_all(groups: Sequence[OptimizerGroup]) -> Exception | None:
     """Every group rolled back, last first, on every rank, with no collective; the first error of
-    a restore (the disk may still be failing: restore what can be) is returned, not raised. A
-    restore that fails leaves that group torn."""
+    a restore (the disk may still be failing: restore what can be) is returned, not raised (a
+    state the disk no longer holds is refused by its own checks at the next read or save)."""
     first = None
     for g in reversed(groups):
         try:
             g.rollback()
         except Exception as e:
             first = first or e
-            g.optimizer.tear(f"restoring param group {g.index} after a failed step failed: {e}")
     return first
 
 

@@ -140,6 +140,14 @@ class ShardOptimizer:
     def load_extra_state(self, fetch) -> None:
         """``extra_state`` back from a checkpoint (``fetch(name)``: None where absent)."""
 
+    def check_extra_state(self, fetch, step_count: int, same_world: bool) -> None:
+        """Refuse (``ValueError`` naming the tensor) saved extra state this update cannot
+        continue from; checked before anything is loaded. None saved by the built-in paths."""
+
+    def extra_digest(self, fetch) -> torch.Tensor | None:
+        """What the ranks' saved extra state must agree on (compared before the load)."""
+        return None
+
     def params_from_master(self) -> None:
         """The param home becomes the master's cast, as after a step (checkpoint load)."""
         self.restore_params()

@@ -65,7 +65,7 @@ def adamw_values(
     # is 0: the update divides by zero); other dtypes: the params' own, as DeepSpeed.
     dtype = values.dtype
     work = torch.float32 if dtype == torch.float16 else dtype
-    sel = values.to(work)
+    sel = values.to(work, copy=True)  # the caller keeps ``values`` (a rollback writes them back)
     grad = grad.to(work)
     if state.exp_avg is None or state.exp_avg.shape != sel.shape:
         state.exp_avg = torch.zeros_like(sel)

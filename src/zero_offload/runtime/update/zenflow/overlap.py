@@ -135,6 +135,27 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
         )
         return out
 
+    def check_extra_state(self, fetch, step_count: int, same_world: bool) -> None:
+        super().check_extra_state(fetch, step_count, same_world)
+        micro = fetch("zenflow.micro")
+        accum = fetch("zenflow.accum")
+        if micro is None or accum is None or accum.numel() != self.accum.numel():
+            return  # afresh
+        n = self.span.numel
+        for name in ("exp_avg1", "exp_avg_sq1", "stale", "params"):
+            t = fetch(f"zenflow.{name}")
+            if t is None:
+                raise ValueError(f"zenflow.{name} is missing (overlap_step keeps it)")
+            if t.numel() != n:
+                raise ValueError(f"zenflow.{name} has {t.numel()} elements, the shard {n}")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"zenflow.{name} holds values that are not finite")
+        after = fetch("zenflow.updates_after_warmup")
+        if after is None or after.numel() != 1 or int(after.reshape(-1)[0]) < 0:
+            raise ValueError("zenflow.updates_after_warmup must be one non-negative integer")
+        if int(after.reshape(-1)[0]) > int(micro.reshape(-1)[0]):
+            raise ValueError("zenflow.updates_after_warmup is more than zenflow.micro")
+
     def load_extra_state(self, fetch) -> None:
         self.close()  # a failed update's error is moot: the load replaces what it wrote
         super().load_extra_state(fetch)

@@ -68,6 +68,19 @@ from .wiring import shape_of
 
 log = logging.getLogger("zero_offload")
 KEY = "zero_optimization.zenflow"
+Fetch = Callable[[str], "torch.Tensor | None"]
+
+
+def _count(t: torch.Tensor, name: str) -> int:
+    """A saved counter: one non-negative integer."""
+    if t.numel() != 1 or t.dtype.is_floating_point or int(t.reshape(-1)[0]) < 0:
+        raise ValueError(f"{name} must be one non-negative integer, not {t.tolist()}")
+    return int(t.reshape(-1)[0])
+
+
+def _finite(t: torch.Tensor, name: str) -> None:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} holds values that are not finite")
 
 
 @dataclass
@@ -208,8 +221,10 @@ class ZenFlowUpdate(HostUpdate):
             raise RuntimeError(f"{KEY}: the column selection failed on rank 0")
         if self.stage3:
             undo.index = self.values.swap(
-                [self.values.index_of(i, None if w else c)
-                 for i, (c, w) in enumerate(zip(chosen, self.whole))]  # fmt: skip
+                [
+                    self.values.index_of(i, None if w else c)
+                    for i, (c, w) in enumerate(zip(chosen, self.whole))
+                ]  # fmt: skip
             )
         return [c.reselected(cols) for c, cols in zip(self.columns, chosen)]
 
@@ -473,6 +488,93 @@ class ZenFlowUpdate(HostUpdate):
                 if t is not None:
                     out[f"zenflow.{i}.{name}"] = t.detach().cpu().contiguous()
         return out
+
+    def check_extra_state(self, fetch: Fetch, step_count: int, same_world: bool) -> None:
+        """Refuse saved ZenFlow state this run cannot continue from (``ValueError`` naming the
+        tensor): counters that disagree with the group's step count, columns out of range,
+        repeated or of another count, moments of another shape, values not finite, parts
+        missing. ``same_world``: saved on as many ranks (another count starts afresh)."""
+        micro, accum = fetch("zenflow.micro"), fetch("zenflow.accum")
+        if micro is None and accum is None:
+            return  # no ZenFlow state: it starts afresh (warned at the load)
+        if micro is None or accum is None:
+            raise ValueError("zenflow.micro and zenflow.accum are saved together: one is missing")
+        m = _count(micro, "zenflow.micro")
+        if m != step_count:
+            raise ValueError(
+                f"zenflow.micro is {m} but the group's step count is {step_count}: every "
+                "committed micro-step counts once in both"
+            )
+        if accum.numel() != self.accum.numel():
+            if same_world:
+                raise ValueError(
+                    f"zenflow.accum has {accum.numel()} elements, this rank's shard "
+                    f"{self.accum.numel()}"
+                )
+            return  # saved on another number of ranks: afresh
+        _finite(accum, "zenflow.accum")
+        if self.auto is not None and m > 0 and fetch("zenflow.auto") is None:
+            raise ValueError('zenflow.auto is missing: update_interval "auto" needs its counters')
+        for i, n in enumerate(self.counts()):
+            self._check_param(fetch, i, n, m)
+
+    def _check_param(self, fetch: Fetch, i: int, n: int, micro: int) -> None:
+        name = f"zenflow.{i}"
+        step = fetch(f"{name}.step")
+        if step is None:
+            raise ValueError(f"{name}.step is missing")
+        if not 0 <= _count(step, f"{name}.step") <= micro:
+            raise ValueError(f"{name}.step is {int(step.reshape(-1)[0])}, not in 0..{micro}")
+        cols = fetch(f"{name}.columns")
+        if self.whole[i] and cols is not None:
+            raise ValueError(f"{name}.columns: param {i} is updated whole, it has no columns")
+        if cols is not None:
+            ncols = self.shapes[i][1]
+            ok = cols.dtype == torch.int64 and cols.dim() == 1 and cols.numel() == n
+            if not ok:
+                raise ValueError(
+                    f"{name}.columns must be {n} int64 column indices, not {cols.dtype} of "
+                    f"shape {list(cols.shape)}"
+                )
+            inside = bool(((cols >= 0) & (cols < ncols)).all())
+            if not inside or (n > 1 and not bool((cols[1:] > cols[:-1]).all())):
+                raise ValueError(
+                    f"{name}.columns must be increasing column indices in 0..{ncols - 1}, each once"
+                )
+        elif not self.whole[i] and micro > self.schedule.full_warm_up_rounds:
+            raise ValueError(f"{name}.columns is missing (the columns were selected)")
+        moments = [fetch(f"{name}.{k}") for k in ("exp_avg", "exp_avg_sq")]
+        if (moments[0] is None) != (moments[1] is None):
+            raise ValueError(f"{name}.exp_avg and {name}.exp_avg_sq are saved together")
+        if moments[0] is None:
+            return
+        want = self._device_shape(i, cols)
+        for k, t in zip(("exp_avg", "exp_avg_sq"), moments):
+            if tuple(t.shape) != want:
+                raise ValueError(f"{name}.{k} has shape {list(t.shape)}, the columns' {list(want)}")
+            _finite(t, f"{name}.{k}")
+
+    def _device_shape(self, i: int, cols: torch.Tensor | None) -> tuple[int, ...]:
+        """The shape of param ``i``'s device-part values (and moments) for ``cols``."""
+        if self.stage3:
+            return (self.values.index_of(i, None if self.whole[i] else cols).numel(),)
+        shape = self.shapes[i]
+        return shape if cols is None else (shape[0], cols.numel())
+
+    def extra_digest(self, fetch: Fetch) -> torch.Tensor | None:
+        """What every rank's saved ZenFlow state must agree on (the micro-step, the columns),
+        as numbers the load compares across ranks; None without ZenFlow state."""
+        micro = fetch("zenflow.micro")
+        if micro is None:
+            return None
+        acc = torch.zeros(2, dtype=torch.int64)
+        for i in range(len(self.shapes)):
+            cols = fetch(f"zenflow.{i}.columns")
+            if cols is not None:
+                w = torch.arange(1, cols.numel() + 1, dtype=torch.int64) * (i + 1)
+                acc[0] += int((cols.to(torch.int64) * w).sum()) % (1 << 40)
+                acc[1] += cols.numel()
+        return torch.cat([micro.reshape(-1)[:1].to(torch.int64), acc])
 
     def load_extra_state(self, fetch: Callable[[str], torch.Tensor | None]) -> None:
         """``extra_state`` back (``fetch(name)``: None when the checkpoint has no such tensor;
