@@ -15,11 +15,10 @@ from pathlib import Path
 import torch
 
 from ...core import dist
-
+from ...runtime.update.shard_optimizer import TornStateError
 from .. import rng
 from ..collective import failed_ranks
 from ..format import MODEL_FILE, RNG_CUDA, RNG_TORCH, CheckpointError, shard_tensor
-from ...runtime.update.shard_optimizer import TornStateError
 from .load_plan import COUNTERS, LoadPlan, extra_reader, make_plan
 from .reader import CheckpointReader
 
