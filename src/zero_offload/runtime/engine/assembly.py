@@ -14,7 +14,7 @@ import torch
 from ...activation_checkpointing import CheckpointPolicy, configure_from_engine
 from ...config.loading.auto_sizes import resolve_auto_sizes
 from ...config.runtime_keys import DTYPES
-from ...core import dist, host_heap
+from ...core import dist, host_heap, partitioned
 from ...core.consistency import synchronize_start
 from ...core.flat_group import FlatGroup
 from ...core.state.shard_state import ShardState
@@ -183,12 +183,12 @@ def build_groups(
     """One flat group per optimizer param group (its ``hyper`` is the caller's dict itself,
     so a scheduler writing its "lr" reaches the update); stage 3: laid out one bucket per
     fetch unit, with the store's groups (those plus one for every other param)."""
-    module, zc, partitioned = e.module, e.config.zero_optimization, e.stage == 3
+    module, zc, stage3 = e.module, e.config.zero_optimization, e.stage == 3
     names = {id(p): n for n, p in module.named_parameters()}
     order = {id(p): i for i, (_, p) in enumerate(module.named_parameters())}
     n_total = len(order)
     e.flat_positions = {pid: n_total - 1 - i for pid, i in order.items()}
-    units = unit_ids(module) if partitioned else None
+    units = unit_ids(module) if stage3 else None
 
     def group(gi: int, params: list, hyper: dict) -> FlatGroup:
         params = sorted(params, key=lambda p: order.get(id(p), n_total))
@@ -202,12 +202,12 @@ def build_groups(
             e.world_size,
             e.global_rank,
             int(zc.reduce_bucket_size),
-            layout=unit_layout(params, units, e.world_size) if partitioned else None,
-            materialize=not partitioned,
+            layout=unit_layout(params, units, e.world_size) if stage3 else None,
+            materialize=not stage3,
         )
 
     groups = [group(gi, pg["params"], pg) for gi, pg in enumerate(param_groups)]
-    if not partitioned:
+    if not stage3:
         return groups, None
     trained = {id(p) for g in groups for p in g.params}
     rest = [
