@@ -1,0 +1,125 @@
+"""Issue 59: ranks (and jobs) that start on one ``nvme_path`` at the same moment. Each rank's
+start-up check creates the path when it is missing and reclaims the swap folders of dead runs
+there (``nvme/preflight.py``, ``nvme/reclaim.py``); done by several processes at once, neither
+may fail because of the others' work: a folder that vanished was reclaimed by another, a
+directory another made is a directory. The processes here call the check itself, hundreds of
+rounds, released together by a barrier; nothing is trained."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import _start_context, every_rank
+
+from zero_offload.config.errors import ConfigError
+from zero_offload.nvme.path_agreement import PathNeed, check_nvme_paths
+from zero_offload.nvme.preflight import check_nvme_path
+from zero_offload.nvme.reclaim import SWAP_ROOT
+
+KEY = "zero_optimization.offload_optimizer.nvme_path"
+ROUNDS = 200
+DEAD_PID = 4_194_400  # above the kernel's largest pid_max (2**22): never a live process
+
+
+def _dead_run(root: Path, n: int, ranks: int = 2) -> Path:
+    """A killed run's folder: every rank's optimizer and param files, none held."""
+    folder = root / SWAP_ROOT / f"{socket.gethostname()}-pid{DEAD_PID + n}-{n:012x}"
+    for r in range(ranks):
+        for kind in ("optimizer", "param"):
+            sub = folder / f"rank{r:05d}" / kind
+            sub.mkdir(parents=True)
+            for g in range(2):
+                (sub / f"group{g}.swp").write_bytes(b"\0" * 4096)
+    return folder
+
+
+def _rounds(base: Path, rounds: int) -> list[tuple[Path, list[Path]]]:
+    """(nvme_path, the dead folders under it) per round: even rounds start on a path that does
+    not exist yet (the creation race), odd ones on a path holding two killed runs' folders
+    (the reclaim race)."""
+    out = []
+    for i in range(rounds):
+        path = base / f"round{i:04d}" / "swap"
+        dead = [] if i % 2 == 0 else [_dead_run(path, 2 * i), _dead_run(path, 2 * i + 1)]
+        out.append((path, dead))
+    return out
+
+
+def _checker(paths: list[str], barrier, queue) -> None:
+    """One rank's start-ups: every round, wait for the others, then check the round's path."""
+    failures = []
+    for i, path in enumerate(paths):
+        barrier.wait(timeout=120)
+        try:
+            check_nvme_path(KEY, path, 0)
+        except Exception as e:  # every failure is the finding: collect, keep racing
+            failures.append(f"round {i}: {type(e).__name__}: {e}")
+    queue.put(failures)
+
+
+def _race(target, procs: int, *args) -> list[str]:
+    """Run ``target(*args, barrier, queue)`` in ``procs`` processes; every failure they report."""
+    ctx = _start_context()
+    barrier, queue = ctx.Barrier(procs), ctx.SimpleQueue()
+    workers = [ctx.Process(target=target, args=(*args, barrier, queue)) for _ in range(procs)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(300)
+    assert all(w.exitcode == 0 for w in workers), [w.exitcode for w in workers]
+    return [f for _ in workers for f in queue.get()]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_ranks_check_and_reclaim_one_path_at_once(tmp_path, ranks):
+    rounds = _rounds(tmp_path, ROUNDS)
+    failures = _race(_checker, ranks, [str(p) for p, _ in rounds])
+    assert not failures, f"{len(failures)} failed start-ups, first: {failures[:3]}"
+    for path, dead in rounds:
+        assert path.is_dir() and not any(d.exists() for d in dead), path
+
+
+def test_a_path_another_rank_makes_meanwhile_is_a_directory(tmp_path, monkeypatch):
+    """The creation race, made certain: the folder appears just after this rank saw it
+    missing (another rank's ``mkdir`` in between)."""
+    path = tmp_path / "new" / "swap"
+    real_is_dir = Path.is_dir
+    looks = []
+
+    def is_dir(self: Path) -> bool:
+        got = real_is_dir(self)
+        if self == path and not looks:  # the first look: missing; then the other rank makes it
+            looks.append(got)
+            path.mkdir(parents=True)
+        return got
+
+    monkeypatch.setattr(Path, "is_dir", is_dir)
+    assert check_nvme_path(KEY, path, 0) == path.resolve()
+    assert looks == [False]
+
+
+def test_a_file_where_the_path_goes_is_still_not_a_directory(tmp_path):
+    path = tmp_path / "swap"
+    path.write_text("x")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        check_nvme_path(KEY, path, 0)
+    with pytest.raises(ConfigError, match="is not a directory"):
+        check_nvme_path(KEY, path, 0, prepare=False)
+
+
+def _agreed_start_ups(paths: list[str]) -> list[list[str]]:
+    """One rank's start-ups through the agreement; the paths it prepared, per round."""
+    cpu = torch.device("cpu")
+    return [[str(p) for p in check_nvme_paths([PathNeed(KEY, Path(p), 0)], cpu)] for p in paths]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_one_rank_per_node_prepares_each_path_at_the_agreement(tmp_path, ranks):
+    rounds = _rounds(tmp_path, ROUNDS // 2)
+    prepared = every_rank(ranks, _agreed_start_ups, [str(p) for p, _ in rounds])
+    for i, (path, dead) in enumerate(rounds):  # one host, one folder: the lowest rank
+        assert [prepared[r][i] for r in range(ranks)] == [[str(path)]] + [[]] * (ranks - 1)
+        assert path.is_dir() and not any(d.exists() for d in dead), path
