@@ -8,6 +8,7 @@ rounds, released together by a barrier; nothing is trained."""
 from __future__ import annotations
 
 import socket
+import uuid
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,14 @@ import torch
 from distributed import _start_context, every_rank
 
 from zero_offload.config.errors import ConfigError
+from zero_offload.nvme.io.aio import SwapFile
+from zero_offload.nvme.io.file_guard import check_swap_file, hold
+from zero_offload.nvme.io.scratch import discard
 from zero_offload.nvme.path_agreement import PathNeed, check_nvme_paths
 from zero_offload.nvme.preflight import check_nvme_path
 from zero_offload.nvme.reclaim import SWAP_ROOT
+from zero_offload.nvme.swap_root import making
+from zero_offload.runtime.update.placement import run_name
 
 KEY = "zero_optimization.offload_optimizer.nvme_path"
 ROUNDS = 200
@@ -123,3 +129,58 @@ def test_one_rank_per_node_prepares_each_path_at_the_agreement(tmp_path, ranks):
     for i, (path, dead) in enumerate(rounds):  # one host, one folder: the lowest rank
         assert [prepared[r][i] for r in range(ranks)] == [[str(path)]] + [[]] * (ranks - 1)
         assert path.is_dir() and not any(d.exists() for d in dead), path
+
+
+def _job_rank(job: int, rank: int, paths: list[str], barrier, queue) -> None:
+    """Rank ``rank`` of job ``job``, two jobs sharing the drive. Job 1 runs as if in another pid
+    namespace: its folders carry a pid not alive here, so only its held swap files (and the
+    swap root's lock while it makes them) keep the other job's reclaim away."""
+    host = socket.gethostname()
+    run = run_name() if job == 0 else f"{host}-pid{DEAD_PID - 1 - rank}-{uuid.uuid4().hex[:12]}"
+    failures = []
+    for i, path in enumerate(paths):
+        barrier.wait(timeout=120)
+        try:
+            check_nvme_path(KEY, path, 0)  # this job starts while the other does
+            folder = Path(path) / SWAP_ROOT / run / f"rank{rank:05d}" / "optimizer"
+            with making(folder):  # as NvmeOptimizerState makes its files
+                file = SwapFile.create(folder / "group0.swp", 4096, direct=False)
+                hold(file)
+        except Exception as e:
+            failures.append(f"round {i}, job {job} rank {rank}: {type(e).__name__}: {e}")
+            file = None
+        barrier.wait(timeout=120)  # both jobs live
+        try:
+            check_nvme_path(KEY, path, 0)  # one more start on the drive, both jobs live
+            if file is not None:
+                check_swap_file(file, "optimizer")  # still the file this rank made
+        except Exception as e:
+            failures.append(f"round {i}, job {job} rank {rank}, live: {type(e).__name__}: {e}")
+        barrier.wait(timeout=120)
+        if file is not None:
+            discard(file)
+    queue.put([run, *failures])
+
+
+def test_two_jobs_on_one_drive_keep_apart_and_keep_each_others_live_folders(tmp_path):
+    rounds = _rounds(tmp_path, ROUNDS // 2)
+    ctx = _start_context()
+    barrier, queue = ctx.Barrier(4), ctx.SimpleQueue()
+    args = [str(p) for p, _ in rounds]
+    workers = [
+        ctx.Process(target=_job_rank, args=(job, rank, args, barrier, queue))
+        for job in (0, 1)
+        for rank in (0, 1)
+    ]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(300)
+    assert all(w.exitcode == 0 for w in workers), [w.exitcode for w in workers]
+    got = [queue.get() for _ in workers]
+    runs, failures = [g[0] for g in got], [f for g in got for f in g[1:]]
+    assert not failures, f"{len(failures)} failures, first: {failures[:3]}"
+    assert len(set(runs)) == 4  # each rank of each job its own folder
+    for path, dead in rounds:  # the dead runs reclaimed, every live folder gone with its run
+        assert path.is_dir() and not any(d.exists() for d in dead), path
+        assert not any((path / SWAP_ROOT).glob("*/rank*/optimizer/*.swp")), path

@@ -10,11 +10,11 @@ never touched:
   namespace that happens to share the host name is still seen as alive.
 
 Several processes may reclaim under one ``nvme_path`` at once (the ranks of a node, two jobs
-sharing a drive). They take turns: each holds an exclusive ``flock`` on the swap root folder
-while it reclaims (``_turn``), so the second finds the first's work done. Where that lock is not
-available (a filesystem without ``flock``, a holder stuck past ``TURN_WAIT_S``), every step
-still tolerates another reclaimer's concurrent work: an entry that vanished was reclaimed by it,
-and is neither an error nor counted as this call's.
+sharing a drive). They take turns on the swap root's lock (``swap_root.py``), so the second
+finds the first's work done, and a live run's folder is never seen before its swap files are
+held. Where that lock is not available, every step still tolerates another reclaimer's
+concurrent work: an entry that vanished was reclaimed by it, and is neither an error nor
+counted as this call's.
 """
 
 from __future__ import annotations
@@ -27,15 +27,13 @@ import re
 import shutil
 import socket
 import sys
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .swap_root import SWAP_ROOT, WAIT_S, reclaiming
+
 log = logging.getLogger("zero_offload")
 
-SWAP_ROOT = "zero_offload_swap"
-TURN_WAIT_S = 60.0  # longest wait for another reclaimer's turn (removing folders takes seconds)
 RUN_FOLDER = re.compile(r"(?P<host>.+)-pid(?P<pid>\d+)-[0-9a-f]{12}")
 
 
@@ -119,42 +117,7 @@ def _remove(folder: Path) -> str | None:
     return "could not be removed" + (f" ({problems[0]})" if problems else "")
 
 
-@contextmanager
-def _turn(root: Path, wait_s: float):
-    """Hold the exclusive ``flock`` on ``root`` (the swap root folder) that reclaimers take
-    turns on; yields False when it could not be had (no ``flock`` there, or held past
-    ``wait_s``): the caller then reclaims alongside the holder, which is safe, only not tidy."""
-    try:
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        yield False  # vanished (another run's clean-up removed it empty) or unreadable
-        return
-    try:
-        yield _lock(fd, root, wait_s)
-    finally:
-        os.close(fd)  # drops the lock
-
-
-def _lock(fd: int, root: Path, wait_s: float) -> bool:
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return False  # no flock on this filesystem
-        if time.monotonic() >= deadline:
-            log.warning(
-                "%s: another process has held the reclaim lock for %.0f s; reclaiming beside it",
-                root,
-                wait_s,
-            )
-            return False
-        time.sleep(0.01)
-
-
-def reclaim_dead_runs(nvme_path: Path, wait_s: float = TURN_WAIT_S) -> Reclaimed:
+def reclaim_dead_runs(nvme_path: Path, wait_s: float = WAIT_S) -> Reclaimed:
     """Remove the swap folders of dead runs of this host under ``nvme_path``; one log line
     says how much was reclaimed. What is kept is listed in the result (with why). Safe to call
     from several processes at once (see the module's rules): taking turns, each dead folder is
@@ -163,7 +126,7 @@ def reclaim_dead_runs(nvme_path: Path, wait_s: float = TURN_WAIT_S) -> Reclaimed
     root = Path(nvme_path) / SWAP_ROOT
     if not root.is_dir():
         return out
-    with _turn(root, wait_s):
+    with reclaiming(root, wait_s):
         host = socket.gethostname()
         for folder in _run_folders(root):
             why = _why_alive(folder, host)
@@ -204,14 +167,14 @@ def _run_folders(root: Path) -> list[Path]:
     return sorted(out)
 
 
-def kept_runs(nvme_path: Path, wait_s: float = TURN_WAIT_S) -> Reclaimed:
+def kept_runs(nvme_path: Path, wait_s: float = WAIT_S) -> Reclaimed:
     """The run folders under ``nvme_path`` and why each is there, removing nothing: what a rank
     that did not reclaim this path itself names in its free-space error."""
     out = Reclaimed()
     root = Path(nvme_path) / SWAP_ROOT
     if not root.is_dir():
         return out
-    with _turn(root, wait_s):  # the probes of two takers of turns would see each other's lock
+    with reclaiming(root, wait_s):  # two probes at once would see each other's lock
         host = socket.gethostname()
         for folder in _run_folders(root):
             why = _why_alive(folder, host) or "its run has ended, not removed"
