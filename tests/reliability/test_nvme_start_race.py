@@ -116,6 +116,24 @@ def test_a_file_where_the_path_goes_is_still_not_a_directory(tmp_path):
         check_nvme_path(KEY, path, 0, prepare=False)
 
 
+def test_a_rank_that_does_not_prepare_neither_creates_nor_reclaims(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    missing = tmp_path / "missing"
+    with pytest.raises(ConfigError, match="does not exist"):
+        check_nvme_path(KEY, missing, 0, prepare=False)
+    assert not missing.exists()
+    dead = _dead_run(tmp_path, 0)
+    assert check_nvme_path(KEY, tmp_path, 0, prepare=False) == tmp_path.resolve()
+    assert dead.is_dir()  # the preparing rank's to reclaim
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(1 << 30, 1 << 30, 0))
+    with pytest.raises(ConfigError, match="0.00 GiB free") as err:
+        check_nvme_path(KEY, tmp_path, 1, prepare=False)
+    assert f"{dead} (0.00 GiB, its run has ended, not removed)" in str(err.value)
+
+
 def _agreed_start_ups(paths: list[str]) -> list[list[str]]:
     """One rank's start-ups through the agreement; the paths it prepared, per round."""
     cpu = torch.device("cpu")
