@@ -26,6 +26,7 @@ from zero_offload.nvme.swap_root import making
 from zero_offload.runtime.update.placement import run_name
 
 KEY = "zero_optimization.offload_optimizer.nvme_path"
+PARAM_KEY = "zero_optimization.offload_param.nvme_path"
 ROUNDS = 200
 DEAD_PID = 4_194_400  # above the kernel's largest pid_max (2**22): never a live process
 
@@ -135,9 +136,11 @@ def test_a_rank_that_does_not_prepare_neither_creates_nor_reclaims(tmp_path, mon
 
 
 def _agreed_start_ups(paths: list[str]) -> list[list[str]]:
-    """One rank's start-ups through the agreement; the paths it prepared, per round."""
+    """One rank's start-ups through the agreement, the optimizer and the params on one path;
+    the paths it prepared, per round."""
     cpu = torch.device("cpu")
-    return [[str(p) for p in check_nvme_paths([PathNeed(KEY, Path(p), 0)], cpu)] for p in paths]
+    both = [[PathNeed(KEY, Path(p), 0), PathNeed(PARAM_KEY, Path(p), 0)] for p in paths]
+    return [[str(p) for p in check_nvme_paths(needs, cpu)] for needs in both]
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -145,7 +148,8 @@ def test_one_rank_per_node_prepares_each_path_at_the_agreement(tmp_path, ranks):
     rounds = _rounds(tmp_path, ROUNDS // 2)
     prepared = every_rank(ranks, _agreed_start_ups, [str(p) for p, _ in rounds])
     for i, (path, dead) in enumerate(rounds):  # one host, one folder: the lowest rank
-        assert [prepared[r][i] for r in range(ranks)] == [[str(path)]] + [[]] * (ranks - 1)
+        want = [[str(path)] * 2] + [[]] * (ranks - 1)
+        assert [prepared[r][i] for r in range(ranks)] == want
         assert path.is_dir() and not any(d.exists() for d in dead), path
 
 
