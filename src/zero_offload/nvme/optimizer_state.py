@@ -43,6 +43,7 @@ from .io.aio import ALIGN, AioEngine, SwapFile, aligned_empty
 from .io.checksum import BLOCK, block_sums, first_mismatch
 from .io.file_guard import check_swap_file, hold
 from .io.scratch import own_file
+from .swap_root import making
 
 
 class NvmeOptimizerState:
@@ -63,9 +64,9 @@ class NvmeOptimizerState:
         self.region = chunk * 4
         self.record = len(KINDS) * self.region
         self.nchunks = max(1, -(-numel // chunk))
-        folder.mkdir(parents=True, exist_ok=True)
-        self.file = SwapFile.create(folder / f"{name}.swp", 2 * self.nchunks * self.record)
-        hold(self.file)
+        with making(folder):  # held before a reclaimer can see it (swap_root.py)
+            self.file = SwapFile.create(folder / f"{name}.swp", 2 * self.nchunks * self.record)
+            hold(self.file)
         self.current = [0] * self.nchunks
         self.sums = torch.zeros(2, self.nchunks, self.record // BLOCK, dtype=torch.int64)
         self.known = torch.zeros(2, self.nchunks, dtype=torch.bool)

@@ -43,6 +43,7 @@ from .io.checksum import BLOCK, block_sums, first_mismatch
 from .io.file_guard import RESTART, check_swap_file, hold
 from .io.scratch import own_file
 from .param_cache import ParamCache
+from .swap_root import making
 
 MAX_PENDING_WRITES = 4  # writes in flight per shard; a fifth waits for the oldest
 
@@ -66,9 +67,9 @@ class NvmeParamShard:
         self.shared = cache if cache is not None else ParamCache(max_in_cpu)
         self.shared.register(self)
         self.max_in_cpu = self.shared.max_in_cpu
-        folder.mkdir(parents=True, exist_ok=True)
-        self.file = SwapFile.create(folder / f"{name}.swp", max(ALIGN, numel * self.itemsize))
-        hold(self.file)
+        with making(folder):  # held before a reclaimer can see it (swap_root.py)
+            self.file = SwapFile.create(folder / f"{name}.swp", max(ALIGN, numel * self.itemsize))
+            hold(self.file)
         self.sums = torch.zeros(self.file.nbytes // BLOCK, dtype=torch.int64)
         self.known = torch.zeros(self.file.nbytes // BLOCK, dtype=torch.bool)
         self.pending: list = []  # (lo, hi, buffer, request, undo) of writes in flight

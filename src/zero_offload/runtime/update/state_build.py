@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from ...config.errors import ConfigError
-from ...core import dist
 from ...core.flat_group import FlatGroup
 from ...core.state.alias_state import AliasState
 from ...core.state.shard_state import MemoryState, ShardState
@@ -17,7 +16,7 @@ from ...core.state.twin_state import TwinState
 from ...nvme.io.aio import AioEngine
 from ...nvme.optimizer_state import NvmeOptimizerState
 from ...nvme.param_shard import NvmeParams
-from ...nvme.preflight import check_nvme_path
+from ...nvme.path_agreement import PathNeed, agree, check_nvme_paths
 from .placement import CHUNK_ALIGN, Placement
 
 OPTIMIZER_PATH_KEY = "zero_optimization.offload_optimizer.nvme_path"
@@ -128,7 +127,9 @@ def preflight(
 ) -> None:
     """Every NVMe setting checked before anything is partitioned or written (a stage-3 model
     whose params went to swap files could not be handed back), on every rank at once: if any
-    rank fails, every rank raises (none waits in a collective alone)."""
+    rank fails, every rank raises (none waits in a collective alone). Each ``nvme_path`` is
+    created and cleared of dead runs' folders by one rank per node while the others wait
+    (``nvme/path_agreement.py``)."""
     if client is not None and placement.twin:  # every rank alike: before any collective
         raise ValueError(
             f"{RATIO_KEY} {placement.ratio}: partial offload updates with the built-in Adam(W) "
@@ -136,26 +137,22 @@ def preflight(
             'cannot be split (as DeepSpeed): use an "optimizer" config block, or ratio 1.0'
         )
     error: Exception | None = None
+    needs: list[PathNeed] = []
     try:
-        _check(placement, groups, store_groups, sharded, client)
+        needs = _needs(placement, groups, store_groups, sharded, client)
     except Exception as e:  # any failure: this rank must still take part in the agreement
         error = e
-    if dist.world_size() > 1:
-        failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=device)
-        dist.all_reduce(failed)
-        if error is None and int(failed.item()):
-            raise ConfigError(
-                f"NVMe offload set-up failed on {int(failed.item())} other rank(s) (their error "
-                "names the key and path); nothing was partitioned or written"
-            )
-    if error is not None:
-        raise error
+    if placement.nvme is None:  # every rank alike (the configs agree)
+        agree(error, device)
+    else:
+        check_nvme_paths(needs, device, error)
 
 
-def _check(placement, groups, store_groups, sharded, client) -> None:
+def _needs(placement, groups, store_groups, sharded, client) -> list[PathNeed]:
+    """The ``nvme_path``s this rank's swap files go under, with the free bytes each needs."""
     nv = placement.nvme
     if nv is None:
-        return
+        return []
     if client is not None and placement.optimizer == "nvme":
         raise ValueError(
             f"a client optimizer ({type(client).__name__}) keeps its own state in memory; "
@@ -173,13 +170,15 @@ def _check(placement, groups, store_groups, sharded, client) -> None:
         need = sum(g.layout.shard_numel * g.dtype.itemsize + 4096 for g in store_groups)
         needs.append((PARAM_PATH_KEY, nv.param_dir.parents[3], need))
         _check_buffer_size(nv.param_buffer_size, store_groups)
-    # Every rank of this node checks before any rank preallocates (the agreement below is the
+    # Every rank of this node checks before any rank preallocates (the agreement is the
     # barrier), so each counts the node's ranks (they usually share the drive) and both kinds
     # of files when their paths are on one filesystem: conservative, never racy.
     local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    out = []
     for key, path, need in needs:
         same_fs = [n for k, p, n in needs if k != key and _same_filesystem(p, path)]
-        check_nvme_path(key, path, (need + sum(same_fs)) * local)
+        out.append(PathNeed(key, path, (need + sum(same_fs)) * local))
+    return out
 
 
 def _same_filesystem(a: Path, b: Path) -> bool:
