@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ...activation_checkpointing import CheckpointPolicy, configure_from_engine
 from ...config.loading.auto_sizes import resolve_auto_sizes
 from ...config.runtime_keys import DTYPES
+from ...config.zero.zenflow import ZenFlowSchedule
 from ...core import dist, host_heap, partitioned
 from ...core.consistency import synchronize_start
 from ...core.flat_group import FlatGroup
@@ -62,6 +64,21 @@ class _Building:
     hooks: EngineHooks
     fields: dict = field(default_factory=dict)
     flat_positions: dict[int, int] = field(default_factory=dict)  # the reducer's param order
+
+    if TYPE_CHECKING:  # fields ``set`` fills in, typed for the type checker
+
+        @property
+        def stage(self) -> int: ...
+        @property
+        def module(self) -> torch.nn.Module: ...
+        @property
+        def world_size(self) -> int: ...
+        @property
+        def global_rank(self) -> int: ...
+        @property
+        def device(self) -> torch.device: ...
+        @property
+        def dtype(self) -> torch.dtype: ...
 
     def __getattr__(self, name: str):
         try:
@@ -347,7 +364,7 @@ def build_updates(
     return out
 
 
-def zenflow_for(e: _Building, groups: list[FlatGroup], client) -> object:
+def zenflow_for(e: _Building, groups: list[FlatGroup], client) -> ZenFlowSchedule | None:
     """``zero_optimization.zenflow``'s schedule where it is built (every step() is then one
     ZenFlow micro-step: the window is one backward), else None."""
     params = [p for g in groups for p in g.params]
