@@ -385,9 +385,9 @@ _EDITS = {
         lambda t: torch.cat([t[:-1], t.new_tensor([-1])]),
         "columns",
     ),
-    "column repeated": ("zenflow.0.columns", lambda t: torch.cat([t[:1], t[:-1]]), "each once"),
-    "column out of range": ("zenflow.0.columns", lambda t: t + 10**6, "columns"),
-    "moments one row short": ("zenflow.0.exp_avg", lambda t: t[:-1], "exp_avg has shape"),
+    "column repeated": ("zenflow.1.columns", lambda t: torch.cat([t[:1], t[:-1]]), "each once"),
+    "column out of range": ("zenflow.1.columns", lambda t: t + 10**6, "columns"),
+    "moments one row short": ("zenflow.1.exp_avg", lambda t: t[:-1], "exp_avg has shape"),
     "accumulator NaN": ("zenflow.accum", lambda t: torch.full_like(t, float("nan")), "not finite"),
     "stale dropped": ("zenflow.stale", lambda t: None, "zenflow.stale is missing"),
     "params dropped": ("zenflow.params", lambda t: None, "zenflow.params is missing"),
@@ -410,3 +410,65 @@ def test_edited_zenflow_state_is_refused_by_name(tmp_path, edit):
     assert "rank_00000.safetensors" in str(err.value)
     assert _same(_snapshot(engine), before)  # nothing was loaded
     engine.destroy()
+
+
+def _other_columns(t: torch.Tensor) -> torch.Tensor:
+    """Increasing columns of the same count, not ``t``."""
+    first = torch.arange(t.numel(), dtype=t.dtype)
+    return first if not torch.equal(first, t) else first + 1
+
+
+def _two_ranks_edited(root: str, how: str) -> str | None:
+    """Two ranks train ZenFlow and save; rank 0 then edits the files (``how``) and re-seals
+    them; both ranks load: the error each raised (None: loaded)."""
+    import torch.distributed as tdist
+
+    from zero_offload.core import dist
+
+    rank = dist.rank()
+    model = make_model()
+    engine, *_ = zero_offload.initialize(
+        model=model, model_parameters=model.parameters(), config=config(ZF)
+    )
+    for b in batches(3, rank):
+        _step(engine, b)
+    engine.save_checkpoint(root, tag="t")
+    if rank == 0:
+        tag = Path(root) / "t"
+        if how == "files swapped":
+            a, b = tag / "rank_00000.safetensors", tag / "rank_00001.safetensors"
+            os.replace(a, tag / "x")
+            os.replace(b, a)
+            os.replace(tag / "x", b)
+            meta = json.loads((tag / "meta.json").read_text())
+            files = meta["files"]
+            files["rank_00000.safetensors"], files["rank_00001.safetensors"] = (
+                files["rank_00001.safetensors"],
+                files["rank_00000.safetensors"],
+            )
+            (tag / "meta.json").write_bytes(sealed_meta_bytes(meta))
+        else:  # one rank's columns changed: still valid columns, other ones
+            _reseal(Path(root), "t", 1, _set("zenflow.1.columns", _other_columns))
+    tdist.barrier()
+    try:
+        engine.load_checkpoint(root, tag="t")
+        return None
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        engine.destroy()
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("files swapped", "written by rank 1, read by rank 0"),
+        ("columns rotated", "different ZenFlow"),
+    ],
+)
+def test_rank_files_that_disagree_are_refused_on_every_rank(tmp_path, how, message):
+    from distributed import every_rank
+
+    got = every_rank(2, _two_ranks_edited, str(tmp_path), how, timeout=600)
+    assert all(g is not None for g in got), got
+    assert message in got[0] or message in got[1], got
