@@ -12,14 +12,17 @@ import pytest
 import torch
 from components import feed, flat_group, placement, tiny_params
 
+from zero_offload.config.zero.zenflow import ZenFlowConfig, resolve_schedule
 from zero_offload.core.streams import Streams
 from zero_offload.nvme.io.aio import AioEngine
 from zero_offload.runtime.reduce.grad_shard import GradShard
 from zero_offload.runtime.update.group import OptimizerGroup, build_shard_optimizer
 from zero_offload.runtime.update.muon.momentum_state import MomentumState
 from zero_offload.runtime.update.param_home import FlatHome
+from zero_offload.runtime.update.paths.host_worker import HostWorker
 from zero_offload.runtime.update.shard_optimizer import UpdatePolicy
 from zero_offload.runtime.update.state_build import build_states
+from zero_offload.runtime.update.zenflow.wiring import build_zenflow_update
 
 CPU = torch.device("cpu")
 # Each kind: the placement of its optimizer state.
@@ -32,6 +35,8 @@ WHERE = {
     "host-muon": "host",
     "client": "device",
     "host-client": "host",
+    "zenflow": "host",  # micro-step 1 is the device part alone (written in stage, undone)
+    "zenflow-overlap": "host",
 }
 KINDS = list(WHERE)
 MUON = {"use_muon": True, "momentum": 0.95, "ns_method": "standard"}
@@ -68,8 +73,21 @@ def _build(kind: str, tmp_path: Path) -> tuple[OptimizerGroup, list]:
     grads = GradShard(g, 2, place.host_update, 1, streams, False, host_from=cut)
     home = FlatHome(g, streams, True, 1 << 20)
     policy = UpdatePolicy(True, True, place)
-    so = build_shard_optimizer(g, grads, home, state, policy, streams, client=client)
+    if kind.startswith("zenflow"):
+        so = _zenflow(kind, (g, grads, home, state, policy, streams))
+    else:
+        so = build_shard_optimizer(g, grads, home, state, policy, streams, client=client)
     return OptimizerGroup(g, grads, home, so, place), params
+
+
+def _zenflow(kind: str, args: tuple):
+    """ZenFlow: columns chosen at micro-step 0, host updates after micro-steps 2, 5, ...; the
+    overlapped kind runs them on a worker."""
+    overlap = kind.endswith("overlap")
+    cfg = ZenFlowConfig(topk_ratio=0.5, select_strategy="step", select_interval=0,
+                        update_interval=3, full_warm_up_rounds=0, overlap_step=overlap)  # fmt: skip
+    worker = HostWorker(CPU, 1) if overlap else None
+    return build_zenflow_update(args, resolve_schedule(cfg, None), 0.0, lambda: 1.0, None, worker)
 
 
 def _grads(params: list, step: int) -> list[torch.Tensor]:
@@ -79,9 +97,11 @@ def _grads(params: list, step: int) -> list[torch.Tensor]:
 
 
 def _snapshot(og: OptimizerGroup, params: list) -> list[torch.Tensor]:
-    """Master, moments and params as they are now (copies)."""
+    """Master, moments, the update's own state (ZenFlow's accumulator, counters, columns and
+    their moments) and params as they are now (copies)."""
     numel = og.state.numel
     out = [og.state.read(kind, 0, numel).clone() for kind in ("master", "exp_avg", "exp_avg_sq")]
+    out += [t.clone() for _, t in sorted(og.optimizer.extra_state().items())]
     return out + [p.detach().clone() for p in params]
 
 
@@ -148,4 +168,5 @@ def test_buffers_are_the_device_bytes_reported(kind, tmp_path):
     _step(og, params, 0)
     listed, report = _device_bytes(og)
     assert listed == report
-    assert bool(listed) == (WHERE[kind] == "device" or kind == "twin")
+    # ZenFlow's device part keeps its columns' moments on the device (the CPU here)
+    assert bool(listed) == (WHERE[kind] == "device" or kind == "twin" or "zenflow" in kind)

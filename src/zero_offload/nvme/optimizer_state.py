@@ -48,6 +48,10 @@ from .swap_root import making
 
 class NvmeOptimizerState:
     where = "nvme"
+    aliased = False
+
+    def parts(self) -> list:
+        return [self]
 
     def __init__(
         self,

@@ -30,6 +30,12 @@ from .shard_state import KINDS, Body, Chunk
 class AliasState:
     aliased = True
 
+    def parts(self) -> list:
+        return [self]
+
+    def close(self) -> None:
+        """The params' own memory: nothing of its own to free."""
+
     def __init__(self, home, segments: tuple[Segment, ...], numel: int, moments: bool) -> None:
         """``home``: the param home (``read``/``write`` in shard coordinates, ``shard_views``
         and ``shard_tensor``); ``segments``: the shard optimizer's segments."""

@@ -27,8 +27,17 @@ Body = Callable[[int, int, dict[str, torch.Tensor]], None]
 
 
 class ShardState(Protocol):
+    """What every state kind declares (no caller probes for more): its size and place, whether
+    its master is the params' own values (``aliased``), its parts (a twin's two; otherwise
+    itself), ``close`` (a swap file's removal; nothing for memory)."""
+
     numel: int
     where: str  # "device", "host" or "nvme": the prefix of its memory report
+    aliased: bool
+
+    def parts(self) -> list[ShardState]: ...
+
+    def close(self) -> None: ...
 
     def update(
         self,
@@ -49,6 +58,14 @@ class ShardState(Protocol):
 class MemoryState:
     """fp32 tensors on ``device`` (the accelerator, or the host CPU with ``offload_optimizer``
     "cpu"). ``moments=False`` (a client optimizer keeps its own state): empty moments."""
+
+    aliased = False
+
+    def parts(self) -> list[ShardState]:
+        return [self]
+
+    def close(self) -> None:
+        """Memory: freed with the object."""
 
     def __init__(self, numel: int, device: torch.device, where: str, moments: bool) -> None:
         self.numel, self.where = numel, where

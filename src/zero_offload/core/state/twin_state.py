@@ -16,18 +16,22 @@ from collections.abc import Callable
 
 import torch
 
-from .shard_state import Body, Chunk, MemoryState
+from .shard_state import Body, Chunk, MemoryState, ShardState
 
 
 class TwinState:
     where = "host"  # the prefix of a client optimizer's report (never one here: Adam(W) only)
+    aliased = False
+
+    def close(self) -> None:
+        """Memory: freed with the object."""
 
     def __init__(self, device: MemoryState, host: MemoryState) -> None:
         self.device, self.host = device, host
         self.cut = device.numel
         self.numel = device.numel + host.numel
 
-    def parts(self) -> list[MemoryState]:
+    def parts(self) -> list[ShardState]:
         """The device part, then the host part (each a whole state of its own)."""
         return [self.device, self.host]
 

@@ -618,9 +618,10 @@ class ZeroOffloadEngine(
                 partitioned.unlink_engine(p)
 
     def _discard_swap_files(self) -> None:
-        """NVMe swap files are scratch: gone with the engine (a checkpoint holds the state)."""
-        swapped = self.param_store.swapped.values() if self.param_store is not None else ()
-        for owner in [og.state for og in self.opt_groups] + list(swapped):
-            close = getattr(owner, "close", None)
-            if close is not None:
-                close()
+        """Every group closed (its NVMe swap file is scratch, gone with the engine: a checkpoint
+        holds the state), then the param store's swap files."""
+        for og in self.opt_groups:
+            og.close()
+        if self.param_store is not None:
+            for shard in self.param_store.swapped.values():
+                shard.close()

@@ -12,7 +12,6 @@ whether it is the delayed one, is the group's business: the engine never asks it
 
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ from .muon.muon_update import MuonUpdate
 from .param_home import ParamHome
 from .paths.device_update import DeviceUpdate
 from .paths.host_update import HostUpdate
+from .paths.host_worker import HostWorker
 from .paths.nvme_update import NvmeUpdate
 from .paths.twin_update import TwinUpdate
 from .placement import Placement
@@ -59,13 +59,11 @@ class OptimizerGroup:
     def master_is_params(self) -> bool:
         """The master on the device is the params' own fp32 values (``core/state/alias_state.py``):
         it moves with the params, which the param store or flat buffer own."""
-        return any(getattr(p, "aliased", False) for p in self._device_states())
+        return any(p.aliased for p in self._device_states())
 
     def _device_states(self) -> list:
         """The device-resident parts of the shard state (a twin's device part)."""
-        parts = getattr(self.state, "parts", None)
-        states = parts() if parts is not None else [self.state]
-        return [s for s in states if getattr(s, "where", None) == "device"]
+        return [s for s in self.state.parts() if s.where == "device"]
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held per memory-report category: the gradient shard's and the update's."""
@@ -92,7 +90,7 @@ class OptimizerGroup:
                     yield StateBuffer(v, None, state=opt)
             yield StateBuffer(client.grad, None, keep=False, state=opt)  # rewritten every step
         for part in parts:
-            if not getattr(part, "aliased", False):
+            if not part.aliased:
                 yield StateBuffer(
                     part.master, "device.master_shard", state=OffloadStateType.hp_params
                 )
@@ -200,6 +198,10 @@ class OptimizerGroup:
         """Apply a pending delayed update now (before eval, saving, editing params)."""
         self.optimizer.flush()
 
+    def close(self) -> None:
+        """Release what the group holds beyond memory (``engine.destroy``)."""
+        self.optimizer.close()
+
 
 def build_shard_optimizer(
     group: FlatGroup,
@@ -208,7 +210,7 @@ def build_shard_optimizer(
     state: ShardState,
     policy: UpdatePolicy,
     streams: Streams,
-    executor: concurrent.futures.Executor | None = None,
+    executor: HostWorker | None = None,
     client: torch.optim.Optimizer | None = None,
 ) -> ShardOptimizer:
     """The update path of ``policy.placement.optimizer`` (a Muon group's: ``MuonUpdate``, or

@@ -102,7 +102,7 @@ def state_tensor(so: ShardOptimizer, key: str, fn: str):
     ``"momentum_buffer"`` (DeepSpeed's key; the shard state's ``exp_avg``)."""
     client = so.client
     if client is None:  # the user's key -> the shard state's kind (Muon: its momentum buffer)
-        kinds = getattr(so, "STATE_KEYS", ADAM_KEYS)
+        kinds = so.STATE_KEYS
         if key not in kinds:
             _no_key(fn, key, list(kinds), False)
         return state_source(so.state, kinds[key])

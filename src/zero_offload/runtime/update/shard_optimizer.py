@@ -118,7 +118,7 @@ class ShardOptimizer:
     @property
     def aliased(self) -> bool:
         """The master is the param home's own fp32 values (``core/state/alias_state.py``)."""
-        return getattr(self.state, "aliased", False)
+        return self.state.aliased
 
     def master_from_params(self, initial: bool = False) -> None:
         """The master becomes the param home's 16-bit values (padding: zero); the moments are
@@ -173,6 +173,14 @@ class ShardOptimizer:
             eps=float(h["eps"]),
             weight_decay=float(h["weight_decay"]),
         )
+
+    # The fragment API's optimizer-state keys -> the shard state's kinds (Muon: its momentum).
+    STATE_KEYS: dict[str, str] = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+
+    def close(self) -> None:
+        """The update's resources released (a swap file removed, a running host update
+        finished); ``engine.destroy`` calls it once per group."""
+        self.state.close()
 
     # ---- the step protocol ---------------------------------------------------------------------
     # Set by a placement whose ``stage`` writes the update (and may fail part way): the engine

@@ -23,9 +23,15 @@ class MomentumState:
     def __init__(self, inner: ShardState) -> None:
         """``inner``: the master shard, built with no moments."""
         self.inner, self.numel, self.where = inner, inner.numel, inner.where
-        self.aliased = getattr(inner, "aliased", False)
+        self.aliased = inner.aliased
         device = inner.exp_avg.device  # the inner state's (empty) moments sit where it does
         self.exp_avg = torch.zeros(self.numel, dtype=torch.float32, device=device)
+
+    def parts(self) -> list:
+        return [self]
+
+    def close(self) -> None:
+        self.inner.close()
 
     @property
     def master(self) -> torch.Tensor | None:

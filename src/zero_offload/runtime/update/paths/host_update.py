@@ -26,6 +26,7 @@ from ....core.pinned_bytes import host_bytes
 from ....core.streams import alloc_host
 from ....kernels.host_adam import host_adam_step
 from ..shard_optimizer import ShardOptimizer
+from .host_worker import HostWorker
 
 
 class HostUpdate(ShardOptimizer):
@@ -33,7 +34,7 @@ class HostUpdate(ShardOptimizer):
     # upload that reads one must finish before the next chunk is read.
     _reuses_chunk_buffers = False
 
-    def __init__(self, *args, executor: concurrent.futures.Executor | None = None, **kw) -> None:
+    def __init__(self, *args, executor: HostWorker | None = None, **kw) -> None:
         super().__init__(*args, **kw)
         group, home, place = self.group, self.home, self.placement
         numel = self.span.numel  # the shard, or a twin's host part (its home is the part's)
@@ -95,7 +96,7 @@ class HostUpdate(ShardOptimizer):
         self.step_count += 1
         if self.executor is None:
             raise RuntimeError("delayed update needs the engine's host-update executor")
-        threads = getattr(self.executor, "threads", self.threads)  # HostWorker's bound
+        threads = self.executor.threads  # HostWorker's bound (None: the placement's)
         self._pending = self.executor.submit(
             self._host_pass, grad, factor, self._hyper(), False, threads=threads
         )

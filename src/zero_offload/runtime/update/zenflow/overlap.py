@@ -64,6 +64,10 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
 
     def close(self) -> None:
         """The running update finished (its error, if any, is dropped with the engine)."""
+        self._drop_running()
+        super().close()
+
+    def _drop_running(self) -> None:
         running, self._running = self._running, None
         if running is not None:
             concurrent.futures.wait([running])
@@ -157,7 +161,7 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
             raise ValueError("zenflow.updates_after_warmup is more than zenflow.micro")
 
     def load_extra_state(self, fetch) -> None:
-        self.close()  # a failed update's error is moot: the load replaces what it wrote
+        self._drop_running()  # a failed update's error is moot: the load replaces what it wrote
         super().load_extra_state(fetch)
         self.spare.zero_()
         if not self.restored:  # afresh: nothing of the saved overlap state applies
