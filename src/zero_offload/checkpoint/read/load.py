@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ...core import dist
-from ...runtime.update.shard_optimizer import TornStateError
+from ...core.state.torn import TornStateError
 from .. import rng
 from ..collective import failed_ranks
 from ..format import MODEL_FILE, RNG_CUDA, RNG_TORCH, CheckpointError, shard_tensor

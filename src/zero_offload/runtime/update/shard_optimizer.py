@@ -33,6 +33,7 @@ import torch
 
 from ...core.flat_group import FlatGroup
 from ...core.state.shard_state import ShardState
+from ...core.state.torn import TornStateError
 from ...core.streams import Streams
 from ..reduce.grad_shard import GradShard
 from .buffers import StateBuffer
@@ -40,18 +41,6 @@ from .param_home import ParamHome
 from .part import PartHome, Span
 from .paths.client_update import ClientUpdate
 from .placement import Placement
-
-
-class TornStateError(RuntimeError):
-    """The optimizer state is not one committed step: an update failed after part of it was
-    applied. Loading a checkpoint (``engine.load_checkpoint``) restores a whole step."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(
-            f"the optimizer state is only partly updated ({reason}); no step or save runs "
-            "on it: load the last checkpoint (engine.load_checkpoint) to go on"
-        )
-        self.reason = reason
 
 
 @dataclass(frozen=True)
