@@ -28,7 +28,7 @@ FORBIDDEN = {
     "runtime.update.paths": (
         "runtime.update.group",
         "runtime.update.group_step",
-        "runtime.update.offload",
+        "runtime.offload_states",
         "runtime.update.muon.muon_groups",
         "runtime.update.zenflow",
     ),
@@ -37,7 +37,7 @@ FORBIDDEN = {
         "runtime.engine",
         "runtime.update.group",
         "runtime.update.group_step",
-        "runtime.update.offload",
+        "runtime.offload_states",
     ),
     # the memory estimator reads reduce/'s and update/'s sizes; the engine imports it
     "runtime.plan": ("runtime.engine", "runtime.stage3"),
@@ -133,6 +133,42 @@ def test_rules_catch_a_bad_import(source, expected):
     """The checker itself: a bad import in a module of core/ is reported."""
     found = _violations("zero_offload.core.planted", False, source)
     assert any(expected in v for v in found), found
+
+
+def _room(module: str) -> str | None:
+    """The room of runtime/ a module lives in: its folder, or runtime itself for its files."""
+    parts = module.split(".")
+    if len(parts) < 3 or parts[:2] != ["zero_offload", "runtime"]:
+        return None
+    return parts[2] if (PKG / "runtime" / parts[2]).is_dir() else "runtime"
+
+
+def room_arrows() -> dict[str, set[str]]:
+    arrows: dict[str, set[str]] = {}
+    for path in sorted(PKG.rglob("*.py")):
+        module = _module_name(path)
+        here = _room(module)
+        if here is None:
+            continue
+        for _, target, names in _imports(module, path.name == "__init__.py", path.read_text()):
+            for reached in [target] + [f"{target}.{n}" for n in names]:
+                there = _room(reached)
+                if there is not None and there != here:
+                    arrows.setdefault(here, set()).add(there)
+    return arrows
+
+
+def test_no_import_circle_among_runtime_rooms():
+    """Every arrow between runtime/'s rooms (lazy imports too) points one way."""
+    arrows = room_arrows()
+
+    def reaches(a: str, b: str, seen: frozenset = frozenset()) -> bool:
+        return any(
+            n == b or (n not in seen and reaches(n, b, seen | {n})) for n in arrows.get(a, ())
+        )
+
+    circles = sorted((a, b) for a in arrows for b in arrows[a] if reaches(b, a))
+    assert circles == [], circles
 
 
 # Inside runtime/, only these read the config: the assembly, and DeepSpeed's accessors that

@@ -137,7 +137,7 @@ def test_predicted_host_terms_round_pinned_buffers():
 
 def test_offloaded_states_count_their_host_copies_as_held(monkeypatch):
     """``offload_states``' host copies: the report's host term is what each copy reserves."""
-    from zero_offload.runtime.update.offload.storage_move import StorageMover
+    from zero_offload.runtime.offload_states.storage_move import StorageMover
 
     mover = StorageMover()
     mover.offload(torch.ones(1250), {"s"}, "device.master_shard", False, False, True)

@@ -55,6 +55,11 @@ def is_partitioned(p: torch.Tensor) -> bool:
     return hasattr(p, _INIT) or hasattr(p, _SLOT)
 
 
+def shape_of(p: torch.Tensor) -> tuple[int, ...]:
+    """A param's shape; a partitioned (stage-3 or zero.Init) param's is its ``ds_shape``."""
+    return tuple(getattr(p, "ds_shape", p.shape))
+
+
 def init_shard(p: torch.Tensor) -> Any:
     """The split of an init-form param (``InitShard``), or None for any other tensor."""
     return getattr(p, _INIT, None)

@@ -48,8 +48,8 @@ from ..update.zenflow.wiring import (
     build_zenflow_update,
     zenflow_schedule,
 )
-from ..update.zero_optimizer import ZeroOptimizer
 from . import guards
+from .deepspeed_api.zero_optimizer import ZeroOptimizer
 from .keep_in_fp32 import keep_pattern, kept_buffers
 from .module_cast import cast_buffers_, cast_params_
 from .parts import EngineHooks, EngineParts

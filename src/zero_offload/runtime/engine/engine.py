@@ -19,18 +19,11 @@ import torch
 from ...activation_checkpointing import COUNTERS as CHECKPOINT_BYTES
 from ...activation_checkpointing import policy as checkpoint_policy
 from ...core import dist, host_heap, partitioned
+from ...core.partitioned import shape_of
 from ...nvme.errors import NvmeSwapError
 from ...nvme.io.trace import mark as trace_mark
 from ..backward_scope import ENGINE, PLAIN, in_backward
-from ..plan.memory import expected_bytes
-from ..plan.memory_bounds import check_working_set, free_bytes
-from ..plan.memory_model import StepShape, predict
-from ..plan.model_shape import ModelShape
-from ..plan.zenflow_memory import zenflow_bytes
-from ..precision.overflow_cause import overflow_cause
-from ..stage3.memory_efficient_linear import detach as detach_linear
-from ..update.group_step import StepRolledBackError, step_groups
-from ..update.offload.offload_states import (
+from ..offload_states.offload_states import (
     BACKWARD_NEEDS,
     EVERYTHING,
     FORWARD_NEEDS,
@@ -39,7 +32,14 @@ from ..update.offload.offload_states import (
     MovedStates,
     OffloadStatesAPI,
 )
-from ..update.zenflow.wiring import shape_of
+from ..plan.memory import expected_bytes
+from ..plan.memory_bounds import check_working_set, free_bytes
+from ..plan.memory_model import StepShape, predict
+from ..plan.model_shape import ModelShape
+from ..plan.zenflow_memory import zenflow_bytes
+from ..precision.overflow_cause import overflow_cause
+from ..stage3.memory_efficient_linear import detach as detach_linear
+from ..update.group_step import StepRolledBackError, step_groups
 from . import guards
 from .assembly import assemble
 from .deepspeed_api.compile import CompileAPI

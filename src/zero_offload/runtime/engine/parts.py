@@ -28,7 +28,7 @@ from ..stage3.param_store import ParamStore
 from ..update.group import OptimizerGroup
 from ..update.paths.host_worker import HostWorker
 from ..update.placement import Placement
-from ..update.zero_optimizer import ZeroOptimizer
+from .deepspeed_api.zero_optimizer import ZeroOptimizer
 from .window import Window
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ....runtime.offload_states.offload_states import state_buffers
 from ....runtime.update.buffers import OffloadStateType
-from ....runtime.update.offload.offload_states import state_buffers
 from ..._common import not_provided_getattr
 
 

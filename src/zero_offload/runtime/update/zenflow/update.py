@@ -49,6 +49,7 @@ import torch
 
 from ....config.zero.zenflow import ZenFlowSchedule
 from ....core import dist
+from ....core.partitioned import shape_of
 from ....kernels.sumsq import sum_of_squares
 from ..buffers import OffloadStateType, StateBuffer
 from ..paths.host_update import HostUpdate
@@ -64,7 +65,6 @@ from .columns import (
 from .device_adam import ColumnState, adamw_step
 from .step_grads import RankGrads, ShardGrads
 from .values import ParamValues, ShardValues
-from .wiring import shape_of
 
 log = logging.getLogger("zero_offload")
 KEY = "zero_optimization.zenflow"

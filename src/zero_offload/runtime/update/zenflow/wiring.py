@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ....config.zero.zenflow import ZenFlowSchedule, resolve_schedule
+from ....core.partitioned import shape_of
 
 log = logging.getLogger("zero_offload")
 
@@ -57,11 +58,6 @@ def refuse_model(model: ZenFlowModel) -> None:
                 f"{name} has shape {shape_of(p)}: remove zenflow or keep such params out of "
                 "the optimizer"
             )
-
-
-def shape_of(p: torch.Tensor) -> tuple[int, ...]:
-    """A param's shape; a partitioned (stage-3 or zero.Init) param's is its ``ds_shape``."""
-    return tuple(getattr(p, "ds_shape", p.shape))
 
 
 def zenflow_schedule(

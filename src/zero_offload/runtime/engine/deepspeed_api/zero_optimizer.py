@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ...core.flat_group import FlatGroup
-from .shard_optimizer import ShardOptimizer
+from ....core.flat_group import FlatGroup
+from ...update.shard_optimizer import ShardOptimizer
 
 
 class OptimizerOwner(Protocol):
@@ -79,7 +79,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         schedule = getattr(engine, "fetch_schedule", None)
         if schedule is None:
             raise AttributeError("parameter_offload: the engine is not at ZeRO stage 3")
-        from ...zero.parameter_offload import parameter_offload_of
+        from ....zero.parameter_offload import parameter_offload_of
 
         return parameter_offload_of(schedule)
 
@@ -124,7 +124,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         name; still an AttributeError, so ``hasattr`` answers False."""
         if name.startswith("_"):
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
-        from ..._as_deepspeed import DeepSpeedNotProvidedError
+        from ...._as_deepspeed import DeepSpeedNotProvidedError
 
         raise DeepSpeedNotProvidedError(
             f"engine.optimizer.{name}", " (DeepSpeed's ZeRO optimizer internals)"

@@ -29,9 +29,9 @@ from enum import Enum
 
 import torch
 
-from ....config.zero import OFFLOAD_DEVICES, OffloadDeviceEnum
-from ... import errors as guards
-from ..buffers import OffloadStateType, StateBuffer
+from ...config.zero import OFFLOAD_DEVICES, OffloadDeviceEnum
+from .. import errors as guards
+from ..update.buffers import OffloadStateType, StateBuffer
 from .param_rebind import ParamRebind
 from .storage_move import StorageMover, check_movable
 

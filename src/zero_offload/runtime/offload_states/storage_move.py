@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ....core.pinned_bytes import host_bytes
-from ....core.streams import alloc_host
-from ...errors import EngineUsageError
+from ...core.pinned_bytes import host_bytes
+from ...core.streams import alloc_host
+from ..errors import EngineUsageError
 
 
 @dataclass
