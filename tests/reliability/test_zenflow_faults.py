@@ -128,7 +128,7 @@ def test_a_failed_stage_in_the_second_group_rolls_back_every_group(seam, monkeyp
         first = _params_in_group(engine, 0)
         monkeypatch.setattr(update_mod, "adamw_step", _fail_on_call(first, update_mod.adamw_step))
     elif seam == "device read":
-        monkeypatch.setattr(second.values, "read", _fail_on_call(0, second.values.read))
+        monkeypatch.setattr(second.values, "read_all", _fail_on_call(0, second.values.read_all))
     elif seam == "selection":
         monkeypatch.setattr(update_mod, "select_from_sums", _fail_on_call(
             _params_in_group(engine, 0) // 2, update_mod.select_from_sums))  # fmt: skip

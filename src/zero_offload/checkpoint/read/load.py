@@ -180,8 +180,9 @@ def load_checkpoint(
         raise CheckpointError(
             f"checkpoint validation failed on rank(s) {failed}; nothing was loaded"
         )
-    if ckpt is not None and use_opt and engine.world_size > 1:
-        _agree_on_extra(engine, ckpt, plan)
+    if ckpt is not None and plan is not None and use_opt and engine.world_size > 1:
+        if len(ckpt.meta["ranks"]["files"]) == engine.world_size:  # else ZenFlow starts afresh
+            _agree_on_extra(engine, ckpt, plan)
     if ckpt is None:
         log.warning(
             "no %s file in %s: nothing loaded (pass tag= to load a specific checkpoint)",

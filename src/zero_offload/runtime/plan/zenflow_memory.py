@@ -40,6 +40,7 @@ from ..update.zenflow.columns import (
 )
 
 INDEX_BYTES = 8  # the selected columns' indices: int64
+POSITION_BYTES = 4  # stage 3: the held elements' shard positions, int32 (values.position_dtype)
 
 
 @dataclass(frozen=True)
@@ -139,10 +140,11 @@ def _stage3_bytes(
             ncols += shape[1]
         else:  # updated whole
             held += -(-n // world)
+    pos = POSITION_BYTES if shard < 2**31 else INDEX_BYTES
     device = 2 * held * plan.moment_bytes + cols * INDEX_BYTES
     if plan.shard_on_device:
-        device += held * INDEX_BYTES
-    out = {"device.zenflow_columns": device, "host.zenflow_index": held * INDEX_BYTES}
+        device += held * pos
+    out = {"device.zenflow_columns": device, "host.zenflow_index": held * pos}
     if world > 1:
         out["device.zenflow_grad"] = ncols * 4  # fp32
     return _host_terms(out, shard, plan)

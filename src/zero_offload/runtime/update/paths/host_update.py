@@ -74,17 +74,18 @@ class HostUpdate(ShardOptimizer):
         self.client.step([(s.shard_start, g) for s, g in zip(self.segs, grads)], factor)
         self._write_home()
 
-    def _write_home(self) -> None:
-        """The param home becomes the master's values after an update that ran outside the
-        host kernel (a client optimizer's, Muon's): cast into staging, uploaded chunk by
-        chunk."""
+    def _write_home(self, source: torch.Tensor | None = None) -> None:
+        """The param home becomes ``source``'s values (None: the master's) after an update that
+        ran outside the host kernel (a client optimizer's, Muon's, ZenFlow's overlapped one):
+        cast into staging, uploaded chunk by chunk on the copy stream, asynchronously."""
+        src = self.master if source is None else source
         if self._uploaded is not None:  # the previous async uploads still read staging
             self._uploaded.synchronize()
         self.streams.wait(self.streams.h2d, None)
         for lo, hi in self.chunks:
             if self.staging is not None:  # 16-bit cast (in place when staging is the host home)
-                self._staged(lo, hi).copy_(self.master[lo:hi])
-            self._upload(lo, hi, self.master[lo:hi])
+                self._staged(lo, hi).copy_(src[lo:hi])
+            self._upload(lo, hi, src[lo:hi])
         self._uploaded = self.streams.record(self.streams.h2d)
 
     # ---- the delayed update --------------------------------------------------------------------

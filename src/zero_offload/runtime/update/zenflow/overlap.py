@@ -114,10 +114,10 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
         return out
 
     def _copy(self) -> None:
-        """The params take the master's copy left by the last update."""
+        """The params take the master's copy left by the last update: cast into the staging
+        and uploaded on the copy stream, as the host update's params are."""
         self.home.prepare_write()
-        for lo, hi in self.chunks:
-            self.home.write(lo, self.stale[lo:hi].to(self.group.dtype))
+        self._write_home(self.stale)
         self.home.publish()
 
     # ---- checkpoints: the second moments, the copy, and the params the copy has not reached --

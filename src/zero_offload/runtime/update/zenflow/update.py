@@ -64,7 +64,7 @@ from .columns import (
 )
 from .device_adam import ColumnState, adamw_step
 from .step_grads import RankGrads, ShardGrads
-from .values import ParamValues, ShardValues
+from .values import ParamValues, ShardValues, transfer_all
 
 log = logging.getLogger("zero_offload")
 KEY = "zero_optimization.zenflow"
@@ -295,12 +295,14 @@ class ZenFlowUpdate(HostUpdate):
             return staged
         # fp16: unscaled (DeepSpeed's is not, and the square of a loss-scaled gradient
         # overflows its fp16 moments); the loss scale is 1 otherwise.
+        assert parts is not None
         dev_scale = 1.0 / (self.schedule.grad_divisor * scale)
         h, vals = self.group.hyper, self.values
-        before = [vals.read(i, c) for i, c in enumerate(columns)]  # a swap file's reads
+        before = vals.read_all(columns)  # a swap file's reads; one transfer from host memory
+        grads_here = transfer_all(parts, before[0].device) if before else parts  # one copy
         new = []
-        for i, (c, g) in enumerate(zip(columns, parts)):
-            v, after = adamw_step(before[i], (g.float() * dev_scale).to(before[i].device), c, h)
+        for i, (c, g) in enumerate(zip(columns, grads_here)):
+            v, after = adamw_step(before[i], g.float() * dev_scale, c, h)
             new.append(v)
             staged.columns[i] = after
         staged.values = new
@@ -355,8 +357,7 @@ class ZenFlowUpdate(HostUpdate):
     def _write_values(self, columns: list[ColumnState], values: list[torch.Tensor]) -> None:
         vals = self.values
         vals.begin()
-        for i, (c, v) in enumerate(zip(columns, values)):
-            vals.write(i, c, v)
+        vals.write_all(columns, values)
         vals.end()
 
     def join(self) -> None:

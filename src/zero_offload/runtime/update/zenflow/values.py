@@ -28,6 +28,14 @@ class ParamValues:
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
 
+    def read_all(self, columns: list[ColumnState]) -> list[torch.Tensor]:
+        """Views of whole params on the device: nothing travels."""
+        return [read(p, c) for p, c in zip(self.params, columns)]
+
+    def write_all(self, columns: list[ColumnState], values: list[torch.Tensor]) -> None:
+        for p, c, v in zip(self.params, columns, values):
+            write(p, c, v)
+
     def read(self, i: int, c: ColumnState) -> torch.Tensor:
         return read(self.params[i], c)
 
@@ -39,6 +47,27 @@ class ParamValues:
 
     def end(self) -> None:
         """Every rank wrote the same values: nothing to gather."""
+
+
+def transfer_all(ts: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """``ts`` on ``device`` in one copy, not one per tensor (the device part moves every
+    param's values and gradient each micro-step): concatenated, moved, split. Host to device is
+    asynchronous (the compute stream orders it); device to host waits for its copy."""
+    if all(t.device == device for t in ts):
+        return ts
+    flat = torch.cat([t.reshape(-1) for t in ts])
+    moved = flat.to(device, non_blocking=device.type == "cuda")
+    out, at = [], 0
+    for t in ts:
+        out.append(moved[at : at + t.numel()].view(t.shape))
+        at += t.numel()
+    return out
+
+
+def position_dtype(end: int) -> torch.dtype:
+    """The dtype of shard positions below ``end``: int32 where they fit (half of int64's
+    bytes), else int64."""
+    return torch.int32 if end < 2**31 else torch.int64
 
 
 class ShardValues:
@@ -57,9 +86,12 @@ class ShardValues:
     ) -> None:
         self.home, self.pieces, self.shapes, self.device = home, pieces, shapes, device
         self.dtype, self.streams = dtype, streams
-        # Per param the shard positions of the held elements the device part updates (int64,
-        # host; a copy beside a device shard): set at each selection, once for a whole param.
-        self.index: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64) for _ in shapes]
+        # Per param the shard positions of the held elements the device part updates (int32
+        # while the shard's positions fit, host; a copy beside a device shard): set at each
+        # selection, once for a whole param.
+        end = max((sh + n for ps in pieces for _, sh, n in ps), default=0)
+        self.pos_dtype = position_dtype(end)
+        self.index: list[torch.Tensor] = [torch.zeros(0, dtype=self.pos_dtype) for _ in shapes]
         self._on_shard: list[torch.Tensor | None] = [None] * len(shapes)
         for i, w in enumerate(whole):
             if w:
@@ -71,21 +103,21 @@ class ShardValues:
         self._on_shard[i] = None
 
     def index_of(self, i: int, cols: torch.Tensor | None) -> torch.Tensor:
-        """The shard positions of param ``i``'s elements in columns ``cols`` (None: all) that
-        this rank holds."""
-        pos = []
-        ncols = self.shapes[i][-1]
-        mask = None
-        if cols is not None:
-            mask = torch.zeros(ncols, dtype=torch.bool)
-            mask[cols.cpu()] = True
+        """The shard positions of param ``i``'s elements in columns ``cols`` (None: all; else
+        increasing) that this rank holds, row-major. Built from the selected columns of the
+        rows each piece covers: the work and the memory are the selected elements', not the
+        param's."""
+        dt, pos = self.pos_dtype, []
         for at, sh, n in self.pieces[i]:
-            if mask is None:
-                pos.append(torch.arange(sh, sh + n))
+            if cols is None:
+                pos.append(torch.arange(sh, sh + n, dtype=dt))
                 continue
-            p = torch.arange(at, at + n)
-            pos.append(p[mask[p % ncols]] + (sh - at))
-        return torch.cat(pos) if pos else torch.zeros(0, dtype=torch.int64)
+            ncols = self.shapes[i][-1]
+            rows = torch.arange(at // ncols, (at + n - 1) // ncols + 1, dtype=torch.int64)
+            flat = (rows[:, None] * ncols + cols.cpu().to(torch.int64)[None, :]).reshape(-1)
+            flat = flat[(flat >= at) & (flat < at + n)]
+            pos.append((flat + (sh - at)).to(dt))
+        return torch.cat(pos) if pos else torch.zeros(0, dtype=dt)
 
     def swap(self, index: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every param's positions become ``index``; returns the previous ones (a staged
@@ -101,9 +133,39 @@ class ShardValues:
             self._on_shard[i] = self.index[i].to(shard.device)
         return self._on_shard[i]
 
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        sizes = [ix.numel() for ix in self.index]
+        return list(flat.split(sizes)) if sizes else []
+
+    def _all(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every param's positions, in param order, beside ``shard``."""
+        parts = [self._shard_index(i, shard) for i in range(len(self.index))]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=self.pos_dtype)
+
     def parts(self, grad_shard: torch.Tensor) -> list[torch.Tensor]:
-        """This micro-step's gradient of each param's held device-part elements."""
-        return [grad_shard[ix].to(self.device, non_blocking=True) for ix in self.index]
+        """This micro-step's gradient of each param's held device-part elements: one gather,
+        one transfer."""
+        held = grad_shard[self._all(grad_shard)]
+        return self._split(transfer_all([held], self.device)[0])
+
+    def read_all(self, columns: list[ColumnState]) -> list[torch.Tensor]:
+        """Every param's device-part values: from a shard in memory one gather and one
+        transfer; through a swap file param by param."""
+        shard = self.home.shard_tensor()
+        if shard is None:
+            return [self.read(i, c) for i, c in enumerate(columns)]
+        return self._split(transfer_all([shard[self._all(shard)]], self.device)[0])
+
+    def write_all(self, columns: list[ColumnState], values: list[torch.Tensor]) -> None:
+        shard = self.home.shard_tensor()
+        if shard is None:
+            for i, (c, v) in enumerate(zip(columns, values)):
+                self.write(i, c, v)
+            return
+        flat = torch.cat([v.reshape(-1) for v in values]) if values else None
+        if flat is not None and flat.numel():
+            (moved,) = transfer_all([flat], shard.device)
+            shard[self._all(shard)] = moved.to(shard.dtype)
 
     def read(self, i: int, c: ColumnState | None = None) -> torch.Tensor:
         shard = self.home.shard_tensor()
