@@ -36,6 +36,9 @@ class AliasState:
     def close(self) -> None:
         """The params' own memory: nothing of its own to free."""
 
+    def fill(self, master_of) -> None:
+        """The master is the params already; the moments start zero."""
+
     def __init__(self, home, segments: tuple[Segment, ...], numel: int, moments: bool) -> None:
         """``home``: the param home (``read``/``write`` in shard coordinates, ``shard_views``
         and ``shard_tensor``); ``segments``: the shard optimizer's segments."""

@@ -24,6 +24,8 @@ KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 Chunk = tuple[int, int]
 Body = Callable[[int, int, dict[str, torch.Tensor]], None]
+Fill = Callable[[int, int, torch.Tensor], None]
+FILL_PIECE = 1 << 22  # elements per piece of an initial fill (bounded temporaries)
 
 
 class ShardState(Protocol):
@@ -38,6 +40,11 @@ class ShardState(Protocol):
     def parts(self) -> list[ShardState]: ...
 
     def close(self) -> None: ...
+
+    def fill(self, master_of: Fill) -> None:
+        """The initial state: moments zero, and ``master_of(lo, hi, out)`` writes master
+        elements ``[lo, hi)`` into ``out`` (fp32), in pieces of the state's choosing."""
+        ...
 
     def update(
         self,
@@ -66,6 +73,11 @@ class MemoryState:
 
     def close(self) -> None:
         """Memory: freed with the object."""
+
+    def fill(self, master_of: Fill) -> None:
+        for lo in range(0, self.numel, FILL_PIECE):
+            hi = min(lo + FILL_PIECE, self.numel)
+            master_of(lo, hi, self.master[lo:hi])
 
     def __init__(self, numel: int, device: torch.device, where: str, moments: bool) -> None:
         self.numel, self.where = numel, where

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from .shard_state import Body, Chunk, MemoryState, ShardState
+from .shard_state import Body, Chunk, Fill, MemoryState, ShardState
 
 
 class TwinState:
@@ -25,6 +25,10 @@ class TwinState:
 
     def close(self) -> None:
         """Memory: freed with the object."""
+
+    def fill(self, master_of: Fill) -> None:
+        for part, off in ((self.device, 0), (self.host, self.cut)):
+            part.fill(lambda lo, hi, out, o=off: master_of(lo + o, hi + o, out))
 
     def __init__(self, device: MemoryState, host: MemoryState) -> None:
         self.device, self.host = device, host

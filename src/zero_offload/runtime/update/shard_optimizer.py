@@ -82,7 +82,8 @@ class ShardOptimizer:
         # Chunks: contiguous ranges of the shard index space, the host update's unit of work
         # (an NVMe state's record); the param home maps one onto the segments it covers.
         self.chunks = [(lo, min(lo + place.chunk, numel)) for lo in range(0, numel, place.chunk)]
-        self.master_from_params(initial=True)
+        # the initial state: master from the home's 16-bit values (an aliased one is them)
+        self.state.fill(lambda lo, hi, out: out.copy_(self.home.read(lo, hi)))
         self.client = ClientUpdate(client, group.hyper, state.master) if client else None
         self.step_count = 0
         self._staged_step: tuple[float, bool] | None = None  # (factor, delayed) until commit
@@ -109,7 +110,7 @@ class ShardOptimizer:
         """The master is the param home's own fp32 values (``core/state/alias_state.py``)."""
         return self.state.aliased
 
-    def master_from_params(self, initial: bool = False) -> None:
+    def master_from_params(self) -> None:
         """The master becomes the param home's 16-bit values (padding: zero); the moments are
         kept. An aliased master already is them."""
         if self.aliased:

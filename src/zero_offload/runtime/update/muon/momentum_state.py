@@ -33,6 +33,9 @@ class MomentumState:
     def close(self) -> None:
         self.inner.close()
 
+    def fill(self, master_of) -> None:
+        self.inner.fill(master_of)
+
     @property
     def master(self) -> torch.Tensor | None:
         return self.inner.master

@@ -18,14 +18,8 @@ class NvmeUpdate(HostUpdate):
     _reuses_chunk_buffers = True  # the record pool: the next read reuses a chunk's buffer
 
     def __init__(self, *args, **kw) -> None:
-        self._pending_commit = False  # an update is written and waits for commit or discard
         super().__init__(*args, **kw)
-
-    def master_from_params(self, initial: bool = False) -> None:
-        """``initial``: the files are written whole (master from the param home, moments zero)."""
-        if not initial:
-            return super().master_from_params()
-        self.state.fill(lambda lo, hi, out: out.copy_(self.home.read(lo, hi)))
+        self._pending_commit = False  # an update is written and waits for commit or discard
 
     def prepare_update(self) -> None:
         """The step's backward began: read the first records of the state ahead, so the disk

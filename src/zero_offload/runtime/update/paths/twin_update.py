@@ -71,12 +71,6 @@ class TwinUpdate(ShardOptimizer):
     def master(self) -> torch.Tensor:
         raise AttributeError("a twin's master is in two parts: read it through state.read")
 
-    def master_from_params(self, initial: bool = False) -> None:
-        if initial:
-            return  # each part filled its own when it was built
-        self.device_part.master_from_params()
-        self.host_part.master_from_params()
-
     def _apply(self, factor: float) -> None:
         self.device_part.compute(factor)  # queued: runs beside the host pass on CUDA
         self.host_part._apply(factor)
