@@ -302,7 +302,7 @@ class NvmeOptimizerState:
         self._wrote(k, self.current[k], self.pool[0][: self.region], i)
         self._wait(self.aio.write(self.file, off, self.pool[0][: self.region]), "write", k)
 
-    def fill(self, master_of: Callable[[int, int, torch.Tensor], None]) -> None:
+    def fill(self, master_of: Callable[[int, int, torch.Tensor], object]) -> None:
         """Initial state, one chunk at a time: moments zero, ``master_of(lo, hi, out)`` writes
         elements ``[lo, hi)`` of the master into ``out`` (fp32, host)."""
         self._dirty = None  # every region is rewritten

@@ -23,8 +23,8 @@ import torch
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 Chunk = tuple[int, int]
-Body = Callable[[int, int, dict[str, torch.Tensor]], None]
-Fill = Callable[[int, int, torch.Tensor], None]
+Body = Callable[[int, int, dict[str, torch.Tensor]], object]
+Fill = Callable[[int, int, torch.Tensor], object]
 FILL_PIECE = 1 << 22  # elements per piece of an initial fill (bounded temporaries)
 
 

@@ -27,8 +27,11 @@ class TwinState:
         """Memory: freed with the object."""
 
     def fill(self, master_of: Fill) -> None:
-        for part, off in ((self.device, 0), (self.host, self.cut)):
-            part.fill(lambda lo, hi, out, o=off: master_of(lo + o, hi + o, out))
+        def shifted(off: int) -> Fill:
+            return lambda lo, hi, out: master_of(lo + off, hi + off, out)
+
+        self.device.fill(shifted(0))
+        self.host.fill(shifted(self.cut))
 
     def __init__(self, device: MemoryState, host: MemoryState) -> None:
         self.device, self.host = device, host
