@@ -114,7 +114,7 @@ class DeepSpeedEngineAPI:
             self.window.inside_no_sync = False
             if self.window.backward_since_step:
                 self.reducer.finish_window()
-                self.window.ended = True
+                self.window.end_by_block()
 
     def was_step_applied(self) -> bool:
         """Whether the latest ``step()`` changed the parameters (False between accumulation
