@@ -138,6 +138,7 @@ def test_backwards_per_micro_step_with_accumulation(name):
     _check(_cases(_some(name), gas=2, parts=4, clip=0.0))
 
 
+@pytest.mark.slow  # the one-rank cases cover the same window logic
 def test_backwards_per_micro_step_with_accumulation_world2():
     placements = _some("stage1-offload", "stage2", "stage3-offload")
     _check(run_ranks(2, _cases, placements, 2, 2, 0.0))
