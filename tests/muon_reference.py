@@ -27,12 +27,15 @@ class ReferenceMuon:
     """Muon (Nesterov momentum, Newton-Schulz, decoupled weight decay) for ``muon`` params and
     torch's AdamW for ``aux`` params, stepped together."""
 
-    def __init__(self, muon, aux, lr, momentum, weight_decay, adam_lr, betas, eps) -> None:
+    def __init__(
+        self, muon, aux, lr, momentum, weight_decay, adam_lr, betas, eps, adamw: bool = True
+    ) -> None:
+        """``adamw`` false: the aux group is torch's Adam (L2 weight decay), as DeepSpeed's
+        ``adam_w_mode: false``."""
         self.muon, self.lr, self.beta, self.wd = list(muon), lr, momentum, weight_decay
         self.bufs = [torch.zeros_like(p) for p in self.muon]
-        self.adam = torch.optim.AdamW(
-            list(aux), lr=adam_lr, betas=betas, eps=eps, weight_decay=weight_decay
-        )
+        aux_cls = torch.optim.AdamW if adamw else torch.optim.Adam
+        self.adam = aux_cls(list(aux), lr=adam_lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
     @torch.no_grad()
     def step(self) -> None:

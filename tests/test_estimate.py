@@ -46,11 +46,12 @@ def test_gpt2_model_size(capsys):
 
 def test_muon_share_keeps_one_momentum_for_its_params(capsys):
     """``--muon-share``: the Muon group's params keep master + momentum (8 bytes), the aux
-    AdamW's master + two moments (12); only stages 0-2 are shown, with offload on the host."""
+    AdamW's master + two moments (12); stages 0-3, with offload on the host."""
     assert main(["estimate", "--params", "1e9", "--gpus", "4", "--muon-share", "0.9"]) == 0
     out = capsys.readouterr().out
     rows = {tuple(line.split()[:2]): line.split()[2:] for line in out.splitlines()[2:]}
-    assert set(rows) == {("0", "none"), ("1", "none"), ("1", "cpu"), ("2", "none"), ("2", "cpu")}
+    assert set(rows) == {(s, o) for s in "0123" for o in ("none", "cpu")} - {("0", "cpu")}
+    assert rows[("3", "none")][2] == "2.10"
     assert rows[("0", "none")][2] == "8.40"  # 0.9 * 8 + 0.1 * 12
     assert rows[("1", "none")][2] == "2.10"  # ... over 4 ranks
     # offload: the same state on the host, with the host grad shard and staging (2 + 2 / 4)

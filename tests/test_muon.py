@@ -1,5 +1,5 @@
 """DeepSpeed's ``"optimizer": {"type": "Muon"}``: Muon for the params with ``use_muon`` true, an
-AdamW aux group for the rest, at stages 0-2 on 1 and 2 ranks, trains like the published
+AdamW aux group for the rest, at stages 0-3 on 1 and 2 ranks, trains like the published
 algorithm in plain single-process PyTorch (``muon_reference.py``) on the same global batch, with
 gradient accumulation and clipping; its momentum buffer resumes bitwise from a checkpoint and
 loads at another world size; config keys and the ``use_muon`` flag are checked by name."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 from distributed import run_ranks
 from muon_reference import ReferenceMuon, orthogonalize
-from parity import batches, global_step, make_model, reference_step
+from parity import assert_partitioned_if_asked, batches, global_step, make_model, reference_step
 
 import zero_offload
 from zero_offload.config import ConfigError
@@ -29,8 +29,15 @@ def _model():
 
 
 def _config(
-    stage: int, dtype: str = "fp32", ns: str = "standard", world: int = 2, offload: bool = False
+    stage: int,
+    dtype: str = "fp32",
+    ns: str = "standard",
+    world: int = 2,
+    offload: bool = False,
+    extra: dict | None = None,
 ) -> dict:
+    """``extra``: {"params": {...}, "zero": {...}} laid over the optimizer params and the
+    zero_optimization section."""
     cfg = {  # the global batch is 2 * GAS * MICRO samples at every world size
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GAS * 2 // world,
@@ -51,17 +58,20 @@ def _config(
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 100},
         "steps_per_print": 10**6,
     }
+    if stage == 3:  # every param partitioned (asserted by _train)
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     if dtype == "fp16":  # dynamic loss scaling: the factor unscales before the momentum
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
-    if offload:  # the state in host memory; reduce_scatter off, as DeepSpeed requires with it
-        zc = cfg["zero_optimization"]
-        zc.update(offload_optimizer={"device": "cpu"}, reduce_scatter=False)
+    if offload:  # the state in host memory (reduce_scatter: its default, true)
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    cfg["optimizer"]["params"].update((extra or {}).get("params", {}))
+    cfg["zero_optimization"].update((extra or {}).get("zero", {}))
     return cfg
 
 
-def _reference() -> tuple[dict, dict]:
+def _reference(adamw: bool = True) -> tuple[dict, dict]:
     model = _model()
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -74,18 +84,23 @@ def _reference() -> tuple[dict, dict]:
         ADAM_LR,
         BETAS,
         EPS,
+        adamw,
     )
     for x, y in batches(STEPS, 2, GAS, MICRO):
         reference_step(model, opt, x, y, CLIP)
     return init, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _train(stage: int, dtype: str, ns: str, world: int, offload: bool = False) -> dict:
+def _train(
+    stage: int, dtype: str, ns: str, world: int, offload: bool = False, extra: dict | None = None
+) -> dict:
     from zero_offload.core import dist
     from zero_offload.utils import safe_get_full_fp32_param
 
-    cfg = _config(stage, dtype, ns, world, offload)
-    engine = zero_offload.initialize(model=_model(), config=cfg)[0]
+    cfg = _config(stage, dtype, ns, world, offload, extra)
+    model = _model()
+    engine = zero_offload.initialize(model=model, config=cfg)[0]
+    assert_partitioned_if_asked(model, cfg)
     # (where the state lives, a momentum only): the Muon path is the one tested, beside Adam's
     kinds = {(g.state.where, g.state.exp_avg_sq is None) for g in engine.opt_groups}
     where = "host" if offload else "device"
@@ -113,6 +128,8 @@ def _assert_parity(got: dict, init: dict, want: dict, tol: float) -> None:
         pytest.param(2, 0, marks=pytest.mark.slow),
         (2, 1),
         (2, 2),
+        (1, 3),
+        (2, 3),
     ],
 )
 def test_muon_matches_reference(world: int, stage: int) -> None:
@@ -250,12 +267,15 @@ def test_deepspeed_initialize_marks_params_by_deepspeeds_rule() -> None:
 @pytest.mark.parametrize(
     "change,message",
     [
-        ({"zero_optimization": {"stage": 3}}, 'zero_optimization.stage: optimizer "Muon"'),
         (
-            {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
-            'zero_optimization.reduce_scatter: true with offload_optimizer.device "cpu" and '
-            'optimizer "Muon": Muon with reduce scatter does not support optimizer offload',
-        ),  # DeepSpeed's words, as its TestMuonRejectsReduceScatter expects
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_optimizer": {"device": "cpu", "ratio": 0.5},
+                }
+            },
+            'offload_optimizer.ratio: 0.5 with optimizer "Muon": partial offload',
+        ),
         (
             {
                 "zero_optimization": {
@@ -290,6 +310,31 @@ def test_muon_config_errors_name_the_key(change: dict, message: str) -> None:
         load_config(cfg)
 
 
+def test_muon_takes_deepspeeds_adam_keys() -> None:
+    """The keys DeepSpeed 0.19.8 reads under Muon (for its aux Adam): torch_adam and foreach
+    pick an implementation (the same update here), adam_w_mode false makes the aux group Adam
+    with L2 decay, fp32_optimizer_states is accepted with the not-built warning."""
+    from zero_offload.config import NotImplementedSettingWarning, load_config
+
+    base = {"train_micro_batch_size_per_gpu": 1}
+    params = {"torch_adam": True, "foreach": False, "adam_w_mode": False}
+    opt = load_config({**base, "optimizer": {"type": "Muon", "params": params}}).optimizer
+    assert (opt.params.torch_adam, opt.params.foreach, opt.adamw) == (True, False, False)
+    assert load_config({**base, "optimizer": {"type": "Muon"}}).optimizer.adamw
+    with pytest.warns(NotImplementedSettingWarning, match="fp32_optimizer_states"):
+        load_config({**base, "optimizer": {"type": "Muon", "params": {"fp32_optimizer_states": 1}}})
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_muon_adam_w_mode_false_is_l2_adam_for_the_aux_group(offload: bool) -> None:
+    init, want = _reference(adamw=False)
+    params = {"adam_w_mode": False, "torch_adam": True}
+    got = run_ranks(2, _train, 2, "fp32", "standard", 2, offload, {"params": params})
+    _assert_parity(got, init, want, 1e-4)
+    _, adamw_want = _reference()
+    assert (want["emb.weight"] - adamw_want["emb.weight"]).norm() > 1e-4  # the test can tell
+
+
 def test_muon_config_splits_keys_as_deepspeed() -> None:
     """lr reaches both groups unless muon_lr / adam_lr overrides it; momentum and ns_method go
     to the Muon group only, betas and eps to the aux group; unset, DeepSpeed's defaults."""
@@ -312,6 +357,9 @@ def _memory(stage: int, dtype: str, offload: bool = False) -> dict:
     engine = zero_offload.initialize(model=_model(), config=cfg)[0]
     global_step(engine, *batches(1, 2, GAS, MICRO)[0], dist.world_size(), dist.rank())
     have = {k: v for k, v in engine.memory_report().items() if not k.startswith("peak.")}
+    # stage 3: the frozen Linear's param shard, which expected_memory() does not count (it
+    # counts the trainable params); not Muon's question
+    have.pop("device.frozen_param_shard", None)
     muon = [g for g in engine.opt_groups if g.flat.hyper["use_muon"]][0]
     out = {"have": have, "want": engine.expected_memory(), "muon": muon.state.nbytes()}
     out["shard"] = muon.flat.shard_numel(stage >= 1)
@@ -319,7 +367,7 @@ def _memory(stage: int, dtype: str, offload: bool = False) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world,stage,dtype", [(1, 1, "bf16"), (2, 2, "fp32")])
+@pytest.mark.parametrize("world,stage,dtype", [(1, 1, "bf16"), (2, 2, "fp32"), (2, 3, "fp32")])
 def test_muon_state_is_the_momentum_only(world: int, stage: int, dtype: str) -> None:
     """The Muon group keeps one fp32 momentum per element of its shard (Adam keeps two), and the
     engine's memory formula says what it allocated."""

@@ -27,11 +27,29 @@ from test_muon import (
         pytest.param(1, 2, marks=pytest.mark.slow),
         pytest.param(2, 1, marks=pytest.mark.slow),
         (2, 2),
+        (2, 3),
     ],
 )
 def test_offloaded_muon_matches_reference(world: int, stage: int) -> None:
+    """DeepSpeed's default reduce_scatter (true) with the offload."""
     init, want = _reference()
     got = run_ranks(world, _train, stage, "fp32", "standard", world, True)
+    _assert_parity(got, init, want, 1e-4)
+
+
+def test_offloaded_muon_reduce_scatter_or_not_is_the_same_run() -> None:
+    """The step all-gathers each matrix's look-ahead from the ranks' reduced shards, which
+    reduce-scatter and all-reduce leave alike: bit for bit the same params."""
+    on = run_ranks(2, _train, 2, "fp32", "standard", 2, True)
+    off = run_ranks(2, _train, 2, "fp32", "standard", 2, True, {"zero": {"reduce_scatter": False}})
+    for n in on:
+        assert torch.equal(on[n], off[n]), n
+
+
+def test_offloaded_muon_at_stage3_with_offload_param() -> None:
+    init, want = _reference()
+    zero = {"offload_param": {"device": "cpu"}}
+    got = run_ranks(2, _train, 3, "fp32", "standard", 2, True, {"zero": zero})
     _assert_parity(got, init, want, 1e-4)
 
 
@@ -65,7 +83,7 @@ def test_offloaded_muon_checkpoint_resumes_and_loads_across_offload(
         assert torch.equal(saved[k], loaded[k]), k
 
 
-@pytest.mark.parametrize("world,stage,dtype", [(2, 2, "bf16"), (1, 1, "fp32")])
+@pytest.mark.parametrize("world,stage,dtype", [(2, 2, "bf16"), (1, 1, "fp32"), (2, 3, "fp32")])
 def test_offloaded_muon_state_is_the_host_momentum(world: int, stage: int, dtype: str) -> None:
     """The Muon group's state is in host memory, one fp32 momentum per element of its shard
     beside the master, and the engine's memory formula says what it allocated."""

@@ -8,7 +8,7 @@ from zero_offload.runtime.engine.window import Window
 
 def _micro_step(w: Window, steps: list[int]) -> tuple[bool, bool]:
     """One backward then step() at counters steps = [global, micro]; returns (first, last)."""
-    w.check_backward()
+    assert not w.reopens()
     first, last = w.begin_backward(*steps)
     w.end_backward()
     w.begin_step(steps[0])
@@ -35,14 +35,17 @@ def test_override_and_no_sync_decide_the_end():
     assert w.begin_backward(0, 0) == (False, False)  # the window was touched: not its start
 
 
-def test_second_backward_after_the_end_and_step_without_backward_raise():
+def test_second_backward_after_the_end_reopens_and_step_without_backward_raises():
     w = Window(gas=1)
     with pytest.raises(EngineUsageError):
         w.begin_step(0)
     w.begin_backward(0, 0)
     w.end_backward()
-    with pytest.raises(EngineUsageError):
-        w.check_backward()
+    assert w.reopens()  # another backward before step(): it adds and ends the window again
+    assert w.begin_backward(0, 0) == (False, True)
+    w.end_backward()
+    w.begin_step(0)
+    assert not w.reopens()
     w.inside_no_sync = True
     with pytest.raises(RuntimeError, match="no_sync"):
         w.begin_step(0)

@@ -99,11 +99,14 @@ def train(
     rank: int = 0,
     gather=None,
     transposed: bool = False,
+    boundary_each_step: bool = False,
 ) -> list[list[torch.Tensor]]:
     """The params after initialize, then after every step (``rank``'s batches; Muon: for the
     2-D params), each in the model's own shape. ``gather``: the ``GatheredParameters`` that
     reads a stage-3 engine's partitioned params; ``transposed``: its 2-D params are stored
-    transposed (DeepSpeed's stage-3 ZenFlow)."""
+    transposed (DeepSpeed's stage-3 ZenFlow); ``boundary_each_step``: every step says it ends
+    the accumulation window, as accelerate's DeepSpeed wrapper does under the Trainer
+    (``set_gradient_accumulation_boundary(True)`` before each backward)."""
     model = make_model(shape)
     shapes = [p.shape for p in model.parameters()]
     if (cfg.get("optimizer") or {}).get("type") == "Muon":
@@ -114,6 +117,8 @@ def train(
     dtype = next(engine.module.parameters()).dtype
     for x, y in batches(steps, rank):
         loss = torch.nn.functional.mse_loss(engine(x.to(dtype)).float(), y)
+        if boundary_each_step:
+            engine.set_gradient_accumulation_boundary(True)
         engine.backward(loss)
         engine.step()
         out.append(read_params(engine, shapes, gather, transposed))
@@ -235,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     # DeepSpeed's ZenFlow with its param binding fixed and its overlapped updates in order
     # (stage 3: its CUDA-only buffers on the CPU, zenflow_ds3_patches.py)
     ap.add_argument("--fix-binding", action="store_true")
+    ap.add_argument("--boundary-each-step", action="store_true")  # accelerate's wrapper
     args = ap.parse_args(argv)
     if args.offload_param and args.stage != 3:
         ap.error("--offload-param needs --stage 3")
@@ -275,7 +281,9 @@ def main(argv: list[str] | None = None) -> None:
     rank = int(os.environ["RANK"])
     # DeepSpeed's stage-3 ZenFlow stores each 2-D param transposed (its column contiguous)
     transposed = args.impl == "deepspeed" and args.stage == 3 and zf is not None
-    run = train(initialize, cfg, args.steps, args.shape, rank, gather, transposed)
+    run = train(
+        initialize, cfg, args.steps, args.shape, rank, gather, transposed, args.boundary_each_step
+    )
     torch.save(run, args.out)
 
 

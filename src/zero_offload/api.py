@@ -257,7 +257,8 @@ def _param_groups(
         if cfg.optimizer.muon:
             hyper = cfg.optimizer.params
             raw = muon_param_groups(src, hyper.muon_group(), hyper.aux_group())
-            return _checked_groups(model, raw, {}, None, None, True)
+            # adam_w_mode: the aux group's decay (the Muon group's is decoupled either way)
+            return _checked_groups(model, raw, {}, None, None, cfg.optimizer.adamw)
         p = cfg.optimizer.params
         adamw = cfg.optimizer.adamw
         defaults = {

@@ -48,7 +48,7 @@ def init_distributed(
     auto_mpi_discovery: bool = True,
     distributed_port: int = 29500,
     verbose: bool = True,
-    timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+    timeout: datetime.timedelta | float | None = None,
     init_method: str | None = None,
     dist_init_required: bool | None = None,
     config=None,
@@ -57,7 +57,9 @@ def init_distributed(
 ) -> None:
     """Join the process group. With torchrun's environment (or ``rank`` and ``world_size``
     given with ``init_method``) a group is created; with neither, this is a world of one and
-    nothing is created. ``auto_mpi_discovery``, ``verbose`` and ``config`` are accepted and
+    nothing is created. ``timeout`` defaults as DeepSpeed's does: ``$DEEPSPEED_TIMEOUT`` minutes,
+    else 10 minutes, unless ``zero-offload launch --timeout`` gave one
+    (:func:`zero_offload.core.dist.default_timeout`). ``auto_mpi_discovery``, ``verbose`` and ``config`` are accepted and
     unused; ``dist_init_required=False`` skips initialization as in DeepSpeed."""
     if dist_init_required is False or is_initialized():
         return
@@ -76,7 +78,11 @@ def init_distributed(
             os.environ.setdefault("LOCAL_RANK", str(rank % max(1, torch.cuda.device_count())))
             torch.cuda.set_device(_rt.local_rank())
         _dist.init_process_group(
-            backend=backend, init_method=method, rank=rank, world_size=world_size, timeout=timeout
+            backend=backend,
+            init_method=method,
+            rank=rank,
+            world_size=world_size,
+            timeout=_rt.as_timeout(timeout),
         )
         return
     _rt.init_distributed(dist_backend, timeout=timeout)

@@ -50,9 +50,11 @@ def test_frozen_rank_times_out_naming_collective_and_step():
 
 @pytest.mark.parametrize(
     "value,seconds",
-    [(5, 5.0), (2.5, 2.5), ("7", 7.0), (datetime.timedelta(minutes=1), 60.0), (None, 1800.0)],
+    [(5, 5.0), (2.5, 2.5), ("7", 7.0), (datetime.timedelta(minutes=1), 60.0), (None, 600.0)],
 )
-def test_timeout_accepts_seconds_or_timedelta(value, seconds):
+def test_timeout_accepts_seconds_or_timedelta(monkeypatch, value, seconds):
+    monkeypatch.delenv("DEEPSPEED_TIMEOUT", raising=False)
+    monkeypatch.delenv("ZERO_OFFLOAD_TIMEOUT", raising=False)
     assert as_timeout(value).total_seconds() == seconds
 
 

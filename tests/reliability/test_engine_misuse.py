@@ -27,15 +27,37 @@ def test_step_without_backward_raises(stage, offload, gas):
     eng.step()
 
 
+@pytest.mark.parametrize("stage,offload", PLACEMENTS + [(3, False), (3, True)])
+def test_backwards_after_the_window_ended_accumulate_like_torch(stage, offload):
+    """A second and third backward after the one that ended the window, before step(): their
+    gradients add up, as one backward of the summed losses (tests/test_two_backwards.py
+    compares the trained params)."""
+    ref = h.net()
+    (ref(h.batch(1)) + ref(h.batch(2)) + ref(h.batch(3))).backward()
+    want = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in ref.parameters())).item()
+    eng = h.engine(stage, offload)
+    for seed in (1, 2, 3):
+        eng.backward(eng(h.batch(seed)))
+    eng.step()
+    assert eng.get_global_grad_norm() == pytest.approx(want, rel=1e-5)
+
+
 @pytest.mark.parametrize("stage,offload", PLACEMENTS)
-def test_second_backward_in_a_micro_step_raises(stage, offload):
+def test_backward_reopening_the_window_must_end_it(stage, offload):
+    """After the window's end, a backward that would not end it again (no_sync, boundary
+    override False) is refused before it runs; the step then has the first backward's
+    gradient alone."""
+    ref = h.net()
+    ref(h.batch(1)).backward()
+    want = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in ref.parameters())).item()
     eng = h.engine(stage, offload)
     eng.backward(eng(h.batch(1)))
-    with pytest.raises(EngineUsageError, match=r"twice in one micro-step.*l1 \+ l2"):
+    eng.set_gradient_accumulation_boundary(False)
+    with pytest.raises(EngineUsageError, match="must end the window again"):
         eng.backward(eng(h.batch(2)))
+    eng.set_gradient_accumulation_boundary(True)
     eng.step()
-    norm_one = eng.get_global_grad_norm()
-    assert norm_one is not None and norm_one > 0
+    assert eng.get_global_grad_norm() == pytest.approx(want, rel=1e-5)
 
 
 @pytest.mark.parametrize("stage,offload", PLACEMENTS)

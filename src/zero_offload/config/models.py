@@ -382,15 +382,11 @@ class ZeroOffloadConfig(Section):
 
 
 def _muon_rules(zc) -> None:
-    """Muon runs over the whole reduced gradient of each matrix at stages 0-2, its state on the
+    """Muon runs over the whole reduced gradient of each matrix at stages 0-3, its state on the
     device or, with ``offload_optimizer`` "cpu", in host memory (``runtime/update/
-    muon_update.py``); what it is not built for is refused by key."""
-    if zc.stage == 3:
-        raise rule_error(
-            "zero_optimization.stage",
-            'optimizer "Muon" is built for ZeRO stages 0, 1 and 2; at stage 3 each param is '
-            "partitioned and its whole matrix never reduced in one place: use stage 2",
-        )
+    muon_update.py``), with either ``reduce_scatter``: the step all-gathers each matrix's
+    look-ahead from the ranks' reduced shards, which either reduction leaves alike. What it is
+    not built for is refused by key."""
     if not zc.offload:
         return
     device = json_repr(zc.offload_device)
@@ -400,15 +396,11 @@ def _muon_rules(zc) -> None:
             f'{device} with optimizer "Muon": its state is offloaded to host memory only; use '
             '"cpu" or "none"',
         )
-    if zc.reduce_scatter:
-        # DeepSpeed refuses this combination (TestMuonRejectsReduceScatter matches its words);
-        # the same config is refused here, though this project's Muon does not depend on it.
+    if zc.offload_optimizer.ratio < 1.0:
         raise rule_error(
-            "zero_optimization.reduce_scatter",
-            f'true with offload_optimizer.device {device} and optimizer "Muon": Muon with '
-            "reduce scatter does not support optimizer offload (DeepSpeed's rule, kept so a "
-            "config behaves as it does there); set reduce_scatter false, or "
-            'offload_optimizer.device "none"',
+            "zero_optimization.offload_optimizer.ratio",
+            f'{json_repr(zc.offload_optimizer.ratio)} with optimizer "Muon": partial offload '
+            "(a device and a host part of each shard) is built for Adam only; use ratio 1.0",
         )
     if zc.offload_optimizer.delayed_update:
         raise rule_error(

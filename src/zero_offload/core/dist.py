@@ -22,8 +22,13 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)  # torch's (and DeepSpeed's) default
+# DeepSpeed's default since 0.19.6 (``deepspeed.constants.default_pg_timeout``), for every
+# backend. It bounds how far one rank may lag behind the others inside a collective, not how
+# long a step takes: every rank runs its own shard's host (or NVMe) optimizer step, so an
+# offloaded step delays all ranks alike and needs no longer default.
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 TIMEOUT_ENV = "ZERO_OFFLOAD_TIMEOUT"  # seconds; set by `zero-offload launch --timeout`
+DEEPSPEED_TIMEOUT_ENV = "DEEPSPEED_TIMEOUT"  # minutes, DeepSpeed's variable
 DEVICE_ENV = "ZERO_OFFLOAD_DEVICE"  # "cpu" or "cuda": where the engine runs (default: CUDA if any)
 
 
@@ -39,13 +44,41 @@ def current_timeout() -> datetime.timedelta:
         device = torch.device("cuda") if uses_cuda() else torch.device("cpu")
         return group._get_backend(device).options._timeout
     except (RuntimeError, AttributeError, ValueError):
-        return DEFAULT_TIMEOUT
+        return default_timeout()
+
+
+def default_timeout() -> datetime.timedelta:
+    """The collective timeout when the caller names none, read when a group is made:
+    ``$ZERO_OFFLOAD_TIMEOUT`` seconds (``zero-offload launch --timeout``), else
+    ``$DEEPSPEED_TIMEOUT`` minutes (DeepSpeed's variable), else DeepSpeed's 10 minutes.
+
+    ``DEEPSPEED_TIMEOUT`` takes every whole number of minutes DeepSpeed takes, and also
+    fractional minutes (``0.5``: 30 s), which DeepSpeed refuses."""
+    seconds = os.environ.get(TIMEOUT_ENV)
+    if seconds:
+        try:
+            return as_timeout(seconds)
+        except ValueError as err:
+            raise ValueError(f"${TIMEOUT_ENV} (seconds): {err}") from None
+    minutes = os.environ.get(DEEPSPEED_TIMEOUT_ENV)
+    if minutes:
+        try:
+            value = float(minutes)
+        except ValueError:
+            value = float("nan")
+        if not (0 < value < float("inf")):
+            raise ValueError(
+                f"${DEEPSPEED_TIMEOUT_ENV} must be a positive number of minutes, got {minutes!r}"
+            )
+        return datetime.timedelta(minutes=value)
+    return DEFAULT_TIMEOUT
 
 
 def as_timeout(value: datetime.timedelta | float | int | str | None) -> datetime.timedelta:
-    """A collective timeout from a timedelta or a number of seconds (> 0, finite)."""
+    """A collective timeout from a timedelta or a number of seconds (> 0, finite); None is
+    :func:`default_timeout`."""
     if value is None:
-        return DEFAULT_TIMEOUT
+        return default_timeout()
     if isinstance(value, datetime.timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, bool) or not isinstance(value, int | float | str):
@@ -72,8 +105,8 @@ def init_distributed(
     nccl on CUDA, gloo on CPU. Without a launcher (no WORLD_SIZE) this does nothing: the engine
     then runs as a world of one. Calling it twice is harmless.
 
-    ``timeout`` (a timedelta or seconds; default ``$ZERO_OFFLOAD_TIMEOUT`` seconds, else 30
-    minutes) bounds how long a collective waits for the other ranks: on gloo a frozen or dead
+    ``timeout`` (a timedelta or seconds; default :func:`default_timeout`: the launcher's
+    ``--timeout``, else ``$DEEPSPEED_TIMEOUT`` minutes, else 10 minutes as in DeepSpeed) bounds how long a collective waits for the other ranks: on gloo a frozen or dead
     rank makes the others fail after it with a :class:`CollectiveError` naming the collective
     and the step. On NCCL a collective only enqueues: the same fault ends each waiting rank by
     torch's NCCL watchdog after the timeout (the process aborts, its log naming the collective),
@@ -87,8 +120,6 @@ def init_distributed(
     """
     if dist.is_initialized() or "WORLD_SIZE" not in os.environ:
         return
-    if timeout is None:
-        timeout = os.environ.get(TIMEOUT_ENV) or None
     td = as_timeout(timeout)
     backend = dist_backend or ("nccl" if uses_cuda() else "gloo")
     bound = {}

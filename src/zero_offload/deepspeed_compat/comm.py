@@ -36,7 +36,7 @@ def init_distributed(
     auto_mpi_discovery: bool = True,
     distributed_port: int = 29500,
     verbose: bool = True,
-    timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+    timeout: datetime.timedelta | float | None = None,
     init_method: str | None = None,
     dist_init_required: bool | None = None,
     config=None,

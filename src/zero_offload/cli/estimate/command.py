@@ -76,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help='optimizer "Muon": the share of the params in its Muon group (the hidden '
         "matrices; the rest is its AdamW aux group), whose state is one momentum, not Adam's "
-        "two moments; only the rows Muon runs (stages 0-2). Default 0: Adam",
+        "two moments; only the rows Muon runs (no partial offload). Default 0: Adam",
     )
     estimate_step.add_arguments(p)
 

@@ -58,7 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="seconds a collective waits for the other ranks before failing with an error that "
-        "names it (default 1800); exported to the ranks as $ZERO_OFFLOAD_TIMEOUT",
+        "names it (default: $DEEPSPEED_TIMEOUT minutes, else 600 s, as in DeepSpeed); exported "
+        "to the ranks as $ZERO_OFFLOAD_TIMEOUT, which every route's init_distributed reads "
+        "(deepspeed.initialize's too) unless the script passes its own timeout",
     )
     _add_multinode_arguments(parser)
     parser.add_argument(

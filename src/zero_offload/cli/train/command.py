@@ -120,7 +120,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout",
         type=float,
         default=None,
-        help="seconds a collective waits for the other ranks before failing (default 1800)",
+        help="seconds a collective waits for the other ranks before failing (default: "
+        "$DEEPSPEED_TIMEOUT minutes, else 600 s, as in DeepSpeed)",
     )
     parser.add_argument(
         "--batch-size",

@@ -7,7 +7,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
-from ..fields import Float, Section
+from ..fields import Bool, Float, Section
 
 Beta = Annotated[Float, Field(ge=0.0, lt=1.0)]
 Rate = Annotated[Float, Field(ge=0.0, le=1e3)]  # beyond 1e3 no optimizer trains: a typo
@@ -22,6 +22,8 @@ class MuonParams(Section):
     ``eps`` to the aux group only, ``weight_decay`` (decoupled) to both."""
 
     PICKED_BY: ClassVar[str] = '"type": "Muon"'
+    # DeepSpeed hands it to the aux group's CPU Adam (fp32 moments by default, as here)
+    NOT_IMPLEMENTED: ClassVar[frozenset[str]] = frozenset({"fp32_optimizer_states"})
 
     lr: Rate | None = Field(
         None,
@@ -53,6 +55,23 @@ class MuonParams(Section):
     )
     eps: Float = Field(
         1e-10, ge=0.0, description="The aux AdamW group's denominator term (after sqrt)."
+    )
+
+    adam_w_mode: Bool = Field(
+        True,
+        description="The aux group's weight decay: decoupled (AdamW), DeepSpeed's default; "
+        "false: L2 regularization added to its gradient (Adam). The Muon group's decay is "
+        "decoupled either way.",
+    )
+    torch_adam: Bool = Field(
+        False,
+        description="DeepSpeed: run the aux group with torch's Adam implementation. Picks no "
+        "implementation here: the same update either way.",
+    )
+    foreach: Bool | None = Field(
+        None,
+        description="DeepSpeed: torch's foreach switch for the aux group under torch_adam. Picks "
+        "no implementation here: the same update either way.",
     )
 
     def muon_group(self) -> dict:

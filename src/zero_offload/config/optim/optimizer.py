@@ -1,5 +1,5 @@
 """``optimizer`` section: Adam and AdamW (the optimizers ZeRO-Offload's host kernel runs) and
-Muon with its AdamW aux group (``muon_params.py``), at stages 0-2."""
+Muon with its AdamW aux group (``muon_params.py``), at stages 0-3."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ class OptimizerConfig(Section):
 
     type: Literal["Adam", "AdamW", "Muon"] = Field(
         description='"Adam" or "AdamW" (the optimizers the host kernel runs), or "Muon" (with an '
-        "AdamW aux group for the params whose use_muon is false; stages 0-2, its state on the "
+        "AdamW aux group for the params whose use_muon is false; stages 0-3, its state on the "
         'device or, with offload_optimizer "cpu", on the host), '
         "matched case-insensitively. Required.",
     )
@@ -155,8 +155,8 @@ class OptimizerConfig(Section):
 
     @property
     def adamw(self) -> bool:
-        """Decoupled weight decay, as DeepSpeed decides it: type AdamW, or adam_w_mode (Muon's
-        aux group is AdamW)."""
+        """Decoupled weight decay, as DeepSpeed decides it: type AdamW, or adam_w_mode (for
+        Muon, of its aux Adam group; the Muon group's decay is always decoupled)."""
         if isinstance(self.params, MuonParams):
-            return True
+            return self.params.adam_w_mode
         return self.type == "AdamW" or self.params.adam_w_mode

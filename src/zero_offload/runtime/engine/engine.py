@@ -172,9 +172,10 @@ class ZeroOffloadEngine(
         DeepSpeed does.
 
         Non-boundary backwards (inside ``no_sync``, after ``set_gradient_accumulation_boundary
-        (False)``, or before the last micro-step of a window) accumulate like torch's. After a
-        backward that ended the window (it reduced), another one before ``step()`` raises: its
-        gradient would be reduced twice or lost; sum the losses instead."""
+        (False)``, or before the last micro-step of a window) accumulate like torch's. Several
+        backwards before one ``step()`` at the boundary (two losses, a loss per sub-batch) also
+        accumulate: each one after the first adds its reduced gradient to the window's, so the
+        step sees what ``backward(l1 + l2)`` gives."""
         guards.check_loss(loss)
         guards.check_alive(self.destroyed, "backward")
         guards.check_has_optimizer(self.optimizer, "backward")
@@ -205,7 +206,7 @@ class ZeroOffloadEngine(
         already scaled) or a plain ``loss.backward()`` of the forward's output (``PLAIN``)."""
         guards.check_has_optimizer(self.optimizer, "backward")
         self.moved.require("engine.backward()", BACKWARD_NEEDS)
-        self.window.check_backward()
+        reopens = self.window.reopens()
         trace_mark("backward")
         factor = 1.0
         if driver == PLAIN:
@@ -215,6 +216,9 @@ class ZeroOffloadEngine(
         self._loss_scaled = False
         dist.set_step(self.global_steps)
         first, last = self.window.begin_backward(self.global_steps, self.micro_steps)
+        if reopens:  # a backward already ended this window: keep its sum, add this one's
+            for og in self.opt_groups:
+                og.grads.reopen()
         if not last:  # a window of several backwards (built with GAS 1: allocated now)
             for og in self.opt_groups:
                 og.grads.ensure_device_accumulator()

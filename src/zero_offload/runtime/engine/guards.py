@@ -116,11 +116,21 @@ def check_has_optimizer(optimizer: object, what: str) -> None:
         )
 
 
-def second_backward_error() -> EngineUsageError:
+def backward_after_block_error() -> EngineUsageError:
     return EngineUsageError(
-        "engine.backward() was called twice in one micro-step, and the first one ended the "
-        "accumulation window (its gradients are already reduced). Call engine.step() after "
-        "it, or add the losses and call backward once: engine.backward(l1 + l2)."
+        "engine.backward() after a coalesce_grad_reduction() block, before engine.step(): the "
+        "block is one optimizer step and its exit already reduced the gradients. Call "
+        "engine.step() first, or run this backward inside the block."
+    )
+
+
+def reopen_without_end_error() -> EngineUsageError:
+    return EngineUsageError(
+        "engine.backward() after the backward that ended the accumulation window, before "
+        "engine.step(), inside no_sync() or after set_gradient_accumulation_boundary(False): "
+        "such a backward adds to the window's reduced gradient and must end the window again, "
+        "else its gradient would miss the step. Call engine.step() first, or let it end the "
+        "window."
     )
 
 

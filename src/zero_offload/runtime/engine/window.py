@@ -31,6 +31,7 @@ class Window:
     in_step: bool = False  # unmanaged: a step() is running (the boundary)
     backwards: int = 0  # unmanaged: backwards since the last step()
     ended: bool = False  # a window-ending (reducing) backward ran in this micro-step
+    ended_by_block: bool = False  # a coalesce_grad_reduction() block's exit ended it
     backward_since_step: bool = False
     ending: bool = False  # the running backward ends the window
 
@@ -52,19 +53,31 @@ class Window:
         self._sync(global_steps, micro_steps)
         return micro_steps == self.start and self.touched_at != (global_steps, micro_steps)
 
-    def check_backward(self) -> None:
-        """A second backward after the one that ended the window, before ``step()``, raises:
-        its gradient would be reduced twice or lost."""
-        if self.ended:
-            raise guards.second_backward_error()
+    def reopens(self) -> bool:
+        """Does this backward come after the one that ended the window, before ``step()`` (two
+        losses, a loss per sub-batch)? It then reopens the window: its gradient is added to
+        the window's reduced one, as torch's ``.grad`` accumulates, and it ends the window
+        again (``GradShard.reopen``)."""
+        return self.ended
 
     def begin_backward(self, global_steps: int, micro_steps: int) -> tuple[bool, bool]:
-        """A backward begins: (does it start the window, does it end it)."""
+        """A backward begins: (does it start the window, does it end it). One that reopens the
+        window must end it again (else its gradient would miss the step that follows), and a
+        ``coalesce_grad_reduction`` block is one step of its own: both raise, changing nothing."""
+        ending = not self.inside_no_sync and self.is_boundary(global_steps, micro_steps)
+        if self.ended and self.ended_by_block:
+            raise guards.backward_after_block_error()
+        if self.ended and not ending:
+            raise guards.reopen_without_end_error()
         first = self.at_start(global_steps, micro_steps)
         self.touched_at = (global_steps, micro_steps)
         self.backwards += 1
-        self.ending = not self.inside_no_sync and self.is_boundary(global_steps, micro_steps)
+        self.ending = ending
         return first, self.ending
+
+    def end_by_block(self) -> None:
+        """A ``coalesce_grad_reduction`` block's exit ended the window."""
+        self.ended = self.ended_by_block = True
 
     def end_backward(self) -> None:
         self.ended = self.ending
@@ -79,7 +92,7 @@ class Window:
             )
         if not self.backward_since_step:
             raise guards.step_without_backward_error(global_steps)
-        self.ended = self.backward_since_step = False
+        self.ended = self.ended_by_block = self.backward_since_step = False
 
     def restart(self, global_steps: int, micro_steps: int) -> None:
         """A new window begins at the next backward (a failed NVMe step spent the micro-step)."""

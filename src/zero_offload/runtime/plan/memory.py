@@ -20,7 +20,7 @@ device part ``(1 - r)`` of the shard (rounded as ``placement.twin_split`` cuts i
 fp32 training with the optimizer and the params on the device keeps no master copy: the fp32
 params (stage 3: the param shard) are the master, so the 12 becomes 8 (the moments).
 
-Muon (stages 0-2, the state on the device or, with offload, on the host): its groups keep one
+Muon (stages 0-3, the state on the device or, with offload, on the host): its groups keep one
 momentum buffer instead of Adam's two moments, so their 12 becomes 8 (fp32 on the device: 4);
 the aux AdamW group is an Adam group.
 
@@ -153,13 +153,13 @@ def per_param_table(
 ) -> list[dict]:
     """Every stage with and without offload (and, at stage 3, parameter offload), for
     ``zero-offload estimate``; ``ratio``: the stage-3 offload rows' partial offload;
-    ``muon_share``: the params' share in a Muon group (then only stages 0-2)."""
+    ``muon_share``: the params' share in a Muon group (then no partial-offload rows)."""
     rows = []
     muon = round(numel * muon_share)
     for stage, offload, offload_param in TABLE_CASES:
-        if muon and stage == 3:
-            continue  # Muon runs at stages 0-2 only
         r = ratio if stage == 3 else 1.0
+        if muon and offload and r < 1.0:
+            continue  # Muon has no partial offload
         e = expected_bytes(numel, dtype, stage, world_size, offload, offload_param=offload_param,
                            ratio=r, muon_numel=muon)  # fmt: skip
         dev = sum(v for k, v in e.items() if k.startswith("device."))

@@ -14,6 +14,13 @@
   is copied to the host (its buffer is in the part's coordinates); the device part stays in a
   device grad shard of ``host_from`` elements (or in the full device accumulator).
 
+Several backwards before one ``step()`` after the window's end (two losses, a loss per
+sub-batch): each one after the first ``reopen``s the window. Stage 2/3 add the next backward's
+reduced gradient into a device grad shard (made whole, from the host copy, where offload kept
+none); stage 0/1 reduce in place, so the reduced sum so far is kept aside (``carry``) and added
+to each segment as it is reduced again. Either way every segment's norm and host copy are
+redone from the window's new sum, as ``backward(l1 + l2)`` would have produced them.
+
 Invariant: the host grad shard has the accumulator's dtype, so an fp32 accumulator
 (``data_types.grad_accum_dtype`` "fp32" with 16-bit params) reaches the host update unrounded;
 a 16-bit host copy would round the window's sum once more, which the device update never does.
@@ -90,6 +97,9 @@ class GradShard:
         # the first backward, so a run resumed from a checkpoint would otherwise add the same
         # numbers in another order and clip by a norm a few ulps apart.
         self._sq: dict[int, torch.Tensor] = {}
+        # Stage 0/1 after ``reopen``: the window's reduced sum before the reopening backward,
+        # by shard offset (None otherwise)
+        self.carry: torch.Tensor | None = None
         self.zeroed = False  # zero() since the last backward began
         self.writes = True  # the current backward writes the device shard (see begin_backward)
         self.d2h_done = None  # event after the last host copy of this step (CUDA only)
@@ -113,6 +123,35 @@ class GradShard:
         numel = self.group.shard_numel(True)
         if self.stage >= 2 and (self.device_shard is None or self.device_shard.numel() < numel):
             self.device_shard = torch.zeros(numel, dtype=self.accum_dtype, device=self.group.device)
+
+    def reopen(self) -> None:
+        """A backward after the one that ended the window, before ``step()``: keep the window's
+        reduced gradient and let that backward add to it and end the window again. Called
+        before its ``begin_backward(first=False)``, so stage 2/3 add into the device shard."""
+        self._sq.clear()  # every segment is reduced again: its norm is the new sum's
+        if self.stage <= 1:
+            src = self.flat_grad if self.accum is None else self.accum
+            carry = torch.empty(self.numel, dtype=src.dtype, device=src.device)
+            for seg in self.segs:  # this rank's reduced segments (their sum so far)
+                carry[seg.shard_start : seg.shard_start + seg.numel].copy_(
+                    src[seg.flat_start : seg.flat_start + seg.numel]
+                )
+            self.carry = carry
+            src.zero_()  # the next backward's local gradient alone is reduced
+            self.flat_grad.zero_()
+            return
+        d = self.device_shard
+        if d is not None and d.numel() == self.numel:
+            return  # the device shard holds the window's sum: the next backward adds into it
+        # Offload kept only the host copy of [host_from, numel): the whole sum goes back to a
+        # device shard (kept from now on, as a window of several micro-steps keeps it).
+        if self.d2h_done is not None:
+            self.d2h_done.synchronize()
+        whole = torch.empty(self.numel, dtype=self.accum_dtype, device=self.group.device)
+        if d is not None:
+            whole[: d.numel()].copy_(d)
+        whole[self.host_from :].copy_(self.host[self.host_index], non_blocking=False)
+        self.device_shard = whole
 
     def finalize(self) -> None:
         """Stage 2/3, ``managed_gradient_accumulation`` false: every backward folded into the
@@ -151,6 +190,8 @@ class GradShard:
     def accept(self, seg: Segment, reduced: torch.Tensor, last: bool) -> None:
         """Fold a reduced segment in (on the stream that reduced it, the current one).
         ``last``: the final micro-step of the accumulation window."""
+        if self.carry is not None:  # stage 0/1, reopened: ``reduced`` is the flat buffer's
+            reduced.add_(self.carry[seg.shard_start : seg.shard_start + seg.numel])
         final = self._fold(seg, reduced)
         if not last:
             return
@@ -218,6 +259,7 @@ class GradShard:
         if self.device_shard is not None and self.accum_dtype != self.group.dtype:
             self.device_shard.zero_()  # another accumulator dtype is always added into
         self.zeroed = True
+        self.carry = None
         self._sq.clear()
 
     def begin_backward(self, first: bool) -> None:

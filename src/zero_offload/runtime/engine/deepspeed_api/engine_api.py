@@ -10,12 +10,26 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 from collections.abc import Iterator
 
 import torch
 
 from ...precision.autocast import DEFAULT_SAFE_MODULES
 from .. import guards
+
+log = logging.getLogger("zero_offload")
+
+# Said once per process: accelerate's DeepSpeed wrapper (the Trainer's route) calls
+# set_gradient_accumulation_boundary before every backward.
+ZENFLOW_BOUNDARY_NOTE = (
+    "set_gradient_accumulation_boundary(True) on a ZenFlow engine (accelerate, the Hugging Face "
+    "Trainer): zero_optimization.zenflow.update_interval and select_interval keep their "
+    "schedule here, each boundary being one ZenFlow step. DeepSpeed 0.19.8 lets this override "
+    "end every step's update interval instead (a host update at every boundary), so its "
+    "Trainer runs differ from its own engine loop and from this one (docs/zenflow.md)"
+)
+_zenflow_boundary_noted = False
 
 
 class LossScale(float):
@@ -67,6 +81,10 @@ class DeepSpeedEngineAPI:
                 "the caller owns the boundary by calling step()"
             )
         self.window.boundary_override = is_boundary
+        global _zenflow_boundary_noted
+        if is_boundary and not _zenflow_boundary_noted and self.zero_plan.zenflow is not None:
+            _zenflow_boundary_noted = True
+            log.warning(ZENFLOW_BOUNDARY_NOTE)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -114,7 +132,7 @@ class DeepSpeedEngineAPI:
             self.window.inside_no_sync = False
             if self.window.backward_since_step:
                 self.reducer.finish_window()
-                self.window.ended = True
+                self.window.end_by_block()
 
     def was_step_applied(self) -> bool:
         """Whether the latest ``step()`` changed the parameters (False between accumulation

@@ -1,5 +1,5 @@
 """The update of a Muon param group (``"optimizer": {"type": "Muon"}``, params with
-``use_muon`` true) at stages 0-2: ``MuonUpdate`` with its state on the device, and the same
+``use_muon`` true) at stages 0-3: ``MuonUpdate`` with its state on the device, and the same
 steps (``MuonSteps``) under ``HostMuonUpdate`` (``host_muon_update.py``) with its state in host
 memory (``offload_optimizer`` "cpu").
 
@@ -88,7 +88,7 @@ class MuonSteps:
         if owned is None:
             layout = self.group.layout
             owned = [
-                (p.shape, off, n)
+                (getattr(p, "ds_shape", p.shape), off, n)  # stage 3: p itself is empty
                 for p, off, n in zip(self.group.params, layout.offsets, layout.numels)
                 if any(s.flat_start < off + n and off < s.flat_start + s.numel for s in self.segs)
             ]
