@@ -45,8 +45,10 @@ class SpanExecutor(concurrent.futures.Executor):
     """The engine's host-update executor, timing every task it runs: (native thread id, start ns,
     end ns) on ``time.perf_counter_ns``'s clock."""
 
-    def __init__(self, inner: concurrent.futures.Executor) -> None:
+    def __init__(self, inner) -> None:
+        """``inner``: the engine's ``HostWorker``; its kernel thread count is this one's."""
         self.inner = inner
+        self.threads = inner.threads
         self.spans: list[tuple[int, int, int]] = []
 
     def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
