@@ -1,5 +1,5 @@
 """The GPU check: the steps of ``gpu_check_steps.py`` in order, each under its own time limit and
-all under one cap (default ``CAP_S``, 480 s, on a GPU; 300 s for the CPU rehearsal), writing
+all under one cap (default ``CAP_S``, 480 s, on a GPU; 420 s for the CPU rehearsal), writing
 ``OUTDIR/summary.json`` after every step (a cut-off run keeps the finished steps' results), each
 step's output into its log in OUTDIR, the steps' data files into ``OUTDIR/data.tgz``, and a table
 last. A copy of the summary and what the install left for later steps (the ``PYTHONPATH`` of its
@@ -26,7 +26,8 @@ from gpu_check_steps import CAP_S, STEPS, Ctx, Step
 
 REPO = Path(__file__).resolve().parents[1]
 MIN_STEP_S = 20.0  # a step that would get less is skipped
-REHEARSAL_MIN_S = 60.0  # a step's limit at least, in the CPU rehearsal
+REHEARSAL_MIN_S = {"install": 150.0, "*": 60.0}  # a step's limit at least, in the rehearsal
+REHEARSAL_CAP_S = 420.0  # the rehearsal's default cap (gpu_check.sh's backstop is 540 s)
 STATE_ENV = "GPU_CHECK_STATE"  # the folder that outlives a call on the same machine
 STEPS_ENV = "GPU_CHECK_STEPS"  # steps to run, as --steps (space- or comma-separated)
 RERUN = ("failed", "timed out")  # a step with this status is rerun by --failed
@@ -76,8 +77,27 @@ def step_env(ctx: Ctx, step: Step, state: Path) -> dict[str, str]:
     return env
 
 
-def run_step(step: Step, ctx: Ctx, out: Path, left: float, state: Path) -> dict[str, Any]:
-    """One step: its command, or skipped (nothing to run, no time left)."""
+def rehearsal_budget(step: Step) -> float | None:
+    """The rehearsal's CPU compiles, collects and imports slower than the GPU machine's 16
+    cores: its steps get at least REHEARSAL_MIN_S each (the GPU limits are sized for that one)."""
+    if step.budget is None:
+        return None
+    return max(step.budget, REHEARSAL_MIN_S.get(step.name, REHEARSAL_MIN_S["*"]))
+
+
+def step_limit(budget: float | None, left: float, later: float) -> float:
+    """A step's limit: its own budget, plus what earlier steps left unused (``left`` less the
+    ``later`` steps' budgets), never more than ``left``; None: all that is left."""
+    if budget is None:
+        return left
+    return min(left, max(budget, left - later))
+
+
+def run_step(
+    step: Step, ctx: Ctx, out: Path, left: float, state: Path, later: float = 0.0
+) -> dict[str, Any]:
+    """One step: its command, or skipped (nothing to run, no time left). ``later``: the
+    budgets of the chosen steps after it (what it must leave them)."""
     log = out / step.log
     with open(log, "a") as f:
         f.write(f"\n==== {step.name}\n")
@@ -86,10 +106,8 @@ def run_step(step: Step, ctx: Ctx, out: Path, left: float, state: Path) -> dict[
         return runner.entry(
             step.name, "skipped", 0.0, step.log, note="no tests there (no test_*.py)"
         )
-    # The rehearsal's CPU collects and imports slower than the GPU machine's 16 cores: its steps
-    # get at least REHEARSAL_MIN_S each (the GPU limits are sized for the GPU machine).
-    budget = step.budget if ctx.cuda or step.budget is None else max(step.budget, REHEARSAL_MIN_S)
-    limit = left if budget is None else min(budget, left)
+    budget = rehearsal_budget(step) if not ctx.cuda else step.budget
+    limit = step_limit(budget, left, later)
     if limit < MIN_STEP_S:
         return runner.entry(step.name, "skipped", 0.0, step.log, note="no time left")
     res = runner.run(cmd, log, limit - runner.GRACE_S, step_env(ctx, step, state), REPO)
@@ -163,7 +181,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("out", type=Path, help="folder for summary.json, the logs and data.tgz")
     p.add_argument("--rehearsal", action="store_true", help="the CPU rehearsal even with CUDA")
     p.add_argument("--cap", type=float, default=None, help="seconds for the whole check "
-                   f"(default {CAP_S:.0f} on a GPU, 300 for the rehearsal)")  # fmt: skip
+                   f"(default {CAP_S:.0f} on a GPU, {REHEARSAL_CAP_S:.0f} for the rehearsal)")  # fmt: skip
     p.add_argument(
         "--steps",
         nargs="+",
@@ -189,15 +207,17 @@ def main(argv: list[str] | None = None) -> int:
     state.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     ctx = make_ctx(args, scratch)
-    cap = args.cap or (CAP_S if ctx.cuda else 300.0)
+    cap = args.cap or (CAP_S if ctx.cuda else REHEARSAL_CAP_S)
     meta = {"mode": "gpu" if ctx.cuda else "cpu rehearsal", "cap_s": cap, "python": ctx.python,
             "pytest_timeout": ctx.timeout_plugin, "xdist": ctx.xdist,
             "chosen": [s.name for s in chosen]}  # fmt: skip
     done: list[dict[str, Any]] = []
     try:
-        for step in chosen:
+        for i, step in enumerate(chosen):
             left = cap - (time.monotonic() - t0)
-            done.append(run_step(step, ctx, out, left, state))
+            later = sum((rehearsal_budget(s) if not ctx.cuda else s.budget) or 0.0
+                        for s in chosen[i + 1 :])  # fmt: skip
+            done.append(run_step(step, ctx, out, left, state, later))
             print(f"== {step.name}: {done[-1]['status']} ({done[-1]['seconds']:.0f} s)", flush=True)
             if step.name == "install" and done[-1]["status"] == "passed":
                 (state / "installed").write_text(ctx.python + "\n")

@@ -10,7 +10,7 @@
 # 2. a base environment, made once and kept ($REHEARSE_CACHE): Python 3.12 (PYTHON312, else
 #    python3.12 on PATH, else pyenv's) with torch $REHEARSE_TORCH (default 2.11.0, the GPU
 #    machine's; PyPI's Linux build, CUDA libraries included, run here on the CPU) and what that
-#    machine's image has that the check uses (pytest, pytest-timeout), typing_extensions held
+#    machine's image has that the check uses (pytest, pytest-timeout, numpy), typing_extensions held
 #    older than pydantic needs (the machine's version is not known: the carried one must win);
 # 3. twice, each in a throwaway venv that sees the base's packages and in a network namespace
 #    with no network (`unshare -rn`), `scripts/gpu_check.sh --install`: the install runs for
@@ -43,13 +43,13 @@ for c in ${PYTHON312:-} $(command -v python3.12) "${PYENV_ROOT:-$HOME/.pyenv}"/v
 done
 [ -n "$py312" ] || { echo "rehearse: no Python 3.12 (set PYTHON312)"; exit 2; }
 base="$CACHE/torch-$TORCH-py312"
-if [ ! -f "$base/ready" ]; then
-  echo "== base environment: torch $TORCH on $("$py312" -V) into $base (once)"
-  rm -rf "$base" && "$py312" -m venv "$base" &&
-    "$base/bin/python" -m pip install -q "torch==$TORCH" pytest pytest-timeout \
-      "typing_extensions==$OLD_TE" >"$OUT/base.log" 2>&1 ||
+reqs=("torch==$TORCH" pytest pytest-timeout numpy "typing_extensions==$OLD_TE")
+if [ "$(cat "$base/ready" 2>/dev/null)" != "${reqs[*]}" ]; then
+  echo "== base environment: ${reqs[*]} on $("$py312" -V) into $base (once)"
+  [ -x "$base/bin/python" ] || "$py312" -m venv "$base" || exit 2
+  "$base/bin/python" -m pip install -q "${reqs[@]}" >"$OUT/base.log" 2>&1 ||
     { tail "$OUT/base.log"; echo "rehearse: torch $TORCH does not install"; exit 2; }
-  touch "$base/ready"
+  echo "${reqs[*]}" >"$base/ready"
 fi
 base_site=$("$base/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 torch_ver=$("$base/bin/python" -c "import torch; print(torch.__version__)")
@@ -75,7 +75,7 @@ echo "== read-only venv: gpu_check.sh --install --steps install smoke, offline"
 "${offline[@]}" PYTHON="$tmp/ro/bin/python" GPU_CHECK_STATE="$tmp/state_ro" \
   GPU_INSTALL_TARGET="$tmp/site" unshare -rnm bash -c \
   'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && shift && exec "$@"' _ "$tmp/ro" \
-  bash scripts/gpu_check.sh "$OUT/readonly" --install --steps install smoke
+  bash scripts/gpu_check.sh "$OUT/readonly" --install --steps install smoke --cap 240
 rc_ro=$?
 grep -q "not writable" "$OUT/readonly/install.log" ||
   { echo "rehearse: the read-only venv was installed into"; rc_ro=1; }

@@ -64,6 +64,13 @@ def test_first_lease_figures_first_within_the_cap() -> None:
     assert not any("ZERO_OFFLOAD_TEST_REQUIRE" in s.env for s in STEPS)
 
 
+def test_a_step_gets_what_earlier_steps_left() -> None:
+    assert gpu_check.step_limit(90, left=480, later=390) == 90
+    assert gpu_check.step_limit(30, left=430, later=360) == 70  # the install's 40 s unused
+    assert gpu_check.step_limit(65, left=50, later=45) == 50  # never past the cap
+    assert gpu_check.step_limit(None, left=120, later=0) == 120
+
+
 def _chosen(tmp_path: Path, monkeypatch, *argv: str) -> list[str]:
     monkeypatch.setenv("GPU_CHECK_STATE", str(tmp_path))
     args = gpu_check.parse_args([str(tmp_path / "out"), *argv])
