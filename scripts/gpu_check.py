@@ -214,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     done: list[dict[str, Any]] = []
     try:
         for i, step in enumerate(chosen):
+            if step.name == "install":  # installed again, or no longer
+                (state / "installed").unlink(missing_ok=True)
             left = cap - (time.monotonic() - t0)
             later = sum((rehearsal_budget(s) if not ctx.cuda else s.budget) or 0.0
                         for s in chosen[i + 1 :])  # fmt: skip

@@ -46,6 +46,7 @@ missing() {  # what is needed and not carried: the end of an install, a note of 
 if "$PY" -c "import os, sys, sysconfig; sys.exit(not os.access(sysconfig.get_paths()['purelib'], os.W_OK))"; then
   into=()
   echo "install: into the interpreter's environment"
+  ((check)) || rm -f "$STATE/pythonpath"  # an earlier fallback's, no longer wanted
 else
   into=(--target "$TARGET" --upgrade)
   mkdir -p "$TARGET" "$STATE"

@@ -14,7 +14,8 @@
 #    older than pydantic needs (the machine's version is not known: the carried one must win);
 # 3. twice, each in a throwaway venv that sees the base's packages and in a network namespace
 #    with no network (`unshare -rn`), `scripts/gpu_check.sh --install`: the install runs for
-#    real from .whl/ and passes, smoke trains on the CPU, the CUDA steps run their wiring and
+#    real from .whl/ and passes (the namespace's loopback up, as the GPU machine's: the benchmarks'
+#    ranks meet on 127.0.0.1), smoke trains on the CPU, the CUDA steps run their wiring and
 #    are reported skipped. OUTDIR/writable: the venv writable (installed into it, editable);
 #    OUTDIR/readonly: the venv mounted read-only (`unshare -rnm`), the install falls back to a
 #    target folder on PYTHONPATH (install and smoke only).
@@ -69,12 +70,13 @@ offline=(env -u PIP_FIND_LINKS -u PIP_INDEX_URL -u PIP_EXTRA_INDEX_URL -u PYTHON
 venv "$tmp/rw" && venv "$tmp/ro" || exit 2
 echo "== writable venv: gpu_check.sh --install, offline"
 "${offline[@]}" PYTHON="$tmp/rw/bin/python" GPU_CHECK_STATE="$tmp/state_rw" \
-  unshare -rn bash scripts/gpu_check.sh "$OUT/writable" --install
+  unshare -rn bash -c 'ip link set lo up && exec "$@"' _ \
+  bash scripts/gpu_check.sh "$OUT/writable" --install
 rc_rw=$?
 echo "== read-only venv: gpu_check.sh --install --steps install smoke, offline"
 "${offline[@]}" PYTHON="$tmp/ro/bin/python" GPU_CHECK_STATE="$tmp/state_ro" \
-  GPU_INSTALL_TARGET="$tmp/site" unshare -rnm bash -c \
-  'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && shift && exec "$@"' _ "$tmp/ro" \
+  GPU_INSTALL_TARGET="$tmp/site" unshare -rnm bash -c 'ip link set lo up &&
+    mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && shift && exec "$@"' _ "$tmp/ro" \
   bash scripts/gpu_check.sh "$OUT/readonly" --install --steps install smoke --cap 240
 rc_ro=$?
 grep -q "not writable" "$OUT/readonly/install.log" ||
