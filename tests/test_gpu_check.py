@@ -19,6 +19,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import gpu_check  # noqa: E402
 import gpu_check_run as runner  # noqa: E402
+import gpu_wheels_check  # noqa: E402
 from gpu_check_steps import CAP_S, STEPS, cuda_test_files  # noqa: E402
 
 WIRING = ("cuda_tests", "sanitizer", "pcie", "overlap", "throughput", "zenflow", "zenflow3")
@@ -178,3 +179,29 @@ def test_step_over_its_limit_is_stopped(tmp_path: Path) -> None:
     got = runner.run(cmd, log, timeout=3.0, env=dict(os.environ), cwd=tmp_path)
     assert got.rc is None and runner.status_of(got) == "timed out"
     assert "started" in log.read_text() and got.seconds < 60
+
+
+def _wheel(folder: Path, name: str, version: str, requires: str = "") -> None:
+    import zipfile
+
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as z:
+        z.writestr(f"{name}-{version}.dist-info/METADATA", f"Name: {name}\n{requires}")
+
+
+def test_wheels_check_names_what_the_install_lacks(tmp_path: Path) -> None:
+    """.whl/ before a lease: every wheel the install needs, one version each, typing_extensions
+    as new as pydantic asks."""
+    for name in gpu_wheels_check.NEEDED:
+        _wheel(tmp_path, name, "1.0")
+    _wheel(tmp_path, "pydantic", "2.13.4", "Requires-Dist: typing-extensions>=4.14.1\n")
+    (tmp_path / "pydantic-1.0-py3-none-any.whl").unlink()
+    assert gpu_wheels_check.problems(tmp_path) == [
+        "typing_extensions (1, 0) is older than pydantic's >= (4, 14, 1)"
+    ]
+    (tmp_path / "typing_extensions-1.0-py3-none-any.whl").unlink()
+    _wheel(tmp_path, "typing_extensions", "4.16.0")
+    _wheel(tmp_path, "wheel", "0.48.0")
+    (tmp_path / "annotated_types-1.0-py3-none-any.whl").unlink()
+    found = gpu_wheels_check.problems(tmp_path)
+    assert found[0] == f"annotated_types: none in {tmp_path}"
+    assert found[1].startswith("wheel: 2 versions") and len(found) == 2
