@@ -9,7 +9,8 @@
 #    64 MiB a call carries);
 # 2. a base environment, made once and kept ($REHEARSE_CACHE): Python 3.12 (PYTHON312, else
 #    python3.12 on PATH, else pyenv's) with torch $REHEARSE_TORCH (default 2.11.0, the GPU
-#    machine's; PyPI's Linux build, CUDA libraries included, run here on the CPU) and what that
+#    machine's; PyPI's Linux build, CUDA libraries included, run here on the CPU; where it does
+#    not install, $REHEARSE_TORCH_FALLBACK, default 2.13.0, and says so) and what that
 #    machine's image has that the check uses (pytest, pytest-timeout, numpy), typing_extensions held
 #    older than pydantic needs (the machine's version is not known: the carried one must win);
 # 3. twice, each in a throwaway venv that sees the base's packages and in a network namespace
@@ -43,14 +44,21 @@ for c in ${PYTHON312:-} $(command -v python3.12) "${PYENV_ROOT:-$HOME/.pyenv}"/v
   if "$c" -c "import sys; sys.exit(sys.version_info[:2] != (3, 12))" 2>/dev/null; then py312=$c; break; fi
 done
 [ -n "$py312" ] || { echo "rehearse: no Python 3.12 (set PYTHON312)"; exit 2; }
-base="$CACHE/torch-$TORCH-py312"
-reqs=("torch==$TORCH" pytest pytest-timeout numpy "typing_extensions==$OLD_TE")
-if [ "$(cat "$base/ready" 2>/dev/null)" != "${reqs[*]}" ]; then
+make_base() {  # $1: torch's version; sets base; fails where that torch does not install
+  base="$CACHE/torch-$1-py312"
+  local reqs=("torch==$1" pytest pytest-timeout numpy "typing_extensions==$OLD_TE")
+  [ "$(cat "$base/ready" 2>/dev/null)" = "${reqs[*]}" ] && return 0
   echo "== base environment: ${reqs[*]} on $("$py312" -V) into $base (once)"
-  [ -x "$base/bin/python" ] || "$py312" -m venv "$base" || exit 2
-  "$base/bin/python" -m pip install -q "${reqs[@]}" >"$OUT/base.log" 2>&1 ||
-    { tail "$OUT/base.log"; echo "rehearse: torch $TORCH does not install"; exit 2; }
-  echo "${reqs[*]}" >"$base/ready"
+  { [ -x "$base/bin/python" ] || "$py312" -m venv "$base"; } &&
+    "$base/bin/python" -m pip install -q "${reqs[@]}" >"$OUT/base.log" 2>&1 &&
+    echo "${reqs[*]}" >"$base/ready"
+}
+# The GPU machine's torch where it installs (PyPI's Linux wheel: a CUDA build, about 4 GB with
+# its CUDA libraries, once), else $REHEARSE_TORCH_FALLBACK (default 2.13.0, CI's).
+if ! make_base "$TORCH"; then
+  tail -3 "$OUT/base.log"
+  echo "rehearse: torch $TORCH does not install here: torch ${REHEARSE_TORCH_FALLBACK:-2.13.0} instead"
+  make_base "${REHEARSE_TORCH_FALLBACK:-2.13.0}" || { tail "$OUT/base.log"; exit 2; }
 fi
 base_site=$("$base/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 torch_ver=$("$base/bin/python" -c "import torch; print(torch.__version__)")
