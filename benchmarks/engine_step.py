@@ -313,6 +313,19 @@ def _header(shape: Shape, meta: dict[str, Any], rows: list[dict[str, Any]]) -> s
     )
 
 
+def _write_json(
+    path: Path, meta: dict[str, Any], shape: Shape, runs: list, results: list[list[dict]]
+) -> None:
+    """The rows of the runs that have a result so far (all rounds' results merged), with their
+    ratios, written whole and then renamed (a reader never sees half a file)."""
+    rows = [summarize(shape, r, merge_rounds(res)) for r, res in zip(runs, results) if res]
+    add_ratios(rows)
+    out = {"meta": meta, "rows": [{k: v for k, v in r.items() if k != "run"} for r in rows]}
+    tmp = path.with_name(path.name + ".part")
+    tmp.write_text(json.dumps(out, indent=1))
+    tmp.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     shape = Shape(
@@ -368,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
                     shape, run, args.timeout, args.threads, int(args.host_reserve_gib * 2**30)
                 )
             results[i].append(result)
+            if args.json:  # the rows finished so far: a run cut off later leaves them
+                _write_json(args.json, meta, shape, runs, results)
             said = result.get("error") or "{:.3f} s/step".format(
                 sorted(max(r["wall"][k] for r in result["ranks"]) for k in range(shape.steps))[
                     shape.steps // 2
@@ -391,8 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         if impl != "engine":
             print(f"  {impl} stage {stage} offload {offload}: {info}")
     if args.json:
-        out = {"meta": meta, "rows": [{k: v for k, v in r.items() if k != "run"} for r in rows]}
-        args.json.write_text(json.dumps(out, indent=1))
+        _write_json(args.json, meta, shape, runs, results)
     return 1 if all("error" in r for r in rows) else 0
 
 

@@ -1,8 +1,9 @@
 """The GPU check's smoke step (``scripts/gpu_check.sh``): the installed package imports, the
 DeepSpeed opt-in's ``.pth`` is in a site directory, both compiled modules load, and one tiny
 stage-2 step with optimizer offload trains on the device the engine picks (the GPU where there is
-one, else the CPU). With CUDA also a one-rank NCCL group. Prints one ``SMOKE <json>`` line; exits
-non-zero on the first thing missing."""
+one, else the CPU), as a world of one with no process group. With CUDA also a one-rank NCCL group
+first: where it fails, that is reported (a problem) and the step still trains. Prints one
+``SMOKE <json>`` line; exits non-zero when anything was missing or failed."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ def installed() -> dict[str, Any]:
     from zero_offload._native import load_optional
     from zero_offload.kernels.host_adam import kernel_info
 
-    dirs = [*site.getsitepackages(), site.getusersitepackages()]
-    pth = [str(Path(d) / PTH) for d in dirs if (Path(d) / PTH).exists()]
+    # site directories, and PYTHONPATH's where the install fell back to a target folder there
+    dirs = dict.fromkeys([*site.getsitepackages(), site.getusersitepackages(), *sys.path])
+    pth = [str(Path(d) / PTH) for d in dirs if d and (Path(d) / PTH).exists()]
     native = {}
     for name in ("zero_offload._host_adam", "zero_offload._aio"):
         module, why = load_optional(name)
@@ -62,8 +64,8 @@ def tiny_step() -> dict[str, Any]:
 
 
 def nccl_group() -> str:
-    """A one-rank NCCL group and a barrier: a broken NCCL shows here, in seconds. Run before
-    the engine's step (which makes a default group of its own) and leaves none behind."""
+    """A one-rank NCCL group and a barrier: a broken NCCL shows here, in seconds ("ok", else
+    "failed: <error>"). Run before the engine's step and leaves no group behind, failed or not."""
     import torch
     import torch.distributed as dist
 
@@ -73,8 +75,11 @@ def nccl_group() -> str:
     try:
         dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
         dist.barrier()
-        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - any failure is the finding; the smoke goes on
+        return f"failed: {type(e).__name__}: {e}"
     finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -83,18 +88,29 @@ def nccl_group() -> str:
     return "ok"
 
 
-def main() -> int:
+def devices() -> dict[str, Any]:
+    """torch's version, whether CUDA is there, and the GPU's name."""
     import torch
 
     out: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
     if out["cuda"]:
         out["gpu"] = torch.cuda.get_device_name()
+    return out
+
+
+def main() -> int:
+    out = devices()
     out.update(installed())
     if out["cuda"]:
         out["nccl"] = nccl_group()
     out["step"] = tiny_step()
+    import torch.distributed as dist
+
+    out["step"]["process_group"] = dist.is_available() and dist.is_initialized()
     print("SMOKE " + json.dumps(out), flush=True)
     problems = [f"{k}: {v}" for k, v in out["native"].items() if v != "loaded"]
+    if out.get("nccl", "ok") != "ok":
+        problems.append(f"nccl: {out['nccl']} (the step trained without a process group)")
     if not out["pth"]:
         problems.append(f"{PTH} is in no site directory: the package is not installed")
     if not all(math.isfinite(x) for x in out["step"]["losses"]):

@@ -419,3 +419,29 @@ def test_zenflow_step_benchmark_quick(tmp_path: Path) -> None:
     assert len(first) == 1, first
     assert rows["zenflow"]["losses"][1:] != rows["offload"]["losses"][1:]
     assert all(len(r["wall"]) == 3 for r in rows.values())
+
+
+def test_json_holds_each_row_as_it_finishes(tmp_path: Path, monkeypatch) -> None:
+    """The GPU check stops the throughput step at its limit: the rows finished before that are
+    in the JSON already (the second run here is interrupted as the limit would)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import engine_step
+
+    calls: list[str] = []
+
+    def launch_then_stop(shape, run, *args):
+        calls.append(run.impl)
+        if len(calls) > 1:
+            raise KeyboardInterrupt  # what the step's SIGINT raises in the benchmark
+        return real(shape, run, *args)
+
+    real = engine_step.launch
+    monkeypatch.setattr(engine_step, "launch", launch_then_stop)
+    out = tmp_path / "throughput.json"
+    argv = ["--quick", "--world", "1", "--stages", "2", "--modes", "2:cpu", "--impls", "torch",
+            "engine", "--no-deepspeed", "--json", str(out)]  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        engine_step.main(argv)
+    assert calls == ["torch", "engine"]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["torch"] and rows[0]["median_s"] > 0
