@@ -11,6 +11,7 @@ warning naming the keys DeepSpeed 0.19.8 lets the override bypass (docs/zenflow.
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -82,22 +83,89 @@ def test_trainer_gradient_accumulation_is_one_zenflow_step():
         assert float((a - b).abs().max()) < 1e-6
 
 
+def _engine_loop_replay(model_dir: str, rec: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The chosen reference for the Trainer route: zero_offload's own ZenFlow engine loop
+    (``forward``, ``backward``, ``step``; checked against the plain-PyTorch ZenFlow reference in
+    ``tests/test_zenflow.py``) on the same model as loaded from ``model_dir``, the optimizer the
+    Trainer created (its class and param groups), the config as the Trainer filled it in, over
+    exactly the micro-batches the Trainer fed. Returns each step's loss and the trained params,
+    the pending delayed update applied (as the Trainer run's recorded params are)."""
+    from hf_route_helpers import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = model.float()
+    named = dict(model.named_parameters())
+    groups = [
+        {
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in g.items() if k != "names"},
+            "params": [named[n] for n in g["names"]],
+        }
+        for g in rec["optimizer"]["groups"]
+    ]
+    assert sorted(n for g in rec["optimizer"]["groups"] for n in g["names"]) == sorted(named)
+    optimizer = getattr(torch.optim, rec["optimizer"]["type"])(groups)
+    # the two keys the Hugging Face libraries add, read as the deepspeed namespace reads them:
+    # steps_per_print infinite (JSON's Infinity here) is no step log, and the Trainer's
+    # zero_allow_untested_optimizer is moot (every client optimizer is allowed)
+    cfg = dict(rec["ds"])
+    assert cfg.pop("steps_per_print", math.inf) == math.inf
+    cfg.pop("zero_allow_untested_optimizer", None)
+    engine, *_ = zero_offload.initialize(model=model, optimizer=optimizer, config=cfg)
+    losses = []
+    for batch in rec["batches"]:
+        loss = engine(**{k: torch.tensor(v) for k, v in batch.items()}).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    engine.flush_delayed_update()
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return losses, params
+
+
 def test_trainer_route_with_zenflow(tmp_path):
     """The Trainer itself (stage 2, offload_optimizer cpu, the schedule above, 4 steps, a tiny
-    Llama): its first logged loss is the plain Trainer's (the model as given; DeepSpeed 0.19.8's
-    stage-2 ZenFlow scrambles every 2-D param at initialize, the first place its Trainer run
-    parts from the plain one), and every later one is ZenFlow's, not AdamW's."""
+    Llama, every step logged) against zero_offload's ZenFlow engine loop replaying the same
+    micro-batches from the same model, optimizer and filled-in config: every logged loss and
+    the trained params equal, bit for bit (the configured schedule holds under accelerate's
+    boundary override). Its first logged loss is the plain Trainer's (the model as given;
+    DeepSpeed 0.19.8's stage-2 ZenFlow scrambles every 2-D param at initialize, the first
+    place its Trainer run parts from the plain one), and every later one is ZenFlow's, not
+    AdamW's."""
     from hf_route_helpers import ds_config, run_script, tiny_llama_dir, train_args
 
     model_dir = str(tiny_llama_dir(tmp_path / "llama"))
-    args = dict(gradient_accumulation_steps=1, lr_scheduler_type="constant")
+    args = dict(gradient_accumulation_steps=1, lr_scheduler_type="constant", logging_steps=1)
     plain = {"model_dir": model_dir, "args": train_args(tmp_path / "plain", **args)}
-    (ref,) = run_script("run_trainer.py", {"opt_in": "none", "runs": [plain]}, tmp_path)
     ds = ds_config(2, offload=True)
     ds["zero_optimization"]["zenflow"] = dict(ZF)
-    run = {"model_dir": model_dir, "ds": ds, "args": train_args(tmp_path / "zf", **args)}
-    (got,) = run_script("run_trainer.py", {"opt_in": "call", "runs": [run]}, tmp_path)
+    saved = tmp_path / "zf_params.pt"
+    run = {
+        "model_dir": model_dir,
+        "ds": ds,
+        "args": train_args(tmp_path / "zf", **args),
+        "record": str(saved),
+    }
+    # one process (one import of transformers): the plain Trainer first, with no DeepSpeed
+    # config the opt-in leaves it plain
+    ref, got = run_script("run_trainer.py", {"opt_in": "call", "runs": [plain, run]}, tmp_path)
+    assert ref["engine"].endswith("LlamaForCausalLM")
     assert got["engine"].endswith("ZeroOffloadEngine")
-    assert len(got["losses"]) == 4 and all(map(torch.isfinite, torch.tensor(got["losses"])))
+    rec = got["recorded"]
+    assert got["steps"] == [1, 2, 3, 4] and len(rec["batches"]) == 4
+    # logging_steps 1, one micro-batch a step: each logged loss is that step's own loss
+    assert got["losses"] == rec["losses"]
+    assert all(map(torch.isfinite, torch.tensor(got["losses"])))
+
+    want_losses, want_params = _engine_loop_replay(model_dir, rec)
+    for step, (a, b) in enumerate(zip(got["losses"], want_losses), 1):
+        assert a == b, f"step {step}: Trainer loss {a!r}, engine loop {b!r}\n{got['losses']}"
+    trained = torch.load(saved)
+    assert trained.keys() == want_params.keys()
+    for name, p in want_params.items():
+        same = torch.equal(trained[name], p)
+        assert same, f"param {name}: max |diff| {float((trained[name] - p).abs().max())}"
+
     assert got["losses"][0] == pytest.approx(ref["losses"][0], rel=1e-6)
     assert got["losses"][1:] != pytest.approx(ref["losses"][1:], rel=1e-6)

@@ -5,9 +5,12 @@ SPEC: ``{"opt_in": "call" | "env" | "none", "runs": [RUN, ...]}``; each RUN is o
 training from ``model_dir`` (a tiny saved Llama) with ``TrainingArguments(**args,
 deepspeed=ds)``, then optionally evaluation, ``generate``, ``save_model``, a digest of the
 trained params (``final_params``); each result holds the logged losses, grad norms and learning
-rates. "call" opts in with ``zero_offload.as_deepspeed()`` before transformers is imported,
-"env" expects ``ZERO_OFFLOAD_AS_DEEPSPEED=1`` to have done it at interpreter start, "none" is
-the plain run.
+rates. ``record`` (a path): the run also returns what a plain engine loop needs to replay it
+(``recorded``: each micro-batch as the Trainer fed it, the loss ``training_step`` returned, the
+optimizer's class and param groups by name, the config as the Trainer filled it in) and saves
+its trained params there, any pending delayed update applied first. "call" opts in with
+``zero_offload.as_deepspeed()`` before transformers is imported, "env" expects
+``ZERO_OFFLOAD_AS_DEEPSPEED=1`` to have done it at interpreter start, "none" is the plain run.
 """
 
 from __future__ import annotations
@@ -101,6 +104,36 @@ class StopAfter(TrainerCallback):
         return control
 
 
+class RecordingTrainer(Trainer):
+    """A Trainer that records, in ``self.recorded``, every micro-batch as ``training_step``
+    received it (on the CPU, before the forward), the loss it returned, and the param groups of
+    the optimizer it created (by param name), so that a plain loop can replay the run."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.recorded: dict = {"batches": [], "losses": [], "optimizer": None}
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        batch = {k: v.detach().cpu().tolist() for k, v in inputs.items() if torch.is_tensor(v)}
+        self.recorded["batches"].append(batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.recorded["losses"].append(float(loss))
+        return loss
+
+    def create_optimizer(self, *a, **kw):
+        opt = super().create_optimizer(*a, **kw)
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        groups = [
+            {
+                "names": [names[id(p)] for p in g["params"]],
+                **{k: v for k, v in g.items() if k != "params"},
+            }
+            for g in opt.param_groups
+        ]
+        self.recorded["optimizer"] = {"type": type(opt).__name__, "groups": groups}
+        return opt
+
+
 def one_run(run: dict) -> dict:
     out: dict = {}
     if run["args"].get("bf16") and run.get("ds") is not None:
@@ -130,7 +163,7 @@ def one_run(run: dict) -> dict:
     train = token_rows(run.get("n_train", 48), run.get("seq", 16), 1)
     evals = token_rows(8, run.get("seq", 16), 2) if run["args"].get("eval_strategy") else None
     callbacks = [StopAfter(run["stop_after"])] if run.get("stop_after") else None
-    trainer = Trainer(
+    trainer = (RecordingTrainer if run.get("record") else Trainer)(
         model=model, args=args, train_dataset=train, eval_dataset=evals, callbacks=callbacks
     )
     if run.get("evaluate_first"):
@@ -157,6 +190,14 @@ def one_run(run: dict) -> dict:
         out["final_logits"] = full_logits(trainer.model)
     if run.get("final_params"):
         out["final_params"] = param_digest(trainer.model)
+    if run.get("record"):
+        getattr(wrapped, "flush_delayed_update", lambda: None)()  # the last host update too
+        ds = args.hf_deepspeed_config.config if run.get("ds") is not None else None
+        out["recorded"] = dict(trainer.recorded, ds=ds)
+        torch.save(
+            {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()},
+            run["record"],
+        )
     if run.get("save_model"):
         trainer.save_model(run["save_model"])
     if run.get("after_train_partitioned"):
