@@ -1,6 +1,7 @@
 // AVX2+FMA+F16C and AVX-512 variants of the host Adam update. Built for baseline x86-64: the
 // ISA is enabled per function with target attributes, and host_adam.cpp only calls into a
 // variant after checking the CPU at run time, so the module imports on any x86-64 CPU.
+#include "adam_states.h"
 #include "host_adam.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -14,6 +15,7 @@
 #endif
 
 #include "scalar_math.h"
+#include "states_math.h"
 
 namespace zo {
 namespace {
@@ -85,9 +87,80 @@ struct Ops {
         }
     }
     ZO_TARGET ZO_ALWAYS_INLINE static void stream_fence() { _mm_sfence(); }
+
+    // --- compact states (states_body.inc) ---
+    ZO_TARGET ZO_ALWAYS_INLINE static V zero() { return _mm256_setzero_ps(); }
+    ZO_TARGET ZO_ALWAYS_INLINE static V abs(V a)
+    {
+        return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a);
+    }
+    ZO_TARGET ZO_ALWAYS_INLINE static V amax(V a, V b) { return _mm256_max_ps(a, b); }  // a>b?a:b
+    ZO_TARGET ZO_ALWAYS_INLINE static float hmax(V a)
+    {
+        alignas(32) float t[W];
+        _mm256_store_ps(t, a);
+        float acc = 0.0f;
+        for (size_t j = 0; j < W; ++j) acc = amax_step(t[j], acc);
+        return acc;
+    }
+    ZO_TARGET ZO_ALWAYS_INLINE static V load_bf16(const void* p, size_t i)
+    {
+        return load_grad<kGradBF16>(p, i);
+    }
+    ZO_TARGET ZO_ALWAYS_INLINE static void store_bf16(void* p, size_t i, V x)
+    {
+        store_out<kOutBF16, false>(p, i, x);
+    }
+    ZO_TARGET ZO_ALWAYS_INLINE static void store_bf16_sr(void* p, size_t i, V x, uint32_t idx0,
+                                                         uint32_t key)
+    {
+        __m256i h = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(idx0)),
+                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        h = _mm256_xor_si256(h, _mm256_set1_epi32(static_cast<int>(key)));
+        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+        h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(0x85ebca6bu)));
+        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
+        h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(0xc2b2ae35u)));
+        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+        const __m256i u = _mm256_castps_si256(x);
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_srli_epi32(h, 16)), 16);
+        const __m256i absu = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+        const __m256i nan = _mm256_cmpgt_epi32(absu, _mm256_set1_epi32(0x7f800000));
+        const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+        r = _mm256_blendv_epi8(r, qnan, nan);
+        const __m128i packed =
+            _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p) + i), packed);
+    }
+    ZO_TARGET ZO_ALWAYS_INLINE static V decode_q8(const void* codes, size_t i, const float* value,
+                                                  V scale)
+    {
+        const __m128i c = _mm_loadl_epi64(
+            reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(codes) + i));
+        return _mm256_mul_ps(_mm256_i32gather_ps(value, _mm256_cvtepu8_epi32(c), 4), scale);
+    }
+    ZO_TARGET ZO_ALWAYS_INLINE static void encode_q8(void* codes, size_t i, V y, const float* mid)
+    {
+        // q8_encode's binary search; the first step's midpoint is the same for every lane.
+        __m256i pos = _mm256_castps_si256(_mm256_and_ps(
+            _mm256_cmp_ps(y, _mm256_set1_ps(mid[127]), _CMP_GE_OQ),
+            _mm256_castsi256_ps(_mm256_set1_epi32(128))));
+        for (int s = 64; s >= 1; s >>= 1) {
+            const __m256i cand = _mm256_add_epi32(pos, _mm256_set1_epi32(s));
+            const V m = _mm256_i32gather_ps(mid, _mm256_sub_epi32(cand, _mm256_set1_epi32(1)), 4);
+            const V ge = _mm256_cmp_ps(y, m, _CMP_GE_OQ);
+            pos = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(pos),
+                                                       _mm256_castsi256_ps(cand), ge));
+        }
+        const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(pos),
+                                           _mm256_extracti128_si256(pos, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(static_cast<uint8_t*>(codes) + i),
+                         _mm_packus_epi16(w, w));
+    }
 };
 
 #include "adam_body.inc"
+#include "states_body.inc"
 #include "sumsq_body.inc"
 
 #undef ZO_TARGET
@@ -159,9 +232,76 @@ struct Ops {
         }
     }
     ZO_TARGET ZO_ALWAYS_INLINE static void stream_fence() { _mm_sfence(); }
+
+    // --- compact states (states_body.inc) ---
+    ZO_TARGET ZO_ALWAYS_INLINE static V zero() { return _mm512_setzero_ps(); }
+    ZO_TARGET ZO_ALWAYS_INLINE static V abs(V a)
+    {
+        return _mm512_castsi512_ps(
+            _mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7fffffff)));
+    }
+    ZO_TARGET ZO_ALWAYS_INLINE static V amax(V a, V b) { return _mm512_max_ps(a, b); }  // a>b?a:b
+    ZO_TARGET ZO_ALWAYS_INLINE static float hmax(V a)
+    {
+        alignas(64) float t[W];
+        _mm512_store_ps(t, a);
+        float acc = 0.0f;
+        for (size_t j = 0; j < W; ++j) acc = amax_step(t[j], acc);
+        return acc;
+    }
+    ZO_TARGET ZO_ALWAYS_INLINE static V load_bf16(const void* p, size_t i)
+    {
+        return load_grad<kGradBF16>(p, i);
+    }
+    ZO_TARGET ZO_ALWAYS_INLINE static void store_bf16(void* p, size_t i, V x)
+    {
+        store_out<kOutBF16, false>(p, i, x);
+    }
+    ZO_TARGET ZO_ALWAYS_INLINE static void store_bf16_sr(void* p, size_t i, V x, uint32_t idx0,
+                                                         uint32_t key)
+    {
+        __m512i h = _mm512_add_epi32(
+            _mm512_set1_epi32(static_cast<int>(idx0)),
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+        h = _mm512_xor_si512(h, _mm512_set1_epi32(static_cast<int>(key)));
+        h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+        h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(0x85ebca6bu)));
+        h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
+        h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(0xc2b2ae35u)));
+        h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+        const __m512i u = _mm512_castps_si512(x);
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_srli_epi32(h, 16)), 16);
+        const __m512i absu = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+        const __mmask16 nan = _mm512_cmpgt_epi32_mask(absu, _mm512_set1_epi32(0x7f800000));
+        const __m512i qnan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+        r = _mm512_mask_blend_epi32(nan, r, qnan);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p) + i),
+                            _mm512_cvtepi32_epi16(r));
+    }
+    ZO_TARGET ZO_ALWAYS_INLINE static V decode_q8(const void* codes, size_t i, const float* value,
+                                                  V scale)
+    {
+        const __m128i c = _mm_loadu_si128(
+            reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(codes) + i));
+        return _mm512_mul_ps(_mm512_i32gather_ps(_mm512_cvtepu8_epi32(c), value, 4), scale);
+    }
+    ZO_TARGET ZO_ALWAYS_INLINE static void encode_q8(void* codes, size_t i, V y, const float* mid)
+    {
+        // q8_encode's binary search; the first step's midpoint is the same for every lane.
+        const __mmask16 first = _mm512_cmp_ps_mask(y, _mm512_set1_ps(mid[127]), _CMP_GE_OQ);
+        __m512i pos = _mm512_maskz_mov_epi32(first, _mm512_set1_epi32(128));
+        for (int s = 64; s >= 1; s >>= 1) {
+            const __m512i cand = _mm512_add_epi32(pos, _mm512_set1_epi32(s));
+            const V m = _mm512_i32gather_ps(_mm512_sub_epi32(cand, _mm512_set1_epi32(1)), mid, 4);
+            pos = _mm512_mask_mov_epi32(pos, _mm512_cmp_ps_mask(y, m, _CMP_GE_OQ), cand);
+        }
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint8_t*>(codes) + i),
+                         _mm512_cvtepi32_epi8(pos));
+    }
 };
 
 #include "adam_body.inc"
+#include "states_body.inc"
 #include "sumsq_body.inc"
 
 #undef ZO_TARGET
@@ -177,13 +317,33 @@ const KernelSet kAvx512 = {kIsaAvx512, "avx512", 16, &avx512::select_kernel, &av
 const KernelSet* avx2_kernels() { return &kAvx2; }
 const KernelSet* avx512_kernels() { return &kAvx512; }
 
+StatesRangeFn select_states_avx2(int master_type, int state_type, int grad_type, int out_type,
+                                 int wd_mode, bool stochastic)
+{
+    return avx2::states_select(master_type, state_type, grad_type, out_type, wd_mode, stochastic);
+}
+StatesRangeFn select_states_avx512(int master_type, int state_type, int grad_type, int out_type,
+                                   int wd_mode, bool stochastic)
+{
+    return avx512::states_select(master_type, state_type, grad_type, out_type, wd_mode,
+                                 stochastic);
+}
+SrRoundFn sr_round_avx2() { return &avx2::sr_round_bf16; }
+SrRoundFn sr_round_avx512() { return &avx512::sr_round_bf16; }
+
 }  // namespace zo
 
 #else  // not x86-64
 
+#include "adam_states.h"
+
 namespace zo {
 const KernelSet* avx2_kernels() { return nullptr; }
 const KernelSet* avx512_kernels() { return nullptr; }
+StatesRangeFn select_states_avx2(int, int, int, int, int, bool) { return nullptr; }
+StatesRangeFn select_states_avx512(int, int, int, int, int, bool) { return nullptr; }
+SrRoundFn sr_round_avx2() { return nullptr; }
+SrRoundFn sr_round_avx512() { return nullptr; }
 }  // namespace zo
 
 #endif
