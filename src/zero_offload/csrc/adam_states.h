@@ -30,12 +30,32 @@ constexpr size_t kMinQBlock = 32;
 // The two 8-bit maps: 256 sorted fp32 values in [-1, 1] (first moment, signed) and [0, 1]
 // (second moment, unsigned), and their 255 midpoints (padded to 256 with +inf). A code is the
 // index of its value; encoding y = x * (1/absmax) gives the number of midpoints <= y (nearest
-// value, ties to the larger one). Built once at import (quant_maps.cpp).
+// value, ties to the larger one). Built once at load (quant_maps.cpp).
+//
+// Encoding looks that count up instead of searching. The fp32 values that share their top 16
+// bits (a bf16 bucket) contain at most one midpoint (a bucket is 2^-7 of its magnitude wide; the
+// maps' values are >= 1.4% apart), so code(y) = base[b] + (y >= cut[b]), with base[b] the count at
+// the bucket's lower end and cut[b] the midpoint inside it (+inf if none). Only magnitudes in
+// [2^(emin-127), 2) have buckets of their own: every smaller |y| lies between the two midpoints
+// around 0 (slot 0 of its sign), and slot kQTopSlot holds NaN and |y| >= 2 (code 0, as the
+// search gives NaN; |y| never exceeds 1 by more than a rounding). Checked when built.
+constexpr uint32_t kQTopKey = 0x4000;  // bf16 bits of 2.0: the first magnitude without a bucket
+constexpr uint32_t kQSlots = 6400;     // per sign: slot 0, the buckets [emin << 7, kQTopKey), top
+struct QuantMap {
+    alignas(64) float value[256];
+    alignas(64) float mid[256];
+    alignas(64) float cut[2][kQSlots];
+    alignas(64) uint8_t base[2][kQSlots];
+    // The binary search's candidates per step, for in-register lookups (AVX-512): step t
+    // (s = 128 >> t) compares y with search[t][pos >> (8 - t)] = mid[pos + s - 1].
+    alignas(64) float search[8][128];
+    uint32_t lo_key;    // emin << 7: bf16 magnitude bits of the first bucket
+    uint32_t top_slot;  // kQTopKey - lo_key + 1
+};
 struct QuantMaps {
-    alignas(64) float value_m[256];
-    alignas(64) float mid_m[256];
-    alignas(64) float value_v[256];
-    alignas(64) float mid_v[256];
+    QuantMap m;   // exp_avg
+    QuantMap v;   // exp_avg_sq
+    bool lut_ok;  // the bucket tables are exact (checked when built)
 };
 const QuantMaps& quant_maps();
 

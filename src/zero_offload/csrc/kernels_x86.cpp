@@ -103,6 +103,12 @@ struct Ops {
         for (size_t j = 0; j < W; ++j) acc = amax_step(t[j], acc);
         return acc;
     }
+    // 8-bit codec: the scalar block code (table lookups; gathers would be slower).
+    static void q8_decode(const StatesArgs& a, size_t b0, size_t b1, float* mbuf, float* vbuf)
+    {
+        q8_begin_block(a, b0, b1, mbuf, vbuf);
+    }
+    static void q8_encode(const StatesArgs& a, const Q8Block& q, size_t b1) { q8_end_block(a, q, b1); }
     ZO_TARGET ZO_ALWAYS_INLINE static V load_bf16(const void* p, size_t i)
     {
         return load_grad<kGradBF16>(p, i);
@@ -131,31 +137,6 @@ struct Ops {
         const __m128i packed =
             _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p) + i), packed);
-    }
-    ZO_TARGET ZO_ALWAYS_INLINE static V decode_q8(const void* codes, size_t i, const float* value,
-                                                  V scale)
-    {
-        const __m128i c = _mm_loadl_epi64(
-            reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(codes) + i));
-        return _mm256_mul_ps(_mm256_i32gather_ps(value, _mm256_cvtepu8_epi32(c), 4), scale);
-    }
-    ZO_TARGET ZO_ALWAYS_INLINE static void encode_q8(void* codes, size_t i, V y, const float* mid)
-    {
-        // q8_encode's binary search; the first step's midpoint is the same for every lane.
-        __m256i pos = _mm256_castps_si256(_mm256_and_ps(
-            _mm256_cmp_ps(y, _mm256_set1_ps(mid[127]), _CMP_GE_OQ),
-            _mm256_castsi256_ps(_mm256_set1_epi32(128))));
-        for (int s = 64; s >= 1; s >>= 1) {
-            const __m256i cand = _mm256_add_epi32(pos, _mm256_set1_epi32(s));
-            const V m = _mm256_i32gather_ps(mid, _mm256_sub_epi32(cand, _mm256_set1_epi32(1)), 4);
-            const V ge = _mm256_cmp_ps(y, m, _CMP_GE_OQ);
-            pos = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(pos),
-                                                       _mm256_castsi256_ps(cand), ge));
-        }
-        const __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(pos),
-                                           _mm256_extracti128_si256(pos, 1));
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(static_cast<uint8_t*>(codes) + i),
-                         _mm_packus_epi16(w, w));
     }
 };
 
@@ -249,6 +230,108 @@ struct Ops {
         for (size_t j = 0; j < W; ++j) acc = amax_step(t[j], acc);
         return acc;
     }
+    // 8-bit codec with in-register table lookups (vpermt2ps; gathers are slow on many CPUs).
+    // Decode: value[code] from 16 registers, 32 entries per permute, selected by code bits 5-7.
+    ZO_TARGET static void q8_decode_one(const uint8_t* codes, size_t b0, size_t len,
+                                        const QuantMap& q, float scale, float* buf)
+    {
+        V t[16];
+        for (int r = 0; r < 16; ++r) t[r] = _mm512_load_ps(q.value + 16 * r);
+        const V vs = _mm512_set1_ps(scale);
+        size_t k = 0;
+        for (; k + W <= len; k += W) {
+            const __m512i c = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + b0 + k)));
+            V x[4];
+            for (int r = 0; r < 4; ++r) x[r] = _mm512_permutex2var_ps(t[2 * r], c, t[2 * r + 1]);
+            const __mmask16 b5 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(32));
+            const __mmask16 b6 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(64));
+            const __mmask16 b7 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(128));
+            const V lo = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, x[0], x[1]),
+                                              _mm512_mask_blend_ps(b5, x[2], x[3]));
+            for (int r = 0; r < 4; ++r)
+                x[r] = _mm512_permutex2var_ps(t[8 + 2 * r], c, t[8 + 2 * r + 1]);
+            const V hi = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, x[0], x[1]),
+                                              _mm512_mask_blend_ps(b5, x[2], x[3]));
+            _mm512_storeu_ps(buf + k, _mm512_mul_ps(_mm512_mask_blend_ps(b7, lo, hi), vs));
+        }
+        for (; k < len; ++k) buf[k] = q.value[codes[b0 + k]] * scale;
+    }
+    ZO_TARGET static void q8_decode(const StatesArgs& a, size_t b0, size_t b1, float* mbuf,
+                                    float* vbuf)
+    {
+        const size_t blk = b0 / a.qblock;
+        q8_decode_one(static_cast<const uint8_t*>(a.exp_avg), b0, b1 - b0, a.maps->m,
+                      a.scale_m[blk], mbuf);
+        q8_decode_one(static_cast<const uint8_t*>(a.exp_avg_sq), b0, b1 - b0, a.maps->v,
+                      a.scale_v[blk], vbuf);
+    }
+    // Encode: the binary search of q8 codes (the number of midpoints <= y), each step's
+    // candidates looked up in registers; the scalar tail uses the bucket table (same result).
+    ZO_TARGET static void q8_encode_one(uint8_t* codes, size_t b0, size_t len, const QuantMap& q,
+                                        float inv, const float* buf)
+    {
+        const V s0 = _mm512_set1_ps(q.search[0][0]);
+        const V s1 = _mm512_load_ps(q.search[1]), s2 = _mm512_load_ps(q.search[2]);
+        const V s3 = _mm512_load_ps(q.search[3]), s4 = _mm512_load_ps(q.search[4]);
+        const V s5a = _mm512_load_ps(q.search[5]), s5b = _mm512_load_ps(q.search[5] + 16);
+        V s6[4], s7[8];
+        for (int r = 0; r < 4; ++r) s6[r] = _mm512_load_ps(q.search[6] + 16 * r);
+        for (int r = 0; r < 8; ++r) s7[r] = _mm512_load_ps(q.search[7] + 16 * r);
+        const V vinv = _mm512_set1_ps(inv);
+        size_t k = 0;
+        for (; k + W <= len; k += W) {
+            const V y = _mm512_mul_ps(_mm512_loadu_ps(buf + k), vinv);
+            // c: pos >> (8 - t) before step t; pos gains (128 >> t) where y >= the candidate.
+            __m512i c = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(y, s0, _CMP_GE_OQ),
+                                               _mm512_set1_epi32(1));
+            const V* small[4] = {&s1, &s2, &s3, &s4};
+            for (int t = 0; t < 4; ++t) {
+                const V m = _mm512_permutexvar_ps(c, *small[t]);
+                const __mmask16 ge = _mm512_cmp_ps_mask(y, m, _CMP_GE_OQ);
+                c = _mm512_mask_add_epi32(_mm512_add_epi32(c, c), ge, _mm512_add_epi32(c, c),
+                                          _mm512_set1_epi32(1));
+            }
+            {  // 32 candidates
+                const V m = _mm512_permutex2var_ps(s5a, c, s5b);
+                const __mmask16 ge = _mm512_cmp_ps_mask(y, m, _CMP_GE_OQ);
+                c = _mm512_mask_add_epi32(_mm512_add_epi32(c, c), ge, _mm512_add_epi32(c, c),
+                                          _mm512_set1_epi32(1));
+            }
+            {  // 64 candidates
+                const __mmask16 b5 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(32));
+                const V m = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(s6[0], c, s6[1]),
+                                                 _mm512_permutex2var_ps(s6[2], c, s6[3]));
+                const __mmask16 ge = _mm512_cmp_ps_mask(y, m, _CMP_GE_OQ);
+                c = _mm512_mask_add_epi32(_mm512_add_epi32(c, c), ge, _mm512_add_epi32(c, c),
+                                          _mm512_set1_epi32(1));
+            }
+            {  // 128 candidates
+                const __mmask16 b5 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(32));
+                const __mmask16 b6 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(64));
+                const V lo = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(s7[0], c, s7[1]),
+                                                  _mm512_permutex2var_ps(s7[2], c, s7[3]));
+                const V hi = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(s7[4], c, s7[5]),
+                                                  _mm512_permutex2var_ps(s7[6], c, s7[7]));
+                const V m = _mm512_mask_blend_ps(b6, lo, hi);
+                const __mmask16 ge = _mm512_cmp_ps_mask(y, m, _CMP_GE_OQ);
+                c = _mm512_mask_add_epi32(_mm512_add_epi32(c, c), ge, _mm512_add_epi32(c, c),
+                                          _mm512_set1_epi32(1));
+            }
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + b0 + k), _mm512_cvtepi32_epi8(c));
+        }
+        if (k < len) q8_encode_block(codes, b0 + k, len - k, q, inv, buf + k);
+    }
+    ZO_TARGET static void q8_encode(const StatesArgs& a, const Q8Block& q, size_t b1)
+    {
+        const size_t blk = q.b0 / a.qblock;
+        q8_encode_one(static_cast<uint8_t*>(a.exp_avg), q.b0, b1 - q.b0, a.maps->m,
+                      q8_inverse(q.amax_m), q.mbuf);
+        q8_encode_one(static_cast<uint8_t*>(a.exp_avg_sq), q.b0, b1 - q.b0, a.maps->v,
+                      q8_inverse(q.amax_v), q.vbuf);
+        a.scale_m[blk] = q.amax_m;
+        a.scale_v[blk] = q.amax_v;
+    }
     ZO_TARGET ZO_ALWAYS_INLINE static V load_bf16(const void* p, size_t i)
     {
         return load_grad<kGradBF16>(p, i);
@@ -277,26 +360,6 @@ struct Ops {
         r = _mm512_mask_blend_epi32(nan, r, qnan);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p) + i),
                             _mm512_cvtepi32_epi16(r));
-    }
-    ZO_TARGET ZO_ALWAYS_INLINE static V decode_q8(const void* codes, size_t i, const float* value,
-                                                  V scale)
-    {
-        const __m128i c = _mm_loadu_si128(
-            reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(codes) + i));
-        return _mm512_mul_ps(_mm512_i32gather_ps(_mm512_cvtepu8_epi32(c), value, 4), scale);
-    }
-    ZO_TARGET ZO_ALWAYS_INLINE static void encode_q8(void* codes, size_t i, V y, const float* mid)
-    {
-        // q8_encode's binary search; the first step's midpoint is the same for every lane.
-        const __mmask16 first = _mm512_cmp_ps_mask(y, _mm512_set1_ps(mid[127]), _CMP_GE_OQ);
-        __m512i pos = _mm512_maskz_mov_epi32(first, _mm512_set1_epi32(128));
-        for (int s = 64; s >= 1; s >>= 1) {
-            const __m512i cand = _mm512_add_epi32(pos, _mm512_set1_epi32(s));
-            const V m = _mm512_i32gather_ps(_mm512_sub_epi32(cand, _mm512_set1_epi32(1)), mid, 4);
-            pos = _mm512_mask_mov_epi32(pos, _mm512_cmp_ps_mask(y, m, _CMP_GE_OQ), cand);
-        }
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint8_t*>(codes) + i),
-                         _mm512_cvtepi32_epi8(pos));
     }
 };
 

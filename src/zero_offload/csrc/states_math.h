@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "adam_states.h"
 #include "scalar_math.h"
@@ -20,16 +21,32 @@ ZO_ALWAYS_INLINE uint16_t f32_to_bf16_sr(float f, uint32_t idx, uint32_t key)
     return static_cast<uint16_t>((u + r) >> 16);
 }
 
-// Nearest map entry of y: the number of midpoints <= y, by an 8-step branch-free binary search
-// (NaN compares false everywhere and gives code 0).
-ZO_ALWAYS_INLINE uint8_t q8_encode(float y, const float* mid)
+// The 8-bit codec of one block, in plain scalar code shared by every variant (table lookups;
+// vector gathers are slow on many CPUs). Not vectorised, so the same instructions run whatever
+// the includer's target; no always-inline callees (their options would differ).
+#define ZO_Q8_LOOP __attribute__((noinline, optimize("no-tree-vectorize")))
+
+// buf[k] = value[codes[b0 + k]] * scale for k < len.
+ZO_Q8_LOOP static void q8_decode_block(const uint8_t* codes, size_t b0, size_t len,
+                                       const QuantMap& q, float scale, float* buf)
 {
-    uint32_t pos = 0;
-    for (uint32_t s = 128; s >= 1; s >>= 1) {
-        const uint32_t cand = pos + s;
-        pos = y >= mid[cand - 1] ? cand : pos;
+    for (size_t k = 0; k < len; ++k) buf[k] = q.value[codes[b0 + k]] * scale;
+}
+
+// codes[b0 + k] = encode(buf[k] * inv) for k < len.
+ZO_Q8_LOOP static void q8_encode_block(uint8_t* codes, size_t b0, size_t len, const QuantMap& q,
+                                       float inv, const float* buf)
+{
+    // The nearest map entry of y: the number of midpoints <= y, by the bucket table.
+    for (size_t k = 0; k < len; ++k) {
+        const float y = buf[k] * inv;
+        uint32_t u;
+        std::memcpy(&u, &y, sizeof u);
+        const uint32_t key = (u >> 16) & 0x7fffu, sign = u >> 31;
+        const uint32_t slot =
+            key < q.lo_key ? 0u : (key < kQTopKey ? key - q.lo_key + 1 : q.top_slot);
+        codes[b0 + k] = static_cast<uint8_t>(q.base[sign][slot] + (y >= q.cut[sign][slot] ? 1 : 0));
     }
-    return static_cast<uint8_t>(pos);
 }
 
 // absmax accumulation: acc = x > acc ? x : acc (NaN never wins; exact, so order-independent).
@@ -39,14 +56,12 @@ ZO_ALWAYS_INLINE float amax_step(float x, float acc) { return x > acc ? x : acc;
 ZO_ALWAYS_INLINE float q8_inverse(float amax) { return amax > 0.0f ? 1.0f / amax : 0.0f; }
 
 template <int S>
-ZO_ALWAYS_INLINE float load_state(const void* p, size_t i, const float* value, float scale)
+ZO_ALWAYS_INLINE float load_state(const void* p, size_t i)
 {
     if constexpr (S == kStateF32) {
         return static_cast<const float*>(p)[i];
-    } else if constexpr (S == kStateBF16) {
-        return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
     } else {
-        return value[static_cast<const uint8_t*>(p)[i]] * scale;
+        return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
     }
 }
 
@@ -84,11 +99,10 @@ ZO_ALWAYS_INLINE void store_master(const StatesArgs& a, size_t i, float p)
     }
 }
 
-// Per-block context of an 8-bit range: old scales, the updated fp32 moments of the block
-// (relative to its first element b0) and their running absmax.
+// Per-block context of an 8-bit range: the block's moments, decoded before the update and
+// updated in place (relative to its first element b0), and their running absmax.
 struct Q8Block {
     size_t b0;
-    float scale_m, scale_v;
     float* mbuf;
     float* vbuf;
     float amax_m, amax_v;
@@ -98,11 +112,16 @@ struct Q8Block {
 template <int M, int S, int G, int O, int WD, bool SR, bool kHwFma>
 ZO_ALWAYS_INLINE void states_elem(const StatesArgs& a, size_t i, Q8Block* q)
 {
-    const QuantMaps& maps = *a.maps;
     const float g = load_grad_scalar<G>(a.grad, i);  // read before out[i] (may alias) is written
     float p = load_master<M>(a.master, i);
-    float m = load_state<S>(a.exp_avg, i, maps.value_m, q ? q->scale_m : 0.0f);
-    float v = load_state<S>(a.exp_avg_sq, i, maps.value_v, q ? q->scale_v : 0.0f);
+    float m, v;
+    if constexpr (S == kStateQ8) {
+        m = q->mbuf[i - q->b0];
+        v = q->vbuf[i - q->b0];
+    } else {
+        m = load_state<S>(a.exp_avg, i);
+        v = load_state<S>(a.exp_avg_sq, i);
+    }
     adam_scalar<WD, kHwFma>(p, m, v, g, a.c);
     store_master<M, O, SR>(a, i, p);
     if constexpr (S == kStateQ8) {
@@ -116,11 +135,27 @@ ZO_ALWAYS_INLINE void states_elem(const StatesArgs& a, size_t i, Q8Block* q)
     }
 }
 
-// Encodes buf[from - b0, n - b0) into codes[from, n) with inverse scale inv.
-ZO_ALWAYS_INLINE void q8_encode_scalar(uint8_t* codes, const float* buf, size_t b0, size_t from,
-                                       size_t end, float inv, const float* mid)
+// An 8-bit block [b0, b1): decode both moments into mbuf/vbuf with the block's scales.
+ZO_ALWAYS_INLINE void q8_begin_block(const StatesArgs& a, size_t b0, size_t b1, float* mbuf,
+                                     float* vbuf)
 {
-    for (size_t i = from; i < end; ++i) codes[i] = q8_encode(buf[i - b0] * inv, mid);
+    const size_t blk = b0 / a.qblock;
+    q8_decode_block(static_cast<const uint8_t*>(a.exp_avg), b0, b1 - b0, a.maps->m,
+                    a.scale_m[blk], mbuf);
+    q8_decode_block(static_cast<const uint8_t*>(a.exp_avg_sq), b0, b1 - b0, a.maps->v,
+                    a.scale_v[blk], vbuf);
+}
+
+// ... and after the update: re-encode from the updated values with their new absmax.
+ZO_ALWAYS_INLINE void q8_end_block(const StatesArgs& a, const Q8Block& q, size_t b1)
+{
+    const size_t blk = q.b0 / a.qblock;
+    q8_encode_block(static_cast<uint8_t*>(a.exp_avg), q.b0, b1 - q.b0, a.maps->m,
+                    q8_inverse(q.amax_m), q.mbuf);
+    q8_encode_block(static_cast<uint8_t*>(a.exp_avg_sq), q.b0, b1 - q.b0, a.maps->v,
+                    q8_inverse(q.amax_v), q.vbuf);
+    a.scale_m[blk] = q.amax_m;
+    a.scale_v[blk] = q.amax_v;
 }
 
 template <int M, int S, int G, int O, int WD, bool SR, bool kHwFma>
@@ -129,20 +164,14 @@ ZO_ALWAYS_INLINE void states_scalar_range(const StatesArgs& a, size_t begin, siz
     if constexpr (S != kStateQ8) {
         for (size_t i = begin; i < end; ++i) states_elem<M, S, G, O, WD, SR, kHwFma>(a, i, nullptr);
     } else {
-        const QuantMaps& maps = *a.maps;
         alignas(64) float mbuf[kMaxQBlock];
         alignas(64) float vbuf[kMaxQBlock];
         for (size_t b0 = begin; b0 < end; b0 += a.qblock) {
             const size_t b1 = end - b0 < a.qblock ? end : b0 + a.qblock;
-            const size_t blk = b0 / a.qblock;
-            Q8Block q = {b0, a.scale_m[blk], a.scale_v[blk], mbuf, vbuf, 0.0f, 0.0f};
+            q8_begin_block(a, b0, b1, mbuf, vbuf);
+            Q8Block q = {b0, mbuf, vbuf, 0.0f, 0.0f};
             for (size_t i = b0; i < b1; ++i) states_elem<M, S, G, O, WD, SR, kHwFma>(a, i, &q);
-            q8_encode_scalar(static_cast<uint8_t*>(a.exp_avg), mbuf, b0, b0, b1,
-                             q8_inverse(q.amax_m), maps.mid_m);
-            q8_encode_scalar(static_cast<uint8_t*>(a.exp_avg_sq), vbuf, b0, b0, b1,
-                             q8_inverse(q.amax_v), maps.mid_v);
-            a.scale_m[blk] = q.amax_m;
-            a.scale_v[blk] = q.amax_v;
+            q8_end_block(a, q, b1);
         }
     }
 }

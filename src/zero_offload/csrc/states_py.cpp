@@ -83,6 +83,8 @@ PyObject* py_adam_step_states(PyObject*, PyObject* args)
          qblock > static_cast<Py_ssize_t>(kMaxQBlock)))
         return PyErr_Format(PyExc_ValueError, "block_size must be a power of two in [%zu, %zu], got %zd",
                             kMinQBlock, kMaxQBlock, qblock);
+    if (state_type == kStateQ8 && !quant_maps().lut_ok)
+        return PyErr_Format(PyExc_RuntimeError, "8-bit map tables failed their self-check");
     const AdamHyper h = {step, lr, beta1, beta2, eps, weight_decay, grad_scale, adamw != 0,
                          bias_correction != 0};
     const KernelSet* ks = active_kernel_set();
@@ -146,7 +148,7 @@ PyObject* py_sr_round_bf16(PyObject*, PyObject* args)
 PyObject* py_quant_maps(PyObject*, PyObject*)
 {
     const QuantMaps& q = quant_maps();
-    const float* tables[4] = {q.value_m, q.mid_m, q.value_v, q.mid_v};
+    const float* tables[4] = {q.m.value, q.m.mid, q.v.value, q.v.mid};
     PyObject* out = PyTuple_New(4);
     if (out == nullptr) return nullptr;
     for (int t = 0; t < 4; ++t) {
