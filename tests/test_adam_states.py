@@ -264,8 +264,11 @@ def test_reference_matches_kernel_arithmetic(master_dtype, kind, sr, gen):
         fp32_kernel_then_store(expected, grad, None, hyper(step), options)
         reference_adam_step_states(*got, grad, options=options, **hyper(step))
     p_ulp = 2.0**-7 if master_dtype == torch.bfloat16 else 2.0**-20  # 1 bf16 ulp, 8 fp32 ulps
-    diff = (got[0].float() - expected[0].float()).abs() / expected[0].float().abs().clamp_min(1e-3)
-    assert float(diff.max()) <= p_ulp
+    diff = (got[0].float() - expected[0].float()).abs()
+    # a moment that rounded the other way (a bf16 ulp, or an 8-bit code at a midpoint: a map step
+    # of a few %) changes that element's update by as much: at most 3 steps x lr x that step
+    slack = 3 * 1e-3 * {"q8": 0.05, "bf16": 2.0**-7, "f32": 0.0}[kind]
+    assert float((diff - slack - p_ulp * expected[0].float().abs().clamp_min(1e-3)).max()) <= 0
     assert float((got[0] != expected[0]).float().mean()) < 0.05
     for a, b in zip(got[1:], expected[1:], strict=True):
         if isinstance(a, QuantizedMoment):
