@@ -309,6 +309,15 @@ def adam_step_states(
         return
     if plan.n == 0:
         return
+    _native_step(
+        master, exp_avg, exp_avg_sq, grad, param_out, plan, h, adamw, bias_correction, options
+    )
+
+
+def _native_step(
+    master, exp_avg, exp_avg_sq, grad, param_out, plan: _Plan, h: dict, adamw, bc, options
+) -> None:
+    """The compiled kernel over the tensors' memory (validated by ``_plan``)."""
     seed = options.stochastic_round_seed
     ha._C.adam_step_states(
         master.data_ptr(),
@@ -331,7 +340,7 @@ def adam_step_states(
         h["eps"],
         h["weight_decay"],
         bool(adamw),
-        bool(bias_correction),
+        bool(bc),
         h["grad_scale"],
         ha.default_threads() if h["threads"] is None else h["threads"],
         seed is not None,
