@@ -13,8 +13,10 @@
 #include <cstdint>
 #include <cstring>
 
+#include "adam_coeffs.h"
 #include "bandwidth_probe.h"
 #include "host_adam.h"
+#include "states_py.h"
 #include "sumsq.h"
 #include "thread_pool.h"
 
@@ -99,25 +101,16 @@ PyObject* py_adam_step(PyObject*, PyObject* args)
         return PyErr_Format(PyExc_ValueError, "null data pointer");
 
     // Per-call scalars in double precision, rounded once to fp32.
-    const double bc1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
-    const double bc2 = bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(step)) : 1.0;
-    const int wd_mode = weight_decay > 0.0 ? (adamw ? kWdDecoupled : kWdL2) : kWdNone;
+    const AdamHyper h = {step, lr, beta1, beta2, eps, weight_decay, grad_scale, adamw != 0,
+                         bias_correction != 0};
+    const int wd_mode = wd_mode_of(h);
     AdamArgs a;
     a.master = as_ptr<float>(master);
     a.exp_avg = as_ptr<float>(exp_avg);
     a.exp_avg_sq = as_ptr<float>(exp_avg_sq);
     a.grad = as_ptr<const void>(grad);
     a.out = out_type == kOutNone ? nullptr : as_ptr<void>(out);
-    a.c.grad_scale = static_cast<float>(grad_scale);
-    a.c.beta1 = static_cast<float>(beta1);
-    a.c.one_minus_beta1 = static_cast<float>(1.0 - beta1);
-    a.c.beta2 = static_cast<float>(beta2);
-    a.c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-    a.c.bc2_rsqrt = static_cast<float>(1.0 / std::sqrt(bc2));
-    a.c.eps = static_cast<float>(eps);
-    a.c.neg_step = static_cast<float>(-(lr / bc1));
-    a.c.l2_wd = static_cast<float>(weight_decay);
-    a.c.neg_lr_wd = static_cast<float>(-(lr * weight_decay));
+    a.c = make_coeffs(h);
 
     Job job;
     const bool stream = g_stream_out && out_type != kOutNone && g_active->stream_align > 0 &&
@@ -265,6 +258,9 @@ PyMethodDef kMethods[] = {
     {"set_stream_out", py_set_stream_out, METH_VARARGS,
      "set_stream_out(on) -> previous: write param_out with non-temporal stores (when aligned)."},
     {"pool_size", py_pool_size, METH_NOARGS, "Number of worker threads alive in the pool."},
+    {"adam_step_states", py_adam_step_states, METH_VARARGS, kAdamStepStatesDoc},
+    {"sr_round_bf16", py_sr_round_bf16, METH_VARARGS, kSrRoundDoc},
+    {"quant_maps", py_quant_maps, METH_NOARGS, kQuantMapsDoc},
     {nullptr, nullptr, 0, nullptr},
 };
 
@@ -275,6 +271,9 @@ PyModuleDef kModule = {
 };
 
 }  // namespace
+
+const KernelSet* active_kernel_set() { return g_active; }
+
 }  // namespace zo
 
 PyMODINIT_FUNC PyInit__host_adam(void)

@@ -1,8 +1,10 @@
 // Portable scalar variant of the host Adam update: the fallback on x86-64 CPUs without AVX2 and
 // the only variant on other architectures (compilers still auto-vectorise it for the baseline
 // ISA, e.g. SSE2 or NEON, which keeps results bitwise identical: lanes do the same IEEE ops).
+#include "adam_states.h"
 #include "host_adam.h"
 #include "scalar_math.h"
+#include "states_math.h"
 
 namespace zo {
 namespace {
@@ -68,10 +70,33 @@ SumSqFn select_sumsq(int grad_type)
     }
 }
 
+// Compact states (adam_states.h).
+template <int M, int S, int G, int O, int WD, bool SR>
+void states_range(const StatesArgs& a, size_t begin, size_t end)
+{
+    states_scalar_range<M, S, G, O, WD, SR, kBaselineHwFma>(a, begin, end);
+}
+
+void sr_round_bf16(const float* src, uint16_t* dst, size_t n, uint32_t index0, uint32_t key)
+{
+    for (size_t i = 0; i < n; ++i) dst[i] = f32_to_bf16_sr(src[i], index0 + static_cast<uint32_t>(i), key);
+}
+
+#define ZO_TARGET
+#include "states_select.inc"
+#undef ZO_TARGET
+
 const KernelSet kScalar = {kIsaScalar, "scalar", 1, &select_kernel, &round_f32, 0, &select_sumsq};
 
 }  // namespace
 
 const KernelSet* scalar_kernels() { return &kScalar; }
+
+StatesRangeFn select_states_scalar(int master_type, int state_type, int grad_type, int out_type,
+                                   int wd_mode, bool stochastic)
+{
+    return states_select(master_type, state_type, grad_type, out_type, wd_mode, stochastic);
+}
+SrRoundFn sr_round_scalar() { return &sr_round_bf16; }
 
 }  // namespace zo

@@ -1,6 +1,7 @@
 // AVX2+FMA+F16C and AVX-512 variants of the host Adam update. Built for baseline x86-64: the
 // ISA is enabled per function with target attributes, and host_adam.cpp only calls into a
 // variant after checking the CPU at run time, so the module imports on any x86-64 CPU.
+#include "adam_states.h"
 #include "host_adam.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -14,6 +15,7 @@
 #endif
 
 #include "scalar_math.h"
+#include "states_math.h"
 
 namespace zo {
 namespace {
@@ -85,9 +87,61 @@ struct Ops {
         }
     }
     ZO_TARGET ZO_ALWAYS_INLINE static void stream_fence() { _mm_sfence(); }
+
+    // --- compact states (states_body.inc) ---
+    ZO_TARGET ZO_ALWAYS_INLINE static V zero() { return _mm256_setzero_ps(); }
+    ZO_TARGET ZO_ALWAYS_INLINE static V abs(V a)
+    {
+        return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a);
+    }
+    ZO_TARGET ZO_ALWAYS_INLINE static V amax(V a, V b) { return _mm256_max_ps(a, b); }  // a>b?a:b
+    ZO_TARGET ZO_ALWAYS_INLINE static float hmax(V a)
+    {
+        alignas(32) float t[W];
+        _mm256_store_ps(t, a);
+        float acc = 0.0f;
+        for (size_t j = 0; j < W; ++j) acc = amax_step(t[j], acc);
+        return acc;
+    }
+    // 8-bit codec: the scalar block code (table lookups; gathers would be slower).
+    static void q8_decode(const StatesArgs& a, size_t b0, size_t b1, float* mbuf, float* vbuf)
+    {
+        q8_begin_block(a, b0, b1, mbuf, vbuf);
+    }
+    static void q8_encode(const StatesArgs& a, const Q8Block& q, size_t b1) { q8_end_block(a, q, b1); }
+    ZO_TARGET ZO_ALWAYS_INLINE static V load_bf16(const void* p, size_t i)
+    {
+        return load_grad<kGradBF16>(p, i);
+    }
+    ZO_TARGET ZO_ALWAYS_INLINE static void store_bf16(void* p, size_t i, V x)
+    {
+        store_out<kOutBF16, false>(p, i, x);
+    }
+    ZO_TARGET ZO_ALWAYS_INLINE static void store_bf16_sr(void* p, size_t i, V x, uint32_t idx0,
+                                                         uint32_t key)
+    {
+        __m256i h = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(idx0)),
+                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        h = _mm256_xor_si256(h, _mm256_set1_epi32(static_cast<int>(key)));
+        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+        h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(0x85ebca6bu)));
+        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
+        h = _mm256_mullo_epi32(h, _mm256_set1_epi32(static_cast<int>(0xc2b2ae35u)));
+        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+        const __m256i u = _mm256_castps_si256(x);
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_srli_epi32(h, 16)), 16);
+        const __m256i absu = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+        const __m256i nan = _mm256_cmpgt_epi32(absu, _mm256_set1_epi32(0x7f800000));
+        const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+        r = _mm256_blendv_epi8(r, qnan, nan);
+        const __m128i packed =
+            _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(p) + i), packed);
+    }
 };
 
 #include "adam_body.inc"
+#include "states_body.inc"
 #include "sumsq_body.inc"
 
 #undef ZO_TARGET
@@ -159,9 +213,158 @@ struct Ops {
         }
     }
     ZO_TARGET ZO_ALWAYS_INLINE static void stream_fence() { _mm_sfence(); }
+
+    // --- compact states (states_body.inc) ---
+    ZO_TARGET ZO_ALWAYS_INLINE static V zero() { return _mm512_setzero_ps(); }
+    ZO_TARGET ZO_ALWAYS_INLINE static V abs(V a)
+    {
+        return _mm512_castsi512_ps(
+            _mm512_and_si512(_mm512_castps_si512(a), _mm512_set1_epi32(0x7fffffff)));
+    }
+    ZO_TARGET ZO_ALWAYS_INLINE static V amax(V a, V b) { return _mm512_max_ps(a, b); }  // a>b?a:b
+    ZO_TARGET ZO_ALWAYS_INLINE static float hmax(V a)
+    {
+        alignas(64) float t[W];
+        _mm512_store_ps(t, a);
+        float acc = 0.0f;
+        for (size_t j = 0; j < W; ++j) acc = amax_step(t[j], acc);
+        return acc;
+    }
+    // 8-bit codec with in-register table lookups (vpermt2ps; gathers are slow on many CPUs).
+    // Decode: value[code] from 16 registers, 32 entries per permute, selected by code bits 5-7.
+    ZO_TARGET static void q8_decode_one(const uint8_t* codes, size_t b0, size_t len,
+                                        const QuantMap& q, float scale, float* buf)
+    {
+        V t[16];
+        for (int r = 0; r < 16; ++r) t[r] = _mm512_load_ps(q.value + 16 * r);
+        const V vs = _mm512_set1_ps(scale);
+        size_t k = 0;
+        for (; k + W <= len; k += W) {
+            const __m512i c = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + b0 + k)));
+            V x[4];
+            for (int r = 0; r < 4; ++r) x[r] = _mm512_permutex2var_ps(t[2 * r], c, t[2 * r + 1]);
+            const __mmask16 b5 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(32));
+            const __mmask16 b6 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(64));
+            const __mmask16 b7 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(128));
+            const V lo = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, x[0], x[1]),
+                                              _mm512_mask_blend_ps(b5, x[2], x[3]));
+            for (int r = 0; r < 4; ++r)
+                x[r] = _mm512_permutex2var_ps(t[8 + 2 * r], c, t[8 + 2 * r + 1]);
+            const V hi = _mm512_mask_blend_ps(b6, _mm512_mask_blend_ps(b5, x[0], x[1]),
+                                              _mm512_mask_blend_ps(b5, x[2], x[3]));
+            _mm512_storeu_ps(buf + k, _mm512_mul_ps(_mm512_mask_blend_ps(b7, lo, hi), vs));
+        }
+        for (; k < len; ++k) buf[k] = q.value[codes[b0 + k]] * scale;
+    }
+    ZO_TARGET static void q8_decode(const StatesArgs& a, size_t b0, size_t b1, float* mbuf,
+                                    float* vbuf)
+    {
+        const size_t blk = b0 / a.qblock;
+        q8_decode_one(static_cast<const uint8_t*>(a.exp_avg), b0, b1 - b0, a.maps->m,
+                      a.scale_m[blk], mbuf);
+        q8_decode_one(static_cast<const uint8_t*>(a.exp_avg_sq), b0, b1 - b0, a.maps->v,
+                      a.scale_v[blk], vbuf);
+    }
+    // Encode: the binary search of q8 codes (the number of midpoints <= y), each step's
+    // candidates looked up in registers; the scalar tail uses the bucket table (same result).
+    ZO_TARGET static void q8_encode_one(uint8_t* codes, size_t b0, size_t len, const QuantMap& q,
+                                        float inv, const float* buf)
+    {
+        const V s0 = _mm512_set1_ps(q.search[0][0]);
+        const V s1 = _mm512_load_ps(q.search[1]), s2 = _mm512_load_ps(q.search[2]);
+        const V s3 = _mm512_load_ps(q.search[3]), s4 = _mm512_load_ps(q.search[4]);
+        const V s5a = _mm512_load_ps(q.search[5]), s5b = _mm512_load_ps(q.search[5] + 16);
+        V s6[4], s7[8];
+        for (int r = 0; r < 4; ++r) s6[r] = _mm512_load_ps(q.search[6] + 16 * r);
+        for (int r = 0; r < 8; ++r) s7[r] = _mm512_load_ps(q.search[7] + 16 * r);
+        const V vinv = _mm512_set1_ps(inv);
+        size_t k = 0;
+        for (; k + W <= len; k += W) {
+            const V y = _mm512_mul_ps(_mm512_loadu_ps(buf + k), vinv);
+            // c: pos >> (8 - t) before step t; pos gains (128 >> t) where y >= the candidate.
+            __m512i c = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(y, s0, _CMP_GE_OQ),
+                                               _mm512_set1_epi32(1));
+            const V* small[4] = {&s1, &s2, &s3, &s4};
+            for (int t = 0; t < 4; ++t) {
+                const V m = _mm512_permutexvar_ps(c, *small[t]);
+                const __mmask16 ge = _mm512_cmp_ps_mask(y, m, _CMP_GE_OQ);
+                c = _mm512_mask_add_epi32(_mm512_add_epi32(c, c), ge, _mm512_add_epi32(c, c),
+                                          _mm512_set1_epi32(1));
+            }
+            {  // 32 candidates
+                const V m = _mm512_permutex2var_ps(s5a, c, s5b);
+                const __mmask16 ge = _mm512_cmp_ps_mask(y, m, _CMP_GE_OQ);
+                c = _mm512_mask_add_epi32(_mm512_add_epi32(c, c), ge, _mm512_add_epi32(c, c),
+                                          _mm512_set1_epi32(1));
+            }
+            {  // 64 candidates
+                const __mmask16 b5 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(32));
+                const V m = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(s6[0], c, s6[1]),
+                                                 _mm512_permutex2var_ps(s6[2], c, s6[3]));
+                const __mmask16 ge = _mm512_cmp_ps_mask(y, m, _CMP_GE_OQ);
+                c = _mm512_mask_add_epi32(_mm512_add_epi32(c, c), ge, _mm512_add_epi32(c, c),
+                                          _mm512_set1_epi32(1));
+            }
+            {  // 128 candidates
+                const __mmask16 b5 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(32));
+                const __mmask16 b6 = _mm512_test_epi32_mask(c, _mm512_set1_epi32(64));
+                const V lo = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(s7[0], c, s7[1]),
+                                                  _mm512_permutex2var_ps(s7[2], c, s7[3]));
+                const V hi = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(s7[4], c, s7[5]),
+                                                  _mm512_permutex2var_ps(s7[6], c, s7[7]));
+                const V m = _mm512_mask_blend_ps(b6, lo, hi);
+                const __mmask16 ge = _mm512_cmp_ps_mask(y, m, _CMP_GE_OQ);
+                c = _mm512_mask_add_epi32(_mm512_add_epi32(c, c), ge, _mm512_add_epi32(c, c),
+                                          _mm512_set1_epi32(1));
+            }
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + b0 + k), _mm512_cvtepi32_epi8(c));
+        }
+        if (k < len) q8_encode_block(codes, b0 + k, len - k, q, inv, buf + k);
+    }
+    ZO_TARGET static void q8_encode(const StatesArgs& a, const Q8Block& q, size_t b1)
+    {
+        const size_t blk = q.b0 / a.qblock;
+        q8_encode_one(static_cast<uint8_t*>(a.exp_avg), q.b0, b1 - q.b0, a.maps->m,
+                      q8_inverse(q.amax_m), q.mbuf);
+        q8_encode_one(static_cast<uint8_t*>(a.exp_avg_sq), q.b0, b1 - q.b0, a.maps->v,
+                      q8_inverse(q.amax_v), q.vbuf);
+        a.scale_m[blk] = q.amax_m;
+        a.scale_v[blk] = q.amax_v;
+    }
+    ZO_TARGET ZO_ALWAYS_INLINE static V load_bf16(const void* p, size_t i)
+    {
+        return load_grad<kGradBF16>(p, i);
+    }
+    ZO_TARGET ZO_ALWAYS_INLINE static void store_bf16(void* p, size_t i, V x)
+    {
+        store_out<kOutBF16, false>(p, i, x);
+    }
+    ZO_TARGET ZO_ALWAYS_INLINE static void store_bf16_sr(void* p, size_t i, V x, uint32_t idx0,
+                                                         uint32_t key)
+    {
+        __m512i h = _mm512_add_epi32(
+            _mm512_set1_epi32(static_cast<int>(idx0)),
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+        h = _mm512_xor_si512(h, _mm512_set1_epi32(static_cast<int>(key)));
+        h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+        h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(0x85ebca6bu)));
+        h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
+        h = _mm512_mullo_epi32(h, _mm512_set1_epi32(static_cast<int>(0xc2b2ae35u)));
+        h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+        const __m512i u = _mm512_castps_si512(x);
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_srli_epi32(h, 16)), 16);
+        const __m512i absu = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+        const __mmask16 nan = _mm512_cmpgt_epi32_mask(absu, _mm512_set1_epi32(0x7f800000));
+        const __m512i qnan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+        r = _mm512_mask_blend_epi32(nan, r, qnan);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(p) + i),
+                            _mm512_cvtepi32_epi16(r));
+    }
 };
 
 #include "adam_body.inc"
+#include "states_body.inc"
 #include "sumsq_body.inc"
 
 #undef ZO_TARGET
@@ -177,13 +380,33 @@ const KernelSet kAvx512 = {kIsaAvx512, "avx512", 16, &avx512::select_kernel, &av
 const KernelSet* avx2_kernels() { return &kAvx2; }
 const KernelSet* avx512_kernels() { return &kAvx512; }
 
+StatesRangeFn select_states_avx2(int master_type, int state_type, int grad_type, int out_type,
+                                 int wd_mode, bool stochastic)
+{
+    return avx2::states_select(master_type, state_type, grad_type, out_type, wd_mode, stochastic);
+}
+StatesRangeFn select_states_avx512(int master_type, int state_type, int grad_type, int out_type,
+                                   int wd_mode, bool stochastic)
+{
+    return avx512::states_select(master_type, state_type, grad_type, out_type, wd_mode,
+                                 stochastic);
+}
+SrRoundFn sr_round_avx2() { return &avx2::sr_round_bf16; }
+SrRoundFn sr_round_avx512() { return &avx512::sr_round_bf16; }
+
 }  // namespace zo
 
 #else  // not x86-64
 
+#include "adam_states.h"
+
 namespace zo {
 const KernelSet* avx2_kernels() { return nullptr; }
 const KernelSet* avx512_kernels() { return nullptr; }
+StatesRangeFn select_states_avx2(int, int, int, int, int, bool) { return nullptr; }
+StatesRangeFn select_states_avx512(int, int, int, int, int, bool) { return nullptr; }
+SrRoundFn sr_round_avx2() { return nullptr; }
+SrRoundFn sr_round_avx512() { return nullptr; }
 }  // namespace zo
 
 #endif

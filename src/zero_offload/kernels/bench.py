@@ -9,6 +9,10 @@ bf16 param out, along four paths that share the same master/exp_avg/exp_avg_sq b
                    ``torch.optim.AdamW(fused=True)`` step, ``param_out.copy_(master)``
 * ``deepspeed`` -- the same unscale, ``DeepSpeedCPUAdam`` step (AdamW mode), the same copy
                    (only when deepspeed and its cpu_adam op are available)
+* ``states_*``  -- :func:`zero_offload.kernels.adam_step_states` with compact states (bf16
+                   master and moments, with and without stochastic rounding; 8-bit moments with
+                   a bf16 or fp32 master), each over its own buffers, and ``deepspeed_bf16``:
+                   DeepSpeedCPUAdam with bf16 param, grad and moments (see bench_states)
 * bound         -- 28 bytes/param (2 read grad + 12 read + 12 write + 2 write) divided by the
                    memory bandwidth measured in the same run, taking the best of:
                    an in-place fp32 triad ``a += s*b`` over two 256 MiB arrays (read a, read b,
@@ -19,7 +23,8 @@ bf16 param out, along four paths that share the same master/exp_avg/exp_avg_sq b
                    so "% of bound" never flatters the kernel.
 
 Measurements are interleaved (one round = every path once) and repeated; the table reports the
-median time per step. Every path uses the same thread count.
+median time per step. Every path uses the same thread count. "% bound" is each path's
+throughput against the bandwidth divided by that path's own bytes per parameter.
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from zero_offload.kernels.bench_states import BYTES as STATE_BYTES
+from zero_offload.kernels.bench_states import LABELS as STATE_LABELS
+from zero_offload.kernels.bench_states import state_paths
 
 BYTES_PER_PARAM = 28  # bf16 grad read (2) + master/exp_avg/exp_avg_sq read (12) and write (12)
 #                       + bf16 param_out write (2)
@@ -166,6 +175,7 @@ def _bench_size(n, threads, repeats, C, ds_cls, triad_a, triad_b, log) -> list[d
         "g32": torch.empty(n),
     }
     paths = _update_paths(b, threads, ds_cls)
+    paths += state_paths(n, threads, HP, GRAD_SCALE, ds_cls)
     probes, traffic_bufs = _probes(n, threads, C, triad_a, triad_b)
     everything = probes + paths
     for _, fn in everything:  # warm-up: page faults, JIT, thread pools
@@ -276,10 +286,12 @@ def _rows(n: int, paths: list[str], times: dict[str, list[float]]) -> list[dict[
         "torch": "torch AdamW(fused) path",
         "deepspeed": "DeepSpeedCPUAdam path",
         "traffic_probe": "traffic probe (same 28 B/param, no math)",
+        **STATE_LABELS,
     }
 
     def row(name: str) -> dict[str, Any]:
         pps = n / med[name]
+        nbytes = STATE_BYTES.get(name, BYTES_PER_PARAM)
         return {
             "path": labels[name],
             "key": name,
@@ -288,7 +300,8 @@ def _rows(n: int, paths: list[str], times: dict[str, list[float]]) -> list[dict[
             "min_s": min(times[name]),
             "mparams_per_s": pps / 1e6,
             "ratio_vs_kernel": pps / kernel_pps,
-            "pct_of_bound": 100 * pps / bound_pps,
+            "bytes_per_param": nbytes,
+            "pct_of_bound": 100 * pps * nbytes / bandwidth,
         }
 
     rows = [row(name) for name in paths]
@@ -303,6 +316,7 @@ def _rows(n: int, paths: list[str], times: dict[str, list[float]]) -> list[dict[
             "min_s": None,
             "mparams_per_s": bound_pps / 1e6,
             "ratio_vs_kernel": bound_pps / kernel_pps,
+            "bytes_per_param": BYTES_PER_PARAM,
             "pct_of_bound": 100.0,
             "bandwidth_gbs": {k: v / 1e9 for k, v in bw.items()},
             "bound_by": bound_by,
@@ -319,12 +333,13 @@ def format_table(result: dict[str, Any]) -> str:
         f"median of {meta['repeats']} interleaved rounds",
         f"kernel: {k['kernel']} isa={k['isa']} simd_width={k['simd_width']}; torch "
         f"{meta['torch']}; deepspeed {meta['deepspeed'] or 'n/a'}; cpu: {meta['cpu']}",
-        f"{'path':<44} {'params':>8} {'s/step':>9} {'Mparams/s':>10} {'vs kernel':>9} "
-        f"{'% bound':>8}",
+        f"{'path':<44} {'params':>8} {'B/param':>7} {'s/step':>9} {'Mparams/s':>10} "
+        f"{'vs kernel':>9} {'% bound':>8}",
     ]
     for r in result["rows"]:
         lines.append(
-            f"{r['path']:<44} {r['params'] / 1e6:>7g}M {r['median_s']:>9.4f} "
+            f"{r['path']:<44} {r['params'] / 1e6:>7g}M {r['bytes_per_param']:>7.2f} "
+            f"{r['median_s']:>9.4f} "
             f"{r['mparams_per_s']:>10.1f} {r['ratio_vs_kernel']:>8.2f}x {r['pct_of_bound']:>7.1f}%"
         )
     for r in result["rows"]:
@@ -333,7 +348,7 @@ def format_table(result: dict[str, Any]) -> str:
             lines.append(f"bandwidth at {r['params'] / 1e6:g}M (GB/s): {detail}")
     lines.append(
         "vs kernel = path throughput / kernel throughput (below 1.00x: slower than the "
-        "kernel); % bound = throughput / (best measured bandwidth / 28 B/param)"
+        "kernel); % bound = throughput / (best measured bandwidth / the path's B/param)"
     )
     return "\n".join(lines)
 
