@@ -32,7 +32,7 @@ class HostBuffers:
     def __init__(self, min_bytes: int = REGISTER_MIN_BYTES, alloc: Alloc | None = None) -> None:
         self.min_bytes = min_bytes
         self._alloc = alloc
-        self._free: dict[int, list[tuple[torch.Tensor, object]]] = {}
+        self._free: dict[int, list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
         self._lock = threading.Lock()  # a stash is freed on whichever thread drops it
         self.allocated = 0  # buffers made (each registered once where CUDA pins it)
 
@@ -55,7 +55,7 @@ class HostBuffers:
         self.allocated += 1
         return alloc(nbytes, torch.uint8, True)
 
-    def give(self, buf: torch.Tensor, event: object) -> None:
+    def give(self, buf: torch.Tensor, event: torch.cuda.Event | None) -> None:
         """``buf`` free again once ``event`` (its last use) has completed."""
         with self._lock:
             self._free.setdefault(buf.numel(), []).append((buf, event))

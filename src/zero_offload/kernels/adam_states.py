@@ -281,6 +281,7 @@ def adam_step_states(
     plan = _plan(master, exp_avg, exp_avg_sq, grad, param_out, options)
     h = _hyper(step, lr, beta1, beta2, eps, weight_decay, grad_scale, threads)
     if plan.master_type == 0 and plan.state_type == _STATE_F32:  # the fp32-state kernel
+        assert isinstance(exp_avg, torch.Tensor) and isinstance(exp_avg_sq, torch.Tensor)
         ha.host_adam_step(
             master,
             exp_avg,
@@ -319,6 +320,7 @@ def _native_step(
 ) -> None:
     """The compiled kernel over the tensors' memory (validated by ``_plan``)."""
     seed = options.stochastic_round_seed
+    assert ha._C is not None, "the compiled kernel is loaded (_plan checked it)"
     ha._C.adam_step_states(
         master.data_ptr(),
         _data(exp_avg).data_ptr(),

@@ -48,6 +48,21 @@ class ClientUpdate:
         group = {k: v for k, v in hyper.items() if k != "params"}
         group["params"] = [self.param]
         self.optimizer = shallow_copy(client, group)
+        self._initial_state(client, group)
+
+    def _initial_state(self, client: torch.optim.Optimizer, group: dict) -> None:
+        """A class that makes its state when constructed (torch's Adagrad before 2.13: ``sum``
+        and ``step``) gets that state for the master too, as its own constructor makes it."""
+        if not any(client.state.get(p) for g in client.param_groups for p in g["params"]):
+            return
+        kwargs = {k: v for k, v in group.items() if k != "params"}
+        try:
+            fresh = type(client)([self.param], **kwargs)
+        except TypeError:  # a constructor of its own: its step makes what it needs
+            return
+        made = fresh.state.get(self.param)
+        if made:
+            self.optimizer.state[self.param] = made
 
     def step(self, pieces: list[tuple[int, torch.Tensor]], factor: float) -> None:
         """``pieces``: (shard offset, this rank's reduced gradient there); ``factor``: unscale x
