@@ -71,3 +71,36 @@ def test_cuda_zenflow_stage3_equals_stage2(zf):
     two = _run(zf, 2)
     assert max_diff(_run(zf, 3), two) < 1e-6
     assert max_diff(_run(zf, 3, HOST), two) < 1e-6
+
+
+def test_cuda_device_part_moves_in_one_copy_each_way(monkeypatch):
+    """Stage 3, the param shard in pinned host memory: per micro-step the device part's
+    gradient and values go up, and its new values come down, in one batched copy each (not one
+    per param), and the shard positions are int32 (``tests/test_zenflow_hot_paths.py`` on the
+    CPU)."""
+    from zero_offload.runtime.update.zenflow import update as update_mod
+    from zero_offload.runtime.update.zenflow import values as values_mod
+
+    crossings = []
+    real = values_mod.transfer_all
+
+    def counted(ts, device):
+        crossings.append(sum(t.device != device for t in ts))
+        return real(ts, device)
+
+    monkeypatch.setattr(values_mod, "transfer_all", counted)
+    monkeypatch.setattr(update_mod, "transfer_all", counted)
+    cfg = config(TOPK, 0.0, 3)
+    cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, **HOST)
+    model = make_model()
+    engine, *_ = zero_offload.initialize(model=model, model_parameters=model.parameters(),
+                                         config=cfg)  # fmt: skip
+    for x, y in batches(4):
+        before = len(crossings)
+        loss = torch.nn.functional.mse_loss(engine(x.to(engine.device)), y.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        assert 1 <= sum(1 for c in crossings[before:] if c) <= 3  # up: grad, values; down
+    values = engine.opt_groups[0].optimizer.values
+    assert all(ix.dtype == torch.int32 for ix in values.index)
+    engine.destroy()
