@@ -37,6 +37,16 @@ def _no_leaked_process_group():
         shutdown()
 
 
+@pytest.fixture
+def one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment of a one-rank process group, on a port of this process's own
+    (``pytestmark = pytest.mark.usefixtures("one_rank")``)."""
+    env = {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("MASTER_PORT", str(29500 + os.getpid() % 2000))
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     from required_parts import check_session
 

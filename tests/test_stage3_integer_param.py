@@ -5,24 +5,13 @@ params are partitioned and train as plain PyTorch does."""
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
 
 import zero_offload
 
-
-@pytest.fixture(autouse=True)
-def _one_rank(monkeypatch):
-    for k, v in {
-        "MASTER_ADDR": "127.0.0.1",
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-    }.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("MASTER_PORT", str(29500 + os.getpid() % 2000))
+pytestmark = pytest.mark.usefixtures("one_rank")
 
 
 class Quantized(torch.nn.Module):

@@ -5,8 +5,6 @@ update's params go up through the staging buffer it allocates (asynchronously on
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from zenflow_run import TOPK, batches, config
@@ -15,17 +13,7 @@ import zero_offload
 from zero_offload.runtime.update.zenflow import update as update_mod
 from zero_offload.runtime.update.zenflow import values as values_mod
 
-
-@pytest.fixture(autouse=True)
-def _one_rank(monkeypatch):
-    for k, v in {
-        "MASTER_ADDR": "127.0.0.1",
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-    }.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("MASTER_PORT", str(29500 + os.getpid() % 2000))
+pytestmark = pytest.mark.usefixtures("one_rank")
 
 
 def _deep(width: int = 8, depth: int = 6) -> torch.nn.Module:

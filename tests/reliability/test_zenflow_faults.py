@@ -33,16 +33,7 @@ from zero_offload.runtime.update.zenflow import update as update_mod
 ZF = {**TOPK, "select_interval": 4}
 
 
-@pytest.fixture(autouse=True)
-def _one_rank(monkeypatch):
-    for k, v in {
-        "MASTER_ADDR": "127.0.0.1",
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-    }.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("MASTER_PORT", str(29500 + os.getpid() % 2000))
+pytestmark = pytest.mark.usefixtures("one_rank")
 
 
 def _engine(zf: dict, **kw):
