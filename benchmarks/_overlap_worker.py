@@ -46,9 +46,9 @@ class SpanExecutor(concurrent.futures.Executor):
     end ns) on ``time.perf_counter_ns``'s clock."""
 
     def __init__(self, inner) -> None:
-        """``inner``: the engine's ``HostWorker``; its kernel thread count is this one's."""
+        """``inner``: the engine's ``HostWorker`` (its kernel thread count is this one's)."""
         self.inner = inner
-        self.threads = inner.threads
+        self.threads = getattr(inner, "threads", None)  # a HostWorker's; None: the default
         self.spans: list[tuple[int, int, int]] = []
 
     def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
