@@ -59,9 +59,11 @@ def run(
         rank_env = dict(env, RANK=str(r), LOCAL_RANK=str(r)) if world > 1 else env
         with open(logs[r], "w") as err:  # a file: a full pipe would stall a rank's peers
             procs.append(subprocess.Popen(cmd, env=rank_env, stderr=err))
-    for p, log in zip(procs, logs):
+    for p, log, out in zip(procs, logs, outs):
         p.wait(timeout=900)
-        assert p.returncode == 0, log.read_text()[-3000:]
+        assert p.returncode == 0 or _teardown_abort(impl, p.returncode, log, out), log.read_text()[
+            -3000:
+        ]
     got = [torch.load(out) for out in outs]
     for other in got[1:]:
         assert (
@@ -69,6 +71,16 @@ def run(
             == 0
         )
     return got[0]
+
+
+def _teardown_abort(impl: str, code: int, log, out) -> bool:
+    """DeepSpeed's process aborted after its run was saved, in a thread's destructor at
+    interpreter exit ("terminate called without an active exception", seen once on two loaded
+    cores): its results are whole, so they are compared; any other exit fails the test."""
+    last = log.read_text().strip().splitlines()[-1:] if log.exists() else []
+    whole = out.exists() and out.stat().st_size > 0
+    done = last == ["terminate called without an active exception"]
+    return impl == "deepspeed" and code == -6 and whole and done
 
 
 def _free_port() -> int:
