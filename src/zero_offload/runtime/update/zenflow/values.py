@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ....core import dist
@@ -86,21 +88,29 @@ class ShardValues:
     ) -> None:
         self.home, self.pieces, self.shapes, self.device = home, pieces, shapes, device
         self.dtype, self.streams = dtype, streams
-        # Per param the shard positions of the held elements the device part updates (int32
-        # while the shard's positions fit, host; a copy beside a device shard): set at each
-        # selection, once for a whole param.
+        # The shard positions of the held elements the device part updates (int32 while the
+        # shard's positions fit; host, and one copy beside a device shard): every param's in
+        # one tensor (a micro-step's gather is one index), ``index[i]`` param i's view of it;
+        # set at each selection, once for a whole param.
         end = max((sh + n for ps in pieces for _, sh, n in ps), default=0)
         self.pos_dtype = position_dtype(end)
-        self.index: list[torch.Tensor] = [torch.zeros(0, dtype=self.pos_dtype) for _ in shapes]
-        self._on_shard: list[torch.Tensor | None] = [None] * len(shapes)
-        for i, w in enumerate(whole):
-            if w:
-                self.select(i, None)
+        self._install([self.index_of(i, None) if w else self._none() for i, w in enumerate(whole)])
+
+    def _none(self) -> torch.Tensor:
+        return torch.zeros(0, dtype=self.pos_dtype)
+
+    def _install(self, index: list[torch.Tensor]) -> None:
+        self._flat = torch.cat(index) if index else self._none()
+        self.index = list(self._flat.split([ix.numel() for ix in index]))
+        self._flat_on: torch.Tensor | None = None  # the copy beside a device shard
+        sizes = [ix.numel() for ix in index]
+        self._starts = [0, *itertools.accumulate(sizes)]
 
     def select(self, i: int, cols: torch.Tensor | None) -> None:
         """Param ``i``'s device-part elements this rank holds: columns ``cols`` (None: all)."""
-        self.index[i] = self.index_of(i, cols)
-        self._on_shard[i] = None
+        index = list(self.index)
+        index[i] = self.index_of(i, cols)
+        self._install(index)
 
     def index_of(self, i: int, cols: torch.Tensor | None) -> torch.Tensor:
         """The shard positions of param ``i``'s elements in columns ``cols`` (None: all; else
@@ -122,25 +132,28 @@ class ShardValues:
     def swap(self, index: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every param's positions become ``index``; returns the previous ones (a staged
         selection is undone by swapping them back)."""
-        old, self.index = self.index, list(index)
-        self._on_shard = [None] * len(self.index)
+        old = self.index
+        self._install(index)
         return old
 
+    def _all(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every param's positions, in param order, beside ``shard`` (copied there once per
+        selection)."""
+        if shard.device == self._flat.device:
+            return self._flat
+        if self._flat_on is None:
+            self._flat_on = self._flat.to(shard.device)
+        return self._flat_on
+
     def _shard_index(self, i: int, shard: torch.Tensor) -> torch.Tensor:
-        if shard.device == self.index[i].device:
+        if shard.device == self._flat.device:
             return self.index[i]
-        if self._on_shard[i] is None:
-            self._on_shard[i] = self.index[i].to(shard.device)
-        return self._on_shard[i]
+        # sliced at each use: ``offload_states`` may move the copy's storage between steps
+        return self._all(shard)[self._starts[i] : self._starts[i + 1]]
 
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         sizes = [ix.numel() for ix in self.index]
         return list(flat.split(sizes)) if sizes else []
-
-    def _all(self, shard: torch.Tensor) -> torch.Tensor:
-        """Every param's positions, in param order, beside ``shard``."""
-        parts = [self._shard_index(i, shard) for i in range(len(self.index))]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=self.pos_dtype)
 
     def parts(self, grad_shard: torch.Tensor) -> list[torch.Tensor]:
         """This micro-step's gradient of each param's held device-part elements: one gather,
@@ -218,10 +231,11 @@ class ShardValues:
     def device_index(self) -> list[torch.Tensor]:
         """The positions' copies beside a device param shard (optimizer state for
         ``offload_states``: they move with the column moments)."""
-        return [t for t in self._on_shard if t is not None and t.device == self.device]
+        on = self._flat_on
+        return [on] if on is not None and on.device == self.device else []
 
     def nbytes(self) -> tuple[int, int]:
         """(host, device) bytes of the positions."""
-        host = sum(ix.numel() * ix.element_size() for ix in self.index)
-        dev = sum(0 if t is None else t.numel() * t.element_size() for t in self._on_shard)
-        return host, dev
+        on = self._flat_on
+        host = self._flat.numel() * self._flat.element_size()
+        return host, 0 if on is None else on.numel() * on.element_size()
