@@ -1,0 +1,65 @@
+"""How a group's optimizer state stores each element: the state format, one typed policy.
+
+Three choices, read once from the config (``StateFormat.from_config``):
+
+- ``master``: fp32 (the default) or bf16 (DeepSpeed's ``bf16.bf16_master_weights_and_grads``:
+  the master is the 16-bit param's own dtype, so where both live in the same memory they are
+  one tensor);
+- ``moments``: fp32, bf16 (``bf16.bf16_optimizer_states``) or 8-bit (optimizer ``Adam8bit`` /
+  ``AdamW8bit``: uint8 codes plus one fp32 absmax per ``block`` elements, ``kernels/quant_maps``);
+- ``stochastic_round``: a bf16 master written with stochastic rounding (``bf16.
+  stochastic_rounding``) instead of round-to-nearest-even, seeded by ``seed``.
+
+Invariant: ``StateFormat()`` is today's fp32 state, and every path that does not know a format
+receives that one; a format the path cannot run is refused where it is built, by key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Moments = Literal["fp32", "bf16", "8bit"]
+MOMENT_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "8bit": 1.0}
+DEFAULT_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class StateFormat:
+    master: torch.dtype = torch.float32  # float32 or bfloat16
+    moments: Moments = "fp32"
+    block: int = DEFAULT_BLOCK  # 8-bit moments: elements per fp32 scale
+    stochastic_round: bool = False  # bf16 master only
+    seed: int = 0  # the stochastic rounding's seed
+
+    def __post_init__(self) -> None:
+        if self.master not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"StateFormat.master must be float32 or bfloat16, got {self.master}")
+        if self.moments not in MOMENT_BYTES:
+            raise ValueError(f"StateFormat.moments must be one of {sorted(MOMENT_BYTES)}")
+        if self.stochastic_round and self.master != torch.bfloat16:
+            raise ValueError("stochastic rounding applies to a bf16 master only")
+
+    @property
+    def compact(self) -> bool:
+        """Anything but today's fp32 master and fp32 moments."""
+        return self.master != torch.float32 or self.moments != "fp32"
+
+    @property
+    def master_bytes(self) -> int:
+        return 2 if self.master == torch.bfloat16 else 4
+
+    def moment_bytes(self) -> float:
+        """Bytes per element of both moments together, the 8-bit scales included."""
+        per = MOMENT_BYTES[self.moments]
+        scales = 4.0 / self.block if self.moments == "8bit" else 0.0
+        return 2 * (per + scales)
+
+    def bytes_per_element(self) -> float:
+        """Master plus both moments, per shard element."""
+        return self.master_bytes + self.moment_bytes()
+
+
+FP32 = StateFormat()
