@@ -49,6 +49,8 @@ from .swap_root import making
 class NvmeOptimizerState:
     where = "nvme"
     aliased = False
+    transactional = True
+    master_dtype = torch.float32
 
     def parts(self) -> list:
         return [self]

@@ -24,10 +24,10 @@ from collections.abc import Callable
 import torch
 
 from ..layout import Segment
-from .shard_state import KINDS, Body, Chunk
+from .shard_state import KINDS, Body, Chunk, InMemory
 
 
-class AliasState:
+class AliasState(InMemory):
     aliased = True
 
     def parts(self) -> list:

@@ -36,6 +36,10 @@ class ShardState(Protocol):
     numel: int
     where: str  # "device", "host" or "nvme": the prefix of its memory report
     aliased: bool
+    master_dtype: torch.dtype  # the master's element type (fp32; bf16 in a compact format)
+    # A transactional state (NVMe) writes an update pending until ``commit`` or ``discard``
+    # (``update(..., commit=False)``) and can ``read_ahead`` its first chunks.
+    transactional: bool
 
     def parts(self) -> list[ShardState]: ...
 
@@ -61,8 +65,30 @@ class ShardState(Protocol):
 
     def nbytes(self) -> dict[str, int]: ...
 
+    def read_ahead(self) -> None: ...
 
-class MemoryState:
+    def commit(self) -> None: ...
+
+    def discard(self) -> None: ...
+
+
+class InMemory:
+    """What every state kind that is not transactional declares."""
+
+    transactional = False
+    master_dtype = torch.float32
+
+    def read_ahead(self) -> None:
+        """Nothing to read: the state is in memory."""
+
+    def commit(self) -> None:
+        """An update in memory is committed as it runs."""
+
+    def discard(self) -> None:
+        raise RuntimeError("a state in memory has no pending update to discard")
+
+
+class MemoryState(InMemory):
     """fp32 tensors on ``device`` (the accelerator, or the host CPU with ``offload_optimizer``
     "cpu"). ``moments=False`` (a client optimizer keeps its own state): empty moments."""
 

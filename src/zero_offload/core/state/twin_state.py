@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 import torch
 
-from .shard_state import Body, Chunk, Fill, MemoryState, ShardState
+from .shard_state import Body, Chunk, Fill, InMemory, MemoryState, ShardState
 
 
-class TwinState:
+class TwinState(InMemory):
     where = "host"  # the prefix of a client optimizer's report (never one here: Adam(W) only)
     aliased = False
 

@@ -25,15 +25,15 @@ from ...nvme.state_range import StateRange
 from ..reduce.grad_shard import GradShard
 from .buffers import OffloadStateType, StateBuffer
 from .group_state import GroupLoad, GroupSave, grad_source, state_source, state_tensor
-from .muon.host_muon_update import HostMuonUpdate
-from .muon.muon_update import MuonUpdate
+from .muon.muon_update import MuonRule
 from .param_home import ParamHome
 from .paths.device_update import DeviceUpdate
 from .paths.host_update import HostUpdate
 from .paths.host_worker import HostWorker
-from .paths.nvme_update import NvmeUpdate
 from .paths.twin_update import TwinUpdate
 from .placement import Placement
+from .rules import AdamRule, ClientRule, Rule
+from .runner import choose_runner
 from .shard_optimizer import ShardOptimizer, UpdatePolicy
 
 
@@ -213,17 +213,20 @@ def build_shard_optimizer(
     executor: HostWorker | None = None,
     client: torch.optim.Optimizer | None = None,
 ) -> ShardOptimizer:
-    """The update path of ``policy.placement.optimizer`` (a Muon group's: ``MuonUpdate``, or
-    ``HostMuonUpdate`` with the state on the host);
-    ``executor``: the delayed update's worker (host placement only)."""
+    """The update of one group, its parts chosen once: the rule (Muon for a Muon group, a
+    client optimizer, else Adam(W)), the placement's update over the state kind, and the
+    runner (``executor``: the delayed update's worker, host placement only)."""
     args = (group, grads, home, state, policy, streams)
-    where = policy.placement.optimizer
+    place = policy.placement
     if group.hyper.get("use_muon"):  # the config refuses Muon on NVMe, delayed or twin
-        assert client is None and where != "nvme" and not policy.placement.twin
-        return HostMuonUpdate(*args) if where == "host" else MuonUpdate(*args)
-    if where == "device":
-        return DeviceUpdate(*args, client=client)
-    if policy.placement.twin:
+        assert client is None and place.optimizer != "nvme" and not place.twin
+        rule: Rule = MuonRule()
+    else:
+        rule = ClientRule() if client is not None else AdamRule()
+    if place.optimizer == "device":
+        return DeviceUpdate(*args, client=client, rule=rule)
+    if place.twin:
         return TwinUpdate(*args)
-    cls = NvmeUpdate if where == "nvme" else HostUpdate
-    return cls(*args, client=client, executor=executor)
+    worker = executor if place.delayed and not group.hyper.get("use_muon") else None
+    runner = choose_runner(state.transactional, worker)
+    return HostUpdate(*args, client=client, rule=rule, runner=runner, delayed=worker is not None)

@@ -1,24 +1,21 @@
-"""One flat group's update: the interface every placement's update path implements.
+"""One flat group's update: the step protocol every placement's update implements, composed of
+parts chosen once when the group is built (``group.build_shard_optimizer``):
 
-A ``ShardOptimizer`` owns the group's master shard and Adam moments (its ``ShardState``) and
-writes the updated 16-bit values to the group's param home (``param_home.py``): this rank's
-slices of the flat buffer, all-gathered per bucket (stages 0-2), or its param shard (stage 3).
-Each placement of the optimizer state is one class:
-
-- ``DeviceUpdate`` (``device_update.py``): state on the accelerator, torch's fused Adam(W);
-- ``HostUpdate`` (``host_update.py``): state in host memory, the SIMD host kernel chunk by chunk,
-  chunk k travelling host-to-device while chunk k+1 computes; the delayed update;
-- ``NvmeUpdate`` (``nvme_update.py``): the host kernel over chunks streamed from a swap file,
-  written in ``stage`` and then committed or rolled back for every group of every rank.
-
-A client optimizer that is not Adam(W) (``client_update.py``) replaces the Adam math on the
-device and host paths: it runs over the master shard where it lives.
+- the **state kind** (``core/state/``): where and how the master and moments are kept (device or
+  host memory, an alias of the params, a twin's two parts, a swap file), its capabilities
+  declared on its type (``aliased``, ``transactional``, ``parts``, ``close``);
+- the **rule** (``rules.py``): what the update computes (Adam(W) by the placement's kernel, a
+  client optimizer, Muon), over the state where it lives;
+- the **placement's update** (this class's subclasses): ``DeviceUpdate`` (``device_update.py``,
+  torch's fused Adam on the accelerator) or ``HostUpdate`` (``host_update.py``, the SIMD host
+  kernel chunk by chunk, with its **staging** chosen once, ``staging.py``); ``TwinUpdate`` is
+  one of each over the two parts of a shard;
+- the **runner** (``runner.py``): synchronous, delayed on the engine's worker, or transactional
+  (a state that declares it: NVMe).
 
 The step protocol (every placement; the engine drives it through ``OptimizerGroup``):
-``stage(factor)``, then ``commit()`` or ``rollback()``. Here ``stage`` keeps the factor and the
-update runs in ``commit``, so a rollback has nothing to undo; a placement whose update can fail
-part way (NVMe: a failed write) does the work in ``stage`` (``stage_writes``), and the engine
-agrees across ranks before any group commits.
+``stage(factor)``, then ``commit()`` or ``rollback()``, each the runner's. ZenFlow
+(``zenflow/``) runs its own protocol over the host update.
 
 Invariant: ``step_count`` is the number of committed updates; a step that raises leaves it (and
 an NVMe state) at the last committed step.
@@ -41,6 +38,8 @@ from .param_home import ParamHome
 from .part import PartHome, Span
 from .paths.client_update import ClientUpdate
 from .placement import Placement
+from .rules import AdamRule, Rule
+from .runner import Synchronous
 
 
 @dataclass(frozen=True)
@@ -65,6 +64,8 @@ class ShardOptimizer:
         streams: Streams,
         client: torch.optim.Optimizer | None = None,
         span: Span | None = None,
+        rule: Rule | None = None,
+        runner: Synchronous | None = None,
     ) -> None:
         """``state``: the master shard and moments, built for ``policy.placement.optimizer`` and
         still empty; they are filled here from the param home's 16-bit values. ``span``: the
@@ -85,8 +86,9 @@ class ShardOptimizer:
         # the initial state: master from the home's 16-bit values (an aliased one is them)
         self.state.fill(lambda lo, hi, out: out.copy_(self.home.read(lo, hi)))
         self.client = ClientUpdate(client, group.hyper, state.master) if client else None
+        self.rule: Rule = rule or AdamRule()
+        self.runner = runner or Synchronous()
         self.step_count = 0
-        self._staged_step: tuple[float, bool] | None = None  # (factor, delayed) until commit
         # Why the state no longer is one committed step (a commit that failed part way, an
         # overlapped update that failed): then no step and no save runs until a load.
         self.torn: str | None = None
@@ -164,44 +166,45 @@ class ShardOptimizer:
             weight_decay=float(h["weight_decay"]),
         )
 
-    # The fragment API's optimizer-state keys -> the shard state's kinds (Muon: its momentum).
-    STATE_KEYS: dict[str, str] = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+    @property
+    def STATE_KEYS(self) -> dict[str, str]:  # noqa: N802 (the fragment API's table)
+        """The fragment API's optimizer-state keys -> the shard state's kinds (the rule's)."""
+        return self.rule.STATE_KEYS
 
     def close(self) -> None:
         """The update's resources released (a swap file removed, a running host update
         finished); ``engine.destroy`` calls it once per group."""
+        self.runner.close()
         self.state.close()
 
-    # ---- the step protocol ---------------------------------------------------------------------
-    # Set by a placement whose ``stage`` writes the update (and may fail part way): the engine
-    # then agrees across ranks, once, before any group commits.
-    stage_writes = False
+    # ---- the step protocol: the runner's -------------------------------------------------------
+    @property
+    def stage_writes(self) -> bool:
+        """``stage`` writes the update (and may fail part way): the engine then agrees across
+        ranks, once, before any group commits."""
+        return self.runner.stage_writes
 
     def stage(self, factor: float, delayed: bool = False) -> None:
-        """This step's update, ready to commit: the factor kept (``delayed``: commit starts the
-        delayed update instead of a synchronous one); nothing is written yet."""
+        """This step's update, ready to commit (``delayed``: the delayed runner starts it
+        behind the next step)."""
         self.check_intact()
-        self._staged_step = (factor, delayed)
+        self.runner.stage(self, factor, delayed)
 
     def commit(self) -> None:
-        """The staged update applied (nothing staged: nothing to do)."""
-        staged, self._staged_step = self._staged_step, None
-        if staged is None:
-            return
-        factor, delayed = staged
-        if delayed:
-            self.launch(factor)
-        else:
-            self._synchronous(factor)
+        self.runner.commit(self)
 
     def rollback(self) -> None:
         """The staged update forgotten: state, step count and params are the last committed
-        step's (nothing was written)."""
-        self._staged_step = None
+        step's."""
+        self.runner.rollback(self)
 
-    def launch(self, factor: float) -> None:
-        """Start a delayed update (the host placement's, ``host_update.py``)."""
-        raise RuntimeError("the delayed update runs on the host placement only")
+    def flush(self) -> None:
+        """Apply a pending (delayed) update, if any."""
+        self.runner.flush(self)
+
+    def prepare_update(self) -> None:
+        """The backward that ends an accumulation window began (the update follows it)."""
+        self.runner.prepare(self)
 
     def tear(self, reason: str) -> None:
         """The state is not one committed step any more (``reason`` says why): every later
@@ -223,27 +226,37 @@ class ShardOptimizer:
         self.stage(factor)
         self.commit()
 
-    def _synchronous(self, factor: float) -> None:
-        self.flush()
+    def run(self, factor: float) -> None:
+        """The update inside the step, committed and published."""
         self.home.prepare_write()
         self.step_count += 1
         try:
-            self._apply(factor)
+            self.apply(factor)
         except BaseException:
-            self.step_count -= 1  # nothing committed (an NVMe state keeps its last step)
+            self.step_count -= 1  # nothing committed
             raise
         self.home.publish()
 
-    def _apply(self, factor: float) -> None:
-        """This placement's update of the master, moments and param home."""
+    def apply(self, factor: float, commit: bool = True) -> None:
+        """The rule's update of the master, moments and param home (``commit`` False: a
+        transactional state keeps it pending)."""
+        self.rule.apply(self, factor, commit)
+
+    # What each placement gives the rules: Adam by its own kernel; a whole-shard rule's inputs
+    # (each segment's reduced gradient and master view) and the home's refresh after it.
+    def adam(self, factor: float, commit: bool = True) -> None:
         raise NotImplementedError
 
-    def flush(self) -> None:
-        """Apply a pending (delayed) update; only the host path has one."""
+    def grad_views(self) -> list[torch.Tensor]:
+        raise NotImplementedError
 
-    def prepare_update(self) -> None:
-        """The backward that ends an accumulation window began (the update follows it); only
-        the NVMe path has work to start early."""
+    def master_views(self) -> list[torch.Tensor]:
+        if self.aliased:
+            return self.state.views("master", self.segs)
+        return [self.master[s.shard_start : s.shard_start + s.numel] for s in self.segs]
+
+    def write_home(self) -> None:
+        raise NotImplementedError
 
     def nbytes(self) -> dict[str, int]:
         out = self.state.nbytes()

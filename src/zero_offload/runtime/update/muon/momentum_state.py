@@ -14,16 +14,17 @@ from collections.abc import Callable
 import torch
 
 from ....core.layout import Segment
-from ....core.state.shard_state import Body, Chunk, ShardState
+from ....core.state.shard_state import Body, Chunk, InMemory, ShardState
 
 
-class MomentumState:
+class MomentumState(InMemory):
     exp_avg_sq = None  # no second moment: the checkpoint reads it through ``read`` (zeros)
 
     def __init__(self, inner: ShardState) -> None:
         """``inner``: the master shard, built with no moments."""
         self.inner, self.numel, self.where = inner, inner.numel, inner.where
         self.aliased = inner.aliased
+        assert not inner.transactional, "Muon keeps no state on NVMe (the config refuses it)"
         device = inner.exp_avg.device  # the inner state's (empty) moments sit where it does
         self.exp_avg = torch.zeros(self.numel, dtype=torch.float32, device=device)
 

@@ -1,7 +1,7 @@
 """Placement "device": master, exp_avg and exp_avg_sq on the accelerator; the update is torch's
-fused Adam(W) over this rank's segments (or a client optimizer over the master), and the whole
-shard is written to the param home in one call. A twin's device part (twin_update.py) runs the
-two halves apart: ``compute`` (kernels queued, asynchronous on CUDA), then ``write_home``."""
+fused Adam(W) over this rank's segments (or another rule over the master), and the whole shard
+is written to the param home in one call. A twin's device part (twin_update.py) runs the two
+halves apart: ``compute`` (kernels queued, asynchronous on CUDA), then ``write_home``."""
 
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ from ..shard_optimizer import ShardOptimizer
 
 
 class DeviceUpdate(ShardOptimizer):
-    def _apply(self, factor: float) -> None:
+    def adam(self, factor: float, commit: bool = True) -> None:
         self.compute(factor)
         self.write_home()
 
     def compute(self, factor: float) -> None:
-        """The update of the master and moments (queued on the current stream with CUDA)."""
-        if self.client is not None:
-            pieces = [(s.shard_start, g) for s, g in zip(self.segs, self._grads())]
-            self.client.step(pieces, factor)
-        elif self.segs:  # a twin's device part may be empty
+        """Adam's update of the master and moments (queued on the current stream with CUDA)."""
+        if self.segs:  # a twin's device part may be empty
             self._adam(factor)
+
+    def grad_views(self) -> list[torch.Tensor]:
+        return self._grads()
 
     def write_home(self) -> None:
         if not self.aliased:  # an aliased master was updated in the home itself

@@ -16,8 +16,6 @@ before either update runs.
 
 from __future__ import annotations
 
-import concurrent.futures
-
 import torch
 
 from ....core.flat_group import FlatGroup
@@ -41,11 +39,10 @@ class TwinUpdate(ShardOptimizer):
         policy: UpdatePolicy,
         streams: Streams,
         client: torch.optim.Optimizer | None = None,
-        executor: concurrent.futures.Executor | None = None,
     ) -> None:
         """``state``: the twin's parts, still empty; each part's update fills its own from the
-        home. A client optimizer and the delayed update are refused by the config."""
-        assert client is None and executor is None, "the twin update is Adam(W), undelayed"
+        home. A client optimizer, Muon and the delayed update are refused by the config."""
+        assert client is None, "the twin update is Adam(W), synchronous"
         cut, numel = state.cut, state.numel
         assert cut == grads.host_from, "the grad shard's cut is the state's"
         args = (group, grads, home)
@@ -71,9 +68,9 @@ class TwinUpdate(ShardOptimizer):
     def master(self) -> torch.Tensor:
         raise AttributeError("a twin's master is in two parts: read it through state.read")
 
-    def _apply(self, factor: float) -> None:
+    def adam(self, factor: float, commit: bool = True) -> None:
         self.device_part.compute(factor)  # queued: runs beside the host pass on CUDA
-        self.host_part._apply(factor)
+        self.host_part.adam(factor)
         self.device_part.write_home()
 
     def nbytes(self) -> dict[str, int]:

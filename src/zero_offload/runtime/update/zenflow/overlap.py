@@ -117,7 +117,7 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
         """The params take the master's copy left by the last update: cast into the staging
         and uploaded on the copy stream, as the host update's params are."""
         self.home.prepare_write()
-        self._write_home(self.stale)
+        self.write_home(self.stale)
         self.home.publish()
 
     # ---- checkpoints: the second moments, the copy, and the params the copy has not reached --

@@ -388,7 +388,7 @@ class ZenFlowUpdate(HostUpdate):
         factor = self._host_factor()
         self.home.prepare_write()
         self.step_count = step
-        self._host_pass(self.accum, factor, self._hyper(), upload=True)
+        self.host_pass(self.accum, factor, self._hyper(), upload=True)
         if publish:
             self.home.publish()
         self.accum.zero_()
