@@ -218,26 +218,27 @@ def test_cuda_delayed_update_uploads_land_before_staging_is_rewritten():
                         delayed_update_after=0)  # fmt: skip
     engine, *_ = zero_offload.initialize(model=make_model(), config=cfg)
     so = engine.opt_groups[0].optimizer
-    assert so.staging is not None and so.staging.is_pinned() and not so.staging_is_home
+    staging = so.staging.buffer  # the delayed update's own whole staging buffer
+    assert so.staging.kind == "whole" and staging.is_pinned()
     uploaded = []
-    host_pass, prepare_write = so._host_pass, so.home.prepare_write
+    host_pass, prepare_write = so.host_pass, so.home.prepare_write
 
-    def spy_host_pass(grad, factor, h, upload):
-        uploaded.append(so.staging.clone())  # staging as the preceding flush uploaded it
-        return host_pass(grad, factor, h, upload)
+    def spy_host_pass(grad, factor, h, upload, *rest):
+        uploaded.append(staging.clone())  # staging as the preceding flush uploaded it
+        return host_pass(grad, factor, h, upload, *rest)
 
     def slow_prepare_write():  # flush's uploads wait for the compute stream: hold it ~0.2 s
         torch.cuda._sleep(400_000_000)
         prepare_write()
 
-    so._host_pass, so.home.prepare_write = spy_host_pass, slow_prepare_write
+    so.host_pass, so.home.prepare_write = spy_host_pass, slow_prepare_write
     x = torch.randint(0, 32, (2, 5), device=engine.device)
     for _ in range(2):  # step 1 starts pass 1; step 2 uploads it and starts pass 2
         engine.backward(engine(x, x))
         engine.step()
-    so._pending.result()
+    so.runner._pending.result()
     torch.cuda.synchronize()
-    assert not torch.equal(uploaded[1], so.staging)  # pass 2 did rewrite staging
+    assert not torch.equal(uploaded[1], staging)  # pass 2 did rewrite staging
     assert torch.equal(engine.opt_groups[0].flat.flat, uploaded[1])
 
 

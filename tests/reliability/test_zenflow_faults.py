@@ -143,7 +143,7 @@ def test_a_failed_commit_is_refused_until_a_load(tmp_path, monkeypatch):
     _step(engine, data[0])
     engine.save_checkpoint(str(tmp_path), tag="good")
     second = engine.opt_groups[1].optimizer
-    monkeypatch.setattr(second, "_host_pass", _fail_on_call(0, second._host_pass))
+    monkeypatch.setattr(second, "host_pass", _fail_on_call(0, second.host_pass))
     with pytest.raises(TornStateError, match="param group 1 after 1 of 2"):
         _step(engine, data[1])  # micro-step 1: a host update
     monkeypatch.undo()
