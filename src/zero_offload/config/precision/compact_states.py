@@ -88,7 +88,7 @@ def _master_rules(config: Any, states: bool, eight_bit: bool) -> None:
         raise rule_error(
             TYPE,
             f'"Muon" with {MASTER} true: the bf16 master and states are built for the Adam types '
-            '("Adam", "AdamW", "Adam8bit", "AdamW8bit"); DeepSpeed\'s requires its CPU Adam',
+            '("Adam", "AdamW", "Adam8bit", "AdamW8bit"); DeepSpeed\'s master weights require its CPU Adam',
         )
     if not states and not eight_bit and not zc.offload:
         raise rule_error(
@@ -103,4 +103,25 @@ def _master_rules(config: Any, states: bool, eight_bit: bool) -> None:
             f"true with {MASTER} and offload_optimizer: DeepSpeed's master-weights feature "
             "requires its CPU Adam, which torch_adam replaces with torch.optim.Adam; set "
             "torch_adam false",
+        )
+
+
+def refuse_client_optimizer(config: Any, client: object) -> None:
+    """``initialize`` with a client optimizer object: the compact states are built for the
+    config's optimizer only (a client optimizer keeps its own state, and it wins over the
+    config's block, which would drop an 8-bit type silently): refused by key."""
+    from ..errors import ConfigError
+
+    bf, opt = config.bf16, config.optimizer
+    keys = [k for k, on in ((MASTER, bf.bf16_master_weights_and_grads),
+                            (STATES, bf.bf16_optimizer_states),
+                            (ROUNDING, bf.stochastic_rounding)) if on]  # fmt: skip
+    if opt is not None and opt.eight_bit:
+        keys.append(f"{TYPE} {json_repr(opt.type)}")
+    if keys:
+        raise ConfigError(
+            f"{', '.join(keys)} with a client optimizer ({type(client).__name__}) passed to "
+            "initialize: the compact optimizer states are built for the config's optimizer "
+            'only; pass no optimizer (the "optimizer" config block builds it) or remove '
+            f"{'them' if len(keys) > 1 else 'it'}"
         )
