@@ -275,20 +275,21 @@ def print_max_model(args, dtype_bytes: int) -> int:
           f"{'unbounded' if args.host_memory is None else f'{args.host_memory:g} GB'} host, "
           f"{args.nvme_size:g} GB NVMe per rank, {args.gpus} rank(s), micro batch "
           f"{step_of(args).micro_batch}, seq {args.seq_length}")  # fmt: skip
-    print(f"{'stage':>5} {'offload_optimizer':>17} {'offload_param':>13} {'states':>11} "
-          f"{'params B':>9} {'layers':>6} {'hidden':>6} {'device GB':>10} {'host GB':>8} "
-          f"{'nvme GB':>8}")  # fmt: skip
+    # the states column last: the columns before it keep their places (scripts read them)
+    print(f"{'stage':>5} {'offload_optimizer':>17} {'offload_param':>13} {'params B':>9} "
+          f"{'layers':>6} {'hidden':>6} {'device GB':>10} {'host GB':>8} {'nvme GB':>8}  "
+          "states")  # fmt: skip
     for place, state in max_model_rows(args):
         got = largest(args, kind, place, dtype_bytes, state)
         head = (
             f"{place[0]:>5} {NAMES[place[1]]:>17} {NAMES[place[2]] if place[0] == 3 else '-':>13}"
-            f" {state_name(state):>11}"
         )
         if got is None:
-            print(f"{head} {'none fits':>9}")
+            print(f"{head} {'none fits':>9}  {'':>6} {'':>6} {'':>10} {'':>8} {'':>8}  "
+                  f"{state_name(state)}")  # fmt: skip
             continue
         shape, pred = got
         print(f"{head} {shape.numel() / 1e9:>9.2f} {shape.layers:>6} {shape.hidden:>6} "
               f"{pred['peak.device.total'] / GB:>10.2f} {pred['peak.host.total'] / GB:>8.2f} "
-              f"{nvme_bytes(pred) / GB:>8.2f}")  # fmt: skip
+              f"{nvme_bytes(pred) / GB:>8.2f}  {state_name(state)}")  # fmt: skip
     return 0

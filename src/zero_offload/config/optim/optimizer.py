@@ -93,6 +93,9 @@ class Adam8bitParams(AdamParams):
     8-bit moment."""
 
     PICKED_BY: ClassVar[str] = '"type": "Adam8bit" | "AdamW8bit"'
+    KEY_HINTS: ClassVar[dict[str, str]] = {
+        k: v for k, v in AdamParams.KEY_HINTS.items() if k != "block_size"
+    }
 
     block_size: Int = Field(
         DEFAULT_BLOCK_SIZE,
