@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .config.precision.compact_states import refuse_client_optimizer
 from .core import dist
 from .runtime.engine.engine import ZeroOffloadEngine
 from .runtime.update.muon.muon_groups import default_flags, muon_param_groups
@@ -91,6 +92,8 @@ def build_engine(
     if cfg.seed is not None:
         torch.manual_seed(cfg.seed)
     optimizer = _client_optimizer(optimizer, model, model_parameters, cfg)
+    if optimizer is not None:
+        refuse_client_optimizer(cfg, optimizer)
     if request.deepspeed_rules and optimizer is not None:
         _refuse_like_deepspeed(optimizer, cfg)
     if request.deepspeed_rules and cfg.optimizer is not None and cfg.optimizer.muon:

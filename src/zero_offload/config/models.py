@@ -29,6 +29,7 @@ from .loading.keys import describe_errors
 from .optim.optimizer import OptimizerConfig
 from .optim.scheduler import SCHEDULER_CONFIGS, AnySchedulerConfig, canonical_scheduler_type
 from .optim.scheduler import normalize_scheduler as _normalize_scheduler
+from .precision.compact_states import compact_state_rules
 from .precision.fp16_bf16 import BF16Config, FP16Config
 from .precision.torch_autocast import TorchAutocastConfig
 from .runtime_keys import CheckpointConfig, DataTypesConfig, allreduce_op
@@ -100,6 +101,10 @@ class ZeroOffloadConfig(Section):
     this project's extension (seeds torch on every rank)."""
 
     NOT_IMPLEMENTED: ClassVar[frozenset[str]] = TOP_LEVEL_NOT_IMPLEMENTED
+    KEY_HINTS: ClassVar[dict[str, str]] = {
+        key: f'a key of the "bf16" block: "bf16": {{"enabled": true, "{key}": true}}'
+        for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states")
+    }
 
     # The batch triple: resolved by the validator below, ints once validated.
     train_batch_size: Int | None = Field(
@@ -123,7 +128,8 @@ class ZeroOffloadConfig(Section):
     )
     optimizer: OptimizerConfig | None = Field(
         None,
-        description="The built-in optimizer (Adam, AdamW or Muon). Null: none, unless a client "
+        description="The built-in optimizer (Adam, AdamW, Adam8bit, AdamW8bit or Muon). Null: "
+        "none, unless a client "
         "optimizer is passed to initialize() (which wins over this block, with a warning).",
     )
     scheduler: AnySchedulerConfig | None = Field(
@@ -266,6 +272,7 @@ class ZeroOffloadConfig(Section):
             raise rule_error(
                 "bf16.enabled", "fp16.enabled and bf16.enabled are both true; pick one"
             )
+        compact_state_rules(self)
         stage = self.zero_optimization.stage
         if self.optimizer is not None and self.optimizer.muon:
             _muon_rules(self.zero_optimization)

@@ -141,6 +141,7 @@ def _run(args: argparse.Namespace) -> int:
     import torch
 
     from ...runtime.plan.memory import per_param_table
+    from ...runtime.plan.state_bytes import state_name
 
     dtype_bytes = 4 if args.dtype == "fp32" else 2
     if args.max_model:
@@ -160,8 +161,15 @@ def _run(args: argparse.Namespace) -> int:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     muon = args.muon_share
     optimizer = f"Muon ({muon:g} of the params) + AdamW" if muon else "Adam"
+    state = estimate_step.state_of(args)
+    if muon and state.compact:
+        raise ValueError(
+            f"--muon-share with --states {args.states}: Muon keeps fp32 state (its config "
+            "refuses the compact states)"
+        )
     print(
-        f"model-state memory for {what}, {args.dtype} training with {optimizer}, "
+        f"model-state memory for {what}, {args.dtype} training with {optimizer} "
+        f"({state_name(state)} states), "
         f"{args.gpus} rank(s); "
         "GB = 1e9 bytes; activations and bucket buffers not included"
     )
@@ -169,7 +177,8 @@ def _run(args: argparse.Namespace) -> int:
         f"{'stage':>5} {'offload':>7} {'per device GB':>14} {'host per rank GB':>17} "
         f"{'optimizer state per rank GB':>28} {'offload_param':>13}"
     )
-    for row in per_param_table(numel, args.gpus, dtype, args.ratio, muon_share=muon):
+    table = per_param_table(numel, args.gpus, dtype, args.ratio, muon_share=muon, state=state)
+    for row in table:
         if args.stage is not None and row["stage"] != args.stage:
             continue
         # offload is offload_optimizer; offload_param exists at stage 3 only ("-" below it).

@@ -7,8 +7,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from ...core.state.format import FP32, StateFormat
 from ...runtime.plan.memory_model import StepShape, ZeroPlan, predict
 from ...runtime.plan.model_shape import ModelShape
+from ...runtime.plan.state_bytes import MODES, mode_format, modes_for, state_name
 from ...runtime.plan.zenflow_memory import ZenFlowPlan
 
 GB = 1e9
@@ -64,6 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "cpu rows, per rank (a --config with a zenflow block does it too)")  # fmt: skip
     p.add_argument("--overlap-step", action="store_true",
                    help="with --topk-ratio: zero_optimization.zenflow.overlap_step")  # fmt: skip
+    p.add_argument("--states", choices=MODES,
+                   help="the optimizer state's format: fp32 (master and moments), bf16 (bf16."
+                   "bf16_master_weights_and_grads + bf16_optimizer_states; --dtype bf16) or "
+                   "8bit (Adam8bit/AdamW8bit moments, with a bf16 master under --dtype bf16). "
+                   "Default: --config's, else fp32; --max-model without it: a row per format "
+                   "for the offloaded optimizer")  # fmt: skip
 
 
 def load(args: argparse.Namespace):
@@ -73,13 +81,33 @@ def load(args: argparse.Namespace):
     return load_config(args.config, args.gpus, micro_batch_size=args.micro_batch)
 
 
+def state_of(args: argparse.Namespace) -> StateFormat:
+    """``--states``'s format for ``--dtype``, else ``--config``'s, else fp32 states."""
+    import torch
+
+    mode = getattr(args, "states", None)
+    if mode is not None:
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+        return mode_format(mode, dtype[getattr(args, "dtype", "fp16")])
+    if args.config:
+        return StateFormat.from_config(load(args))
+    return FP32
+
+
 def plan_for(
-    args: argparse.Namespace, stage: int, opt: str, par: str, dtype_bytes: int
+    args: argparse.Namespace,
+    stage: int,
+    opt: str,
+    par: str,
+    dtype_bytes: int,
+    state: StateFormat | None = None,
 ) -> ZeroPlan:
-    """A placement row's plan: DeepSpeed's defaults, or the buffer sizes of ``--config``."""
+    """A placement row's plan: DeepSpeed's defaults, or the buffer sizes of ``--config``;
+    ``state``: the optimizer state's format (default: ``state_of(args)``)."""
     base = ZeroPlan(stage=stage, dtype_bytes=dtype_bytes, world=args.gpus)
     if args.config:
         base = ZeroPlan.from_config(load(args), args.gpus)
+    state = state_of(args) if state is None else state
     ratio = getattr(args, "ratio", 1.0)  # --ratio, else the config's
     zenflow = zenflow_of(args, dtype_bytes) or base.zenflow
     if zenflow is not None:  # the row's stage and param placement
@@ -88,7 +116,7 @@ def plan_for(
     return dataclasses.replace(base, stage=stage, optimizer=opt, params=par,
                                dtype_bytes=dtype_bytes, world=args.gpus,
                                ratio=ratio if ratio < 1.0 else base.ratio,
-                               zenflow=zenflow)  # fmt: skip
+                               zenflow=zenflow, state=state)  # fmt: skip
 
 
 def zenflow_of(args: argparse.Namespace, dtype_bytes: int) -> ZenFlowPlan | None:
@@ -128,7 +156,9 @@ def checkpointing_name(step: StepShape) -> str:
 def rows(args, shape: ModelShape, dtype_bytes: int) -> list[tuple[ZeroPlan, dict]]:
     step = step_of(args)
     if args.config and not args.max_model:
-        plan = ZeroPlan.from_config(load(args), args.gpus)
+        plan = dataclasses.replace(
+            ZeroPlan.from_config(load(args), args.gpus), state=state_of(args)
+        )
         return [(plan, predict(shape, step, plan))]
     out = []
     for stage, opt, par in PLACEMENTS:
@@ -152,7 +182,8 @@ def nvme_bytes(pred: dict) -> int:
 def print_step_table(args, shape: ModelShape, dtype_bytes: int) -> None:
     print(
         f"step peak per rank (micro batch {step_of(args).micro_batch}, seq {args.seq_length}, activation "
-        f"checkpointing {checkpointing_name(step_of(args))}); GB = 1e9 bytes"
+        f"checkpointing {checkpointing_name(step_of(args))}, {state_name(state_of(args))} "
+        "optimizer states); GB = 1e9 bytes"
     )
     print(f"{'stage':>5} {'offload_optimizer':>17} {'offload_param':>13} {'device GB':>10} "
           f"{'host GB':>8} {'nvme GB':>8}  device working set GB by category")  # fmt: skip
@@ -185,10 +216,12 @@ def fits(pred: dict, args) -> bool:
     )
 
 
-def largest(args, kind: str, place: tuple, dtype_bytes: int) -> tuple[ModelShape, dict] | None:
+def largest(
+    args, kind: str, place: tuple, dtype_bytes: int, state: StateFormat | None = None
+) -> tuple[ModelShape, dict] | None:
     """The shape with the most params that fits: each width's deepest fitting depth."""
     step = step_of(args)
-    plan = plan_for(args, *place, dtype_bytes)
+    plan = plan_for(args, *place, dtype_bytes, state)
     best = None
     for hidden, heads in WIDTHS:
         lo, hi = 0, MAX_LAYERS  # deepest depth that fits, by bisection (memory grows with depth)
@@ -210,6 +243,27 @@ def make_shape(args, kind: str, layers: int, hidden: int, heads: int) -> ModelSh
     return ModelShape.gpt2(layers, hidden, heads, args.vocab_size, args.seq_length)
 
 
+def max_model_rows(args) -> list[tuple[tuple, StateFormat]]:
+    """``--max-model``'s (placement, state format) rows: with the optimizer offloaded ("cpu" or
+    NVMe) one per format that exists for ``--dtype`` (fp32, bf16 and 8-bit moments with bf16;
+    fp32 and 8-bit otherwise), unless ``--states`` (or ``--config``) names one; else the one
+    format ``state_of`` gives."""
+    import torch
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+    every = getattr(args, "states", None) is None and not args.config
+    modes = modes_for(dtype[getattr(args, "dtype", "fp16")])
+    out = []
+    for place in PLACEMENTS:
+        if args.stage is not None and place[0] != args.stage:
+            continue
+        if every and place[1] != "device":
+            out += [(place, mode_format(m, dtype[args.dtype])) for m in modes]
+        else:
+            out.append((place, state_of(args)))
+    return out
+
+
 def print_max_model(args, dtype_bytes: int) -> int:
     if args.device_memory is None and args.host_memory is None:
         raise ValueError("--max-model needs --device-memory GB or --host-memory GB (a CPU run)")
@@ -221,20 +275,21 @@ def print_max_model(args, dtype_bytes: int) -> int:
           f"{'unbounded' if args.host_memory is None else f'{args.host_memory:g} GB'} host, "
           f"{args.nvme_size:g} GB NVMe per rank, {args.gpus} rank(s), micro batch "
           f"{step_of(args).micro_batch}, seq {args.seq_length}")  # fmt: skip
+    # the states column last: the columns before it keep their places (scripts read them)
     print(f"{'stage':>5} {'offload_optimizer':>17} {'offload_param':>13} {'params B':>9} "
-          f"{'layers':>6} {'hidden':>6} {'device GB':>10} {'host GB':>8} {'nvme GB':>8}")  # fmt: skip
-    for place in PLACEMENTS:
-        if args.stage is not None and place[0] != args.stage:
-            continue
-        got = largest(args, kind, place, dtype_bytes)
+          f"{'layers':>6} {'hidden':>6} {'device GB':>10} {'host GB':>8} {'nvme GB':>8}  "
+          "states")  # fmt: skip
+    for place, state in max_model_rows(args):
+        got = largest(args, kind, place, dtype_bytes, state)
         head = (
             f"{place[0]:>5} {NAMES[place[1]]:>17} {NAMES[place[2]] if place[0] == 3 else '-':>13}"
         )
         if got is None:
-            print(f"{head} {'none fits':>9}")
+            print(f"{head} {'none fits':>9}  {'':>6} {'':>6} {'':>10} {'':>8} {'':>8}  "
+                  f"{state_name(state)}")  # fmt: skip
             continue
         shape, pred = got
         print(f"{head} {shape.numel() / 1e9:>9.2f} {shape.layers:>6} {shape.hidden:>6} "
               f"{pred['peak.device.total'] / GB:>10.2f} {pred['peak.host.total'] / GB:>8.2f} "
-              f"{nvme_bytes(pred) / GB:>8.2f}")  # fmt: skip
+              f"{nvme_bytes(pred) / GB:>8.2f}  {state_name(state)}")  # fmt: skip
     return 0

@@ -70,8 +70,6 @@ DIFFERS: dict[str, str] = {
     "compile": "DeepCompile is not built; engine.compile() is plain torch.compile",
     "data_efficiency": "no data sampling or routing: the loader's batches are used as given",
     "fp16_master_weights_and_grads": "the master weights and gradients stay fp32",
-    "bf16_master_weights_and_grads": "the master weights and gradients stay fp32",
-    "bf16_optimizer_states": "the optimizer state stays fp32",
     "immediate_grad_update": "gradients are reduced per bucket, not applied as they arrive",
     "check_grad_overflow": "bf16 steps are checked for non-finite gradients as fp32 ones are",
     "load_from_fp32_weights": "a resume always restores the fp32 master from the checkpoint",

@@ -142,13 +142,33 @@ class BF16Config(Section):
         {
             "immediate_grad_update",
             "check_grad_overflow",
-            "bf16_master_weights_and_grads",
-            "bf16_optimizer_states",
         }
     )
 
     enabled: Bool = Field(
         False,
         description="Train in bf16: 16-bit params and gradients, fp32 master weights and "
-        "optimizer state.",
+        "optimizer state (unless bf16_master_weights_and_grads and bf16_optimizer_states).",
+    )
+    # The compact states' rules across sections (stage, offload, optimizer type, ZenFlow) are
+    # in ``compact_states.py``; ``core/state/format.StateFormat.from_config`` reads these three.
+    bf16_master_weights_and_grads: Bool = Field(
+        False,
+        description="DeepSpeed's: keep the optimizer's master weights and the gradient shards "
+        "in bf16 (2 bytes each instead of 4), the master being the bf16 params' own values. "
+        "Needs bf16.enabled and ZeRO stage 1-3; without bf16_optimizer_states (fp32 moments) "
+        'or an 8-bit-moment optimizer, also offload_optimizer ("cpu" or "nvme").',
+    )
+    bf16_optimizer_states: Bool = Field(
+        False,
+        description="DeepSpeed's: keep both Adam moments in bf16 too (with the master and "
+        "gradients, 8 bytes of host state per param with offload instead of 16). Needs "
+        "bf16_master_weights_and_grads; not with the 8-bit-moment optimizers.",
+    )
+    stochastic_rounding: Bool = Field(
+        False,
+        description="This project's extension, off by default (DeepSpeed rounds to nearest): "
+        "write the bf16 master with stochastic rounding, so updates smaller than half a bf16 "
+        "ulp of a weight are kept on average instead of dropped. Needs "
+        "bf16_master_weights_and_grads; seeded by the top-level seed.",
     )

@@ -17,7 +17,7 @@ receives that one; a format the path cannot run is refused where it is built, by
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -60,6 +60,27 @@ class StateFormat:
     def bytes_per_element(self) -> float:
         """Master plus both moments, per shard element."""
         return self.master_bytes + self.moment_bytes()
+
+    @classmethod
+    def from_config(cls, config: Any) -> StateFormat:
+        """The format a validated ``ZeroOffloadConfig`` asks for (its ``bf16`` block and
+        optimizer type; the config's rules already refused what does not combine). A config
+        without an optimizer block (a client optimizer, or none) and without the bf16 keys:
+        fp32 states."""
+        bf, opt = config.bf16, config.optimizer
+        eight_bit = opt is not None and opt.eight_bit
+        moments: Moments = "fp32"
+        if eight_bit:
+            moments = "8bit"
+        elif bf.bf16_optimizer_states:
+            moments = "bf16"
+        return cls(
+            master=torch.bfloat16 if bf.bf16_master_weights_and_grads else torch.float32,
+            moments=moments,
+            block=int(opt.params.block_size) if eight_bit else DEFAULT_BLOCK,
+            stochastic_round=bool(bf.stochastic_rounding),
+            seed=int(config.seed or 0),
+        )
 
 
 FP32 = StateFormat()

@@ -434,6 +434,7 @@ class ZeroOffloadEngine(
             accum_dtype=self.grad_accum_dtype,
             alias_master=all(og.optimizer.aliased for og in groups) if groups else None,
             muon_numel=sum(og.flat.layout.total for og in groups if og.flat.hyper.get("use_muon")),
+            state=self.zero_plan.state,
         )
         zenflow = self.zero_plan.zenflow  # built: each group's own params, on this rank
         for og in groups if zenflow is not None else ():

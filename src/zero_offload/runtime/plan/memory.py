@@ -20,6 +20,15 @@ device part ``(1 - r)`` of the shard (rounded as ``placement.twin_split`` cuts i
 fp32 training with the optimizer and the params on the device keeps no master copy: the fp32
 params (stage 3: the param shard) are the master, so the 12 becomes 8 (the moments).
 
+Compact states (``state``, ``core/state/format.py``): the 12 is the master's bytes (fp32 4,
+``bf16.bf16_master_weights_and_grads`` 2) plus both moments' (fp32 8, ``bf16_optimizer_states``
+4, ``Adam8bit``/``AdamW8bit`` 2 + 8/block of scales), ``state_bytes.py``. A bf16 master is the
+bf16 params' own dtype: it is aliased where fp32 training's master is (the params are the
+master), and with offload the host update writes it as the 16-bit param, so there is no
+staging buffer. Stage 2 + offload with bf16 training: host 16 bytes/param with fp32 states
+(master 4, moments 8, grad 2, staging 2), 8 with bf16 states (2 + 4 + 2), 6 + 8/block with
+8-bit moments and a bf16 master (2 + 2 + 8/block + 2).
+
 Muon (stages 0-3, the state on the device or, with offload, on the host): its groups keep one
 momentum buffer instead of Adam's two moments, so their 12 becomes 8 (fp32 on the device: 4);
 the aux AdamW group is an Adam group.
@@ -44,7 +53,9 @@ from __future__ import annotations
 
 import torch
 
+from ...core.state.format import FP32, StateFormat
 from ..update.placement import twin_split
+from .state_bytes import master_bytes, moment_bytes
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -74,6 +85,7 @@ def expected_bytes(
     accum_dtype: torch.dtype | None = None,
     alias_master: bool | None = None,
     muon_numel: int = 0,
+    state: StateFormat = FP32,
 ) -> dict[str, int]:
     """Model-state bytes per rank by category (``device.*`` / ``host.*``). ``offload`` is
     optimizer offload; ``offload_param`` (stage 3 only) puts the 16-bit param shard on the host;
@@ -84,8 +96,13 @@ def expected_bytes(
     device, or at stage 3 both in host memory (whole offload, no delayed update; the offloads
     here are "cpu": a caller with NVMe passes False).
     ``muon_numel``: the part of ``numel`` in Muon groups (state: a momentum, 4 bytes, where
-    the optimizer state is)."""
+    the optimizer state is).
+    ``state``: the optimizer state's format (``core/state/format.py``): the master's and the
+    moments' bytes (``state_bytes.py``); a master of the params' dtype is aliased by the same
+    rule as fp32 training's, and needs no 16-bit staging (the host update writes it)."""
     _check_placement(stage, offload, offload_param)
+    if muon_numel and state.compact:
+        raise ValueError("Muon keeps fp32 state: muon_numel needs the fp32 state format")
     b = dtype_bytes(dtype)
     a = b if accum_dtype is None else dtype_bytes(accum_dtype)  # grad shards, device and host
     shard = numel if stage == 0 else numel // world_size
@@ -105,19 +122,21 @@ def expected_bytes(
     elif cut:
         out["device.grad_shard"] = cut * a
     if alias_master is None:
-        alias_master = b == 4 and _beside(stage, offload, offload_param, cut, delayed)
+        alias_master = b == state.master_bytes and _beside(
+            stage, offload, offload_param, cut, delayed
+        )
     home = "host" if offload_param else "device"
     for where, n in (("device", cut), ("host", shard - cut)):
         if n or where == ("host" if offload else "device"):
-            if not (alias_master and where == home):  # fp32 params are the master themselves
-                out[f"{where}.master_shard"] = n * 4
+            if not (alias_master and where == home):  # the params are the master themselves
+                out[f"{where}.master_shard"] = master_bytes(n, state)
             # Muon (never split by a twin): its state is wherever the whole optimizer's is
             held = where == ("host" if offload else "device")
             muon = muon_numel // (1 if stage == 0 else world_size) * held
-            out[f"{where}.optimizer_state"] = n * 8 - muon * 4
+            out[f"{where}.optimizer_state"] = moment_bytes(n, state) - muon * 4
     if offload:
         out["host.grad_shard"] = (shard - cut) * a * (2 if delayed else 1)
-        if b < 4 and not offload_param:
+        if b < state.master_bytes and not offload_param:  # a master wider than the params
             out["host.param_staging"] = (shard - cut) * b
     return out
 
@@ -150,10 +169,12 @@ def per_param_table(
     dtype: torch.dtype = torch.float16,
     ratio: float = 1.0,
     muon_share: float = 0.0,
+    state: StateFormat = FP32,
 ) -> list[dict]:
     """Every stage with and without offload (and, at stage 3, parameter offload), for
     ``zero-offload estimate``; ``ratio``: the stage-3 offload rows' partial offload;
-    ``muon_share``: the params' share in a Muon group (then no partial-offload rows)."""
+    ``muon_share``: the params' share in a Muon group (then no partial-offload rows);
+    ``state``: the optimizer state's format."""
     rows = []
     muon = round(numel * muon_share)
     for stage, offload, offload_param in TABLE_CASES:
@@ -161,7 +182,7 @@ def per_param_table(
         if muon and offload and r < 1.0:
             continue  # Muon has no partial offload
         e = expected_bytes(numel, dtype, stage, world_size, offload, offload_param=offload_param,
-                           ratio=r, muon_numel=muon)  # fmt: skip
+                           ratio=r, muon_numel=muon, state=state)  # fmt: skip
         dev = sum(v for k, v in e.items() if k.startswith("device."))
         host = sum(v for k, v in e.items() if k.startswith("host."))
         rows.append(

@@ -16,9 +16,10 @@ set, every term from the config and the model shape:
   one brought back), at the start of backward;
 - ``logits``: the LM head's output and the fp32 loss's softmax and gradients (``LOGIT_COPIES``
   vocabulary-sized fp32 tensors at once), the largest transient of a small model;
-- ``nvme_buffers`` (host state, NVMe optimizer): ``buffer_count`` records of a chunk's three fp32
-  tensors; ``swap_reads`` (host, NVMe params): reads ahead beside the buffers kept for
-  reuse (``host.param_spares``, up to two per buffer size, within ``max_in_cpu``).
+- ``nvme_buffers`` (host state, NVMe optimizer): ``buffer_count`` records of a chunk's master
+  and moments (three fp32 tensors with fp32 states; ``state_bytes.record_bytes``);
+  ``swap_reads`` (host, NVMe params): reads ahead beside the buffers kept for reuse
+  (``host.param_spares``, up to two per buffer size, within ``max_in_cpu``).
 
 The activation constants are counted from the code path of each model kind (``ModelShape``):
 per token and layer, the saved tensors in the training dtype (``ACT_WORDS``, in units of hidden
@@ -35,9 +36,11 @@ import torch
 
 from ...core.layout import build_unit_layout
 from ...core.pinned_bytes import reserved
+from ...core.state.format import FP32, StateFormat
 from ..reduce.reduce_buffers import ALIGN as REDUCE_ALIGN
 from .memory import expected_bytes
 from .model_shape import ModelShape
+from .state_bytes import record_bytes
 from .zenflow_memory import ZenFlowPlan, plan_from_config, zenflow_bytes
 
 # Per token per layer, saved for backward, in the training dtype: (x hidden, x ffn). Counted
@@ -95,6 +98,8 @@ class ZeroPlan:
     pin_params: bool = False
     # zero_optimization.zenflow where the engine builds it: its buffers (``zenflow_memory.py``)
     zenflow: ZenFlowPlan | None = None
+    # the optimizer state's format (bf16 master, bf16 or 8-bit moments): its bytes per element
+    state: StateFormat = FP32
 
     @classmethod
     def from_config(cls, config, world: int, device: torch.device | None = None) -> ZeroPlan:
@@ -127,6 +132,7 @@ class ZeroPlan:
             pin_optimizer=_pins(device, oc, zc.offload_device),
             pin_params=_pins(device, pc, zc.offload_param_device),
             zenflow=plan_from_config(config, world, device),
+            state=StateFormat.from_config(config),
         )
 
 
@@ -137,9 +143,14 @@ def _pins(device: torch.device | None, section, where: str) -> bool:
 
 
 def _aliased(plan: ZeroPlan) -> bool:
-    """fp32 params are their own master where the optimizer state sits beside them in memory
-    (``state_build.alias_state``): both on the device, or at stage 3 both in host memory."""
-    if plan.dtype_bytes != 4 or plan.optimizer != plan.params or plan.zenflow is not None:
+    """Params of the master's dtype (fp32, or bf16 with a bf16 master) are their own master
+    where the optimizer state sits beside them in memory (``state_build.alias_state``): both on
+    the device, or at stage 3 both in host memory."""
+    if (
+        plan.dtype_bytes != plan.state.master_bytes
+        or plan.optimizer != plan.params
+        or plan.zenflow is not None
+    ):
         return False  # ZenFlow keeps a master of its own (``assembly.build_updates``)
     return plan.optimizer == "device" or (
         plan.optimizer == "host" and plan.stage == 3 and plan.ratio >= 1.0 and not plan.delayed
@@ -156,13 +167,15 @@ def states(numel: int, plan: ZeroPlan, shape: ModelShape | None = None) -> dict[
     out = expected_bytes(numel, dtype, plan.stage, plan.world, plan.optimizer != "device",
                          plan.gas, plan.delayed, offload_param=plan.params != "device",
                          ratio=plan.ratio if plan.optimizer == "host" else 1.0,
-                         accum_dtype=accum, alias_master=_aliased(plan))  # fmt: skip
+                         accum_dtype=accum, alias_master=_aliased(plan),
+                         state=plan.state)  # fmt: skip
     shard = numel // plan.world if plan.stage else numel
     if plan.optimizer == "nvme":
         out["nvme.master_shard"] = out.pop("host.master_shard")
         out["nvme.optimizer_state"] = out.pop("host.optimizer_state")
         out["nvme.second_version"] = out["nvme.master_shard"] + out["nvme.optimizer_state"]
-        out["host.nvme_buffers"] = plan.optimizer_buffers * 3 * _swap_chunk(shard, plan.chunk) * 4
+        record = record_bytes(_swap_chunk(shard, plan.chunk), plan.state)
+        out["host.nvme_buffers"] = plan.optimizer_buffers * record
     if plan.params == "nvme":
         out["nvme.param_shard"] = out.pop("host.param_shard")
         if shape is not None:
