@@ -31,6 +31,7 @@ from typing import Literal
 
 import torch
 
+from ...core.state.format import FP32, StateFormat
 from ...nvme.io.aio import AioPolicy
 
 Where = Literal["device", "host", "nvme"]
@@ -90,6 +91,8 @@ class Placement:
     # The share of each group's shard whose state lives on the host (optimizer "host" only;
     # 1.0: all of it). Below 1.0 the rest stays on the device: the twin update.
     ratio: float = 1.0
+    # How the master and moments store each element (fp32; bf16 or 8-bit: ``format.py``).
+    state: StateFormat = FP32
 
     @property
     def host_update(self) -> bool:

@@ -11,6 +11,7 @@ import torch
 from ...config.errors import ConfigError
 from ...core.flat_group import FlatGroup
 from ...core.state.alias_state import AliasState
+from ...core.state.compact_state import CompactState
 from ...core.state.shard_state import MemoryState, ShardState
 from ...core.state.twin_state import TwinState
 from ...nvme.io.aio import AioEngine
@@ -59,6 +60,8 @@ def build_states(
     if placement.optimizer != "nvme":
         where = "host" if placement.host_update else "device"
         device = torch.device("cpu") if placement.host_update else groups[0].device
+        if placement.state.compact:  # bf16 or 8-bit master and moments (compact_state.py)
+            return [CompactState(n, device, where, placement.state) for n in numels]
         return [MemoryState(n, device, where, moments) for n in numels]
     assert placement.nvme is not None and placement.nvme.optimizer_dir is not None and aio
     return [
@@ -93,6 +96,8 @@ def alias_state(
     whose partition is not one contiguous range. ``moments``: allocate Adam's moments
     (default: unless a client optimizer keeps its own state)."""
     if group.dtype != torch.float32 or not _beside(placement, home.where):
+        return None
+    if placement.state.compact:  # the alias keeps fp32 moments
         return None
     if client is not None and home.shard_tensor() is None:
         return None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from ....core.labels import HOST_UPDATE, label
+from ....kernels.adam_states import StateOptions, adam_step_states
 from ....kernels.host_adam import host_adam_step
 from ..shard_optimizer import ShardOptimizer
 from .staging import choose_staging
@@ -42,6 +43,9 @@ class HostUpdate(ShardOptimizer):
             and self.streams.cuda
             and self.home.where == "device"
         )
+        # The kernel, chosen once: the fp32-state kernel, or the compact-state one for a bf16
+        # master or bf16 / 8-bit moments (``kernels/adam_states.py``).
+        self._kernel = adam_step_states if place.state.compact else host_adam_step
         # CUDA: event after the last uploads from the staging; the host pass rewrites it only
         # once they have read it (a delayed pass starts right after flush's uploads).
         self._uploaded = None
@@ -105,20 +109,22 @@ class HostUpdate(ShardOptimizer):
         """The kernel over one chunk of the state, then (``upload``) its trip to the home."""
         bc = bool(self.group.hyper.get("bias_correction", True))
         staging, sync_each = self.staging, self._sync_each
+        kernel, step = self._kernel, self.step_count
 
         def body(lo: int, hi: int, v: dict[str, torch.Tensor]) -> None:
             with label(HOST_UPDATE):
-                host_adam_step(
+                kernel(
                     v["master"],
                     v["exp_avg"],
                     v["exp_avg_sq"],
                     grad[lo:hi],
                     staging.out(lo, hi),
-                    step=self.step_count,
+                    step=step,
                     adamw=self.adamw,
                     bias_correction=bc,
                     grad_scale=factor,
                     threads=threads,
+                    **self._state_options(lo, step),
                     **h,
                 )
             if upload:  # chunk k travels while chunk k+1 computes
@@ -127,6 +133,17 @@ class HostUpdate(ShardOptimizer):
                     self.streams.h2d.synchronize()
 
         return body
+
+    def _state_options(self, lo: int, step: int) -> dict:
+        """The compact kernel's options for the chunk at ``lo``: stochastic rounding of a bf16
+        master seeded per run and step, each element drawing by its place in the group's flat
+        partition (so a chunking does not change the draws)."""
+        fmt = self.placement.state
+        if not fmt.compact:
+            return {}
+        seed = fmt.seed if fmt.stochastic_round else None
+        offset = self.group.rank * self.group.shard_numel(self.sharded) + self.span.lo + lo
+        return {"options": StateOptions(stochastic_round_seed=seed, index_offset=offset)}
 
     def nbytes(self) -> dict[str, int]:
         out = super().nbytes()
