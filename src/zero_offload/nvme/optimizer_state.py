@@ -50,6 +50,14 @@ class NvmeOptimizerState:
     where = "nvme"
     aliased = False
     transactional = True
+
+    def raw(self) -> dict[str, torch.Tensor]:
+        """fp32 records: ``read`` is exact."""
+        return {}
+
+    def load_raw(self, fetch) -> None:
+        """fp32 records: nothing beside them."""
+
     master_dtype = torch.float32
 
     def parts(self) -> list:

@@ -110,6 +110,23 @@ class CompactState(InMemory):
         t.codes[a:z].copy_(codes)
         t.scales[a // b : -(-z // b)].copy_(scales)
 
+    def raw(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for kind in ("exp_avg", "exp_avg_sq"):
+            t = self.tensor(kind)
+            if isinstance(t, QuantizedMoment):
+                out[f"{kind}.codes"], out[f"{kind}.scales"] = t.codes, t.scales
+        return out
+
+    def load_raw(self, fetch: Callable[[str], torch.Tensor | None]) -> None:
+        for name, t in self.raw().items():
+            saved = fetch(name)
+            if saved is not None:
+                if saved.shape != t.shape or saved.dtype != t.dtype:
+                    raise ValueError(f"{name}: saved {saved.dtype}{list(saved.shape)}, this shard "
+                                     f"keeps {t.dtype}{list(t.shape)}")  # fmt: skip
+                t.copy_(saved)
+
     def nbytes(self) -> dict[str, int]:
         def size(m: Moment) -> int:
             if isinstance(m, QuantizedMoment):

@@ -57,6 +57,23 @@ class StateFormat:
         scales = 4.0 / self.block if self.moments == "8bit" else 0.0
         return 2 * (per + scales)
 
+    @property
+    def name(self) -> str:
+        """The format's short name: fp32, bf16 (DeepSpeed's bf16 master + moments), 8bit
+        (8-bit moments; ``+bf16`` with a bf16 master), bf16-master (fp32 moments)."""
+        bf16_master = self.master == torch.bfloat16
+        if self.moments == "8bit":
+            return "8bit+bf16" if bf16_master else "8bit"
+        if self.moments == "bf16":
+            return "bf16"
+        return "bf16-master" if bf16_master else "fp32"
+
+    def same_storage(self, other: StateFormat) -> bool:
+        """Both keep every element in the same types (rounding and seed aside)."""
+        mine = (self.master, self.moments, self.block if self.moments == "8bit" else 0)
+        theirs = (other.master, other.moments, other.block if other.moments == "8bit" else 0)
+        return mine == theirs
+
     def bytes_per_element(self) -> float:
         """Master plus both moments, per shard element."""
         return self.master_bytes + self.moment_bytes()
@@ -84,3 +101,22 @@ class StateFormat:
 
 
 FP32 = StateFormat()
+
+
+_MOMENT_CODES: list[Moments] = ["fp32", "bf16", "8bit"]
+
+
+def format_tensor(fmt: StateFormat, where: tuple[int, int, int]) -> torch.Tensor:
+    """A checkpoint's record of the format a shard was saved in, and ``where`` (world size,
+    rank, shard numel): int64 [master is bf16, moments code, block, world, rank, numel]."""
+    head = [int(fmt.master == torch.bfloat16), _MOMENT_CODES.index(fmt.moments), fmt.block]
+    return torch.tensor(head + list(where), dtype=torch.int64)
+
+
+def format_of(t: torch.Tensor) -> tuple[StateFormat, tuple[int, int, int]]:
+    """``format_tensor`` read back (a damaged record raises ``ValueError``)."""
+    v = [int(x) for x in t.reshape(-1).tolist()]
+    if len(v) != 6 or v[0] not in (0, 1) or not 0 <= v[1] < len(_MOMENT_CODES):
+        raise ValueError(f"state_format: not a saved state format ({v})")
+    master = torch.bfloat16 if v[0] else torch.float32
+    return StateFormat(master, _MOMENT_CODES[v[1]], v[2]), (v[3], v[4], v[5])

@@ -71,6 +71,15 @@ class ShardState(Protocol):
 
     def discard(self) -> None: ...
 
+    def raw(self) -> dict[str, torch.Tensor]:
+        """Stored tensors that ``read``'s fp32 does not give back exactly (8-bit codes and
+        scales), name -> tensor, saved beside it so a resume is bitwise; none for the others."""
+        ...
+
+    def load_raw(self, fetch: Callable[[str], torch.Tensor | None]) -> None:
+        """``raw`` back (same partition only); absent names leave the converted values."""
+        ...
+
 
 class InMemory:
     """What every state kind that is not transactional declares."""
@@ -86,6 +95,12 @@ class InMemory:
 
     def discard(self) -> None:
         raise RuntimeError("a state in memory has no pending update to discard")
+
+    def raw(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_raw(self, fetch: Callable[[str], torch.Tensor | None]) -> None:
+        """``read``/``write`` are exact: nothing beside them."""
 
 
 class MemoryState(InMemory):

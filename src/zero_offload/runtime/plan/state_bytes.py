@@ -69,11 +69,5 @@ def modes_for(dtype: torch.dtype) -> tuple[str, ...]:
 
 
 def state_name(state: StateFormat) -> str:
-    """A format's short name in tables: fp32, bf16 (DeepSpeed's bf16 master + moments), 8bit
-    (8-bit moments; ``+bf16`` with a bf16 master), bf16-master (a bf16 master, fp32 moments)."""
-    bf16_master = state.master == torch.bfloat16
-    if state.moments == "8bit":
-        return "8bit+bf16" if bf16_master else "8bit"
-    if state.moments == "bf16":
-        return "bf16"
-    return "bf16-master" if bf16_master else "fp32"
+    """A format's short name in tables (``StateFormat.name``)."""
+    return state.name

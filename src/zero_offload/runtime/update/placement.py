@@ -163,6 +163,7 @@ class Placement:
                 else None
             ),
             ratio=float(oc.ratio) if optimizer == "host" and oc is not None else 1.0,
+            state=StateFormat.from_config(config),
         )
 
 

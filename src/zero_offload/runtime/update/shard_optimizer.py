@@ -23,12 +23,14 @@ an NVMe state) at the last committed step.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from ...core.flat_group import FlatGroup
+from ...core.state.format import FP32, format_of, format_tensor
 from ...core.state.shard_state import ShardState
 from ...core.state.torn import TornStateError
 from ...core.streams import Streams
@@ -125,12 +127,34 @@ class ShardOptimizer:
         return iter(())
 
     def extra_state(self) -> dict[str, torch.Tensor]:
-        """State of the update's own saved beside the shard (ZenFlow's mid-interval state),
-        name -> tensor; none for the built-in paths."""
-        return {}
+        """State saved beside the shard's fp32 tensors: a compact format's record and the
+        stored tensors its fp32 does not give back exactly (8-bit codes and scales); none in
+        fp32. (ZenFlow adds its mid-interval state.)"""
+        fmt = self.placement.state
+        if not fmt.compact:
+            return {}
+        return {"state_format": format_tensor(fmt, self._where()), **self.state.raw()}
+
+    def _where(self) -> tuple[int, int, int]:
+        """This shard's partition: world size, rank, numel."""
+        return (self.group.layout.world_size, self.group.rank, self.state.numel)
 
     def load_extra_state(self, fetch) -> None:
-        """``extra_state`` back from a checkpoint (``fetch(name)``: None where absent)."""
+        """``extra_state`` back from a checkpoint (``fetch(name)``: None where absent). The
+        fp32 tensors were loaded already (converted to this run's format); a checkpoint of the
+        same format and partition then gives back its stored tensors, so the resume is
+        bitwise; one of another format was converted, with a warning naming both."""
+        saved = fetch("state_format")
+        theirs, where = format_of(saved) if saved is not None else (FP32, None)
+        mine = self.placement.state
+        if not theirs.same_storage(mine):
+            warnings.warn(
+                f"param group {self.group.index}: the checkpoint's optimizer state is "
+                f"{theirs.name}, this run keeps {mine.name}: converted on load",
+                stacklevel=2,
+            )
+        elif where == self._where():
+            self.state.load_raw(fetch)
 
     def check_extra_state(self, fetch, step_count: int, same_world: bool) -> None:
         """Refuse (``ValueError`` naming the tensor) saved extra state this update cannot

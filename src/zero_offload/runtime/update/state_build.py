@@ -32,6 +32,27 @@ def nvme_state_bytes(numel: int, chunk: int) -> int:
     return 2 * max(1, -(-numel // chunk)) * chunk * 12
 
 
+def check_state_format(placement: Placement) -> None:
+    """A compact state format runs where its kernel is built: the host update over host memory
+    (``offload_optimizer`` "cpu", the whole shard); refused by key elsewhere."""
+    fmt = placement.state
+    if not fmt.compact:
+        return
+    keys = "bf16.bf16_master_weights_and_grads / bf16_optimizer_states / optimizer Adam8bit"
+    where = None
+    if placement.optimizer == "device":
+        where = 'no optimizer offload (the device update keeps fp32 states): use "cpu"'
+    elif placement.optimizer == "nvme":
+        where = '"nvme" (its records are fp32 master and moments): use "cpu"'
+    elif placement.twin:
+        where = f"{RATIO_KEY} {placement.ratio} (the device part keeps fp32 states): use 1.0"
+    if where is not None:
+        raise ConfigError(
+            f"{keys}: compact optimizer states are built with "
+            f'zero_optimization.offload_optimizer.device "cpu" only, not with {where}'
+        )
+
+
 def _state_chunk(numel: int, chunk: int) -> int:
     """A state smaller than one update chunk has one record of its own (rounded) size."""
     return min(chunk, max(CHUNK_ALIGN, -(-numel // CHUNK_ALIGN) * CHUNK_ALIGN))
@@ -48,6 +69,7 @@ def build_states(
     numels = [g.shard_numel(sharded) for g in groups]
     if not groups:  # no optimizer: forward only
         return []
+    check_state_format(placement)
     if placement.twin:  # the device part, then the host part (twin_update.py)
         cpu, dev = torch.device("cpu"), groups[0].device
         cuts = [placement.host_from(n) for n in numels]
