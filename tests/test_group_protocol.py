@@ -13,6 +13,7 @@ import torch
 from components import feed, flat_group, placement, tiny_params
 
 from zero_offload.config.zero.zenflow import ZenFlowConfig, resolve_schedule
+from zero_offload.core.state.format import StateFormat
 from zero_offload.core.streams import Streams
 from zero_offload.nvme.io.aio import AioEngine
 from zero_offload.runtime.reduce.grad_shard import GradShard
@@ -37,6 +38,7 @@ WHERE = {
     "host-client": "host",
     "zenflow": "host",  # micro-step 1 is the device part alone (written in stage, undone)
     "zenflow-overlap": "host",
+    "host-8bit": "host",  # a compact state kind: fp32 master, 8-bit moments
 }
 KINDS = list(WHERE)
 MUON = {"use_muon": True, "momentum": 0.95, "ns_method": "standard"}
@@ -57,6 +59,8 @@ def _build(kind: str, tmp_path: Path) -> tuple[OptimizerGroup, list]:
     place = placement(WHERE[kind], tmp_path / kind)
     if kind == "twin":
         place = dataclasses.replace(place, ratio=0.5)
+    if kind.endswith("8bit"):
+        place = dataclasses.replace(place, state=StateFormat(moments="8bit", block=32))
     g = flat_group(params)
     if muon:
         g.hyper.update(MUON)
