@@ -138,7 +138,8 @@ def stochastic_round_bf16(
     NaN becomes a quiet NaN as with rounding to nearest."""
     x = x.detach().reshape(-1).to(torch.float32)
     key = sr_key(int(seed), int(step))
-    idx = (torch.arange(x.numel(), dtype=torch.int64) + (index_offset & _MASK32)) & _MASK32
+    idx = torch.arange(x.numel(), dtype=torch.int64, device=x.device)
+    idx = (idx + (index_offset & _MASK32)) & _MASK32
     r = _fmix32_t(idx ^ key) >> 16
     u = x.view(torch.int32).to(torch.int64) & _MASK32
     nan = (u & 0x7FFFFFFF) > 0x7F800000
@@ -160,7 +161,7 @@ class _Plan:
     buffers: tuple[tuple[str, torch.Tensor | None], ...]
 
 
-def _check_moment(name: str, x: Any, n: int, signed: bool) -> int:
+def _check_moment(name: str, x: Any, n: int, signed: bool, cpu: bool = True) -> int:
     """State type of one moment (validated)."""
     if isinstance(x, QuantizedMoment):
         if x.signed != signed:
@@ -169,22 +170,26 @@ def _check_moment(name: str, x: Any, n: int, signed: bool) -> int:
                 f"signed={x.signed}"
             )
         check_block_size(x.block_size, f"{name}.block_size")
-        ha._check_tensor(f"{name}.codes", x.codes, (torch.uint8,), n)
-        ha._check_tensor(f"{name}.scales", x.scales, (torch.float32,), num_blocks(n, x.block_size))
+        ha._check_tensor(f"{name}.codes", x.codes, (torch.uint8,), n, cpu)
+        nb = num_blocks(n, x.block_size)
+        ha._check_tensor(f"{name}.scales", x.scales, (torch.float32,), nb, cpu)
         return _STATE_Q8
     if not isinstance(x, torch.Tensor):
         raise ValueError(
             f"{name} must be a torch.Tensor (fp32/bf16) or a QuantizedMoment, got {type(x).__name__}"
         )
-    ha._check_tensor(name, x, (torch.float32, torch.bfloat16), n)
+    ha._check_tensor(name, x, (torch.float32, torch.bfloat16), n, cpu)
     return _STATE_F32 if x.dtype == torch.float32 else _STATE_BF16
 
 
-def _plan(master, exp_avg, exp_avg_sq, grad, param_out, options: StateOptions) -> _Plan:
-    ha._check_tensor("master", master, tuple(_MASTER_CODES), None)
+def _plan(
+    master, exp_avg, exp_avg_sq, grad, param_out, options: StateOptions, cpu: bool = True
+) -> _Plan:
+    """The validated call; ``cpu`` False (the reference): every buffer on master's device."""
+    ha._check_tensor("master", master, tuple(_MASTER_CODES), None, cpu)
     n = master.numel()
-    st_m = _check_moment("exp_avg", exp_avg, n, signed=True)
-    st_v = _check_moment("exp_avg_sq", exp_avg_sq, n, signed=False)
+    st_m = _check_moment("exp_avg", exp_avg, n, signed=True, cpu=cpu)
+    st_v = _check_moment("exp_avg_sq", exp_avg_sq, n, signed=False, cpu=cpu)
     if st_m != st_v:
         raise ValueError(
             "exp_avg and exp_avg_sq must be the same state kind (both fp32, both bf16 or both "
@@ -198,14 +203,14 @@ def _plan(master, exp_avg, exp_avg_sq, grad, param_out, options: StateOptions) -
                 f"({exp_avg_sq.block_size}) must be equal"
             )
         block = exp_avg.block_size
-    ha._check_tensor("grad", grad, tuple(ha._GRAD_CODES), n)
+    ha._check_tensor("grad", grad, tuple(ha._GRAD_CODES), n, cpu)
     bf16_master = master.dtype == torch.bfloat16
     if param_out is not None:
         if bf16_master:
             raise ValueError(
                 "param_out must be None with a bf16 master: the bf16 master is the 16-bit param"
             )
-        ha._check_tensor("param_out", param_out, tuple(ha._OUT_CODES), n)
+        ha._check_tensor("param_out", param_out, tuple(ha._OUT_CODES), n, cpu)
     if options.stochastic_round_seed is not None and not bf16_master:
         raise ValueError(
             "options.stochastic_round_seed needs a bf16 master (an fp32 master is not rounded)"
@@ -219,6 +224,8 @@ def _plan(master, exp_avg, exp_avg_sq, grad, param_out, options: StateOptions) -
         ("grad", grad),
         ("param_out", param_out),
     )
+    if not cpu:
+        _check_one_device(master.device, buffers)
     _check_overlaps(buffers)
     return _Plan(n, _MASTER_CODES[master.dtype], st_m, block, buffers)
 
@@ -235,6 +242,12 @@ def _data(x: Moment) -> torch.Tensor:
 
 def _scales(x: Moment) -> torch.Tensor | None:
     return x.scales if isinstance(x, QuantizedMoment) else None
+
+
+def _check_one_device(device: torch.device, buffers) -> None:
+    for name, t in buffers:
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but master on {device}: one device for all")
 
 
 def _check_overlaps(buffers) -> None:
@@ -371,9 +384,11 @@ def reference_adam_step_states(
     options: StateOptions | None = None,
 ) -> None:
     """The PyTorch implementation of :func:`adam_step_states` (same arithmetic in fp32, same
-    rounding and encoding rules; the fallback without the compiled kernel)."""
+    rounding and encoding rules; the fallback without the compiled kernel). PyTorch ops only:
+    the tensors may be on any one device (the device update of a compact state runs it on the
+    accelerator)."""
     options = _check_options(options)
-    _plan(master, exp_avg, exp_avg_sq, grad, param_out, options)
+    _plan(master, exp_avg, exp_avg_sq, grad, param_out, options, cpu=False)
     h = _hyper(step, lr, beta1, beta2, eps, weight_decay, grad_scale, threads)
     _reference_impl(
         master, exp_avg, exp_avg_sq, grad, param_out, options, bool(adamw), bool(bias_correction), h

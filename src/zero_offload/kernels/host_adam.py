@@ -140,10 +140,13 @@ def _names(dtypes) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
-def _check_tensor(name: str, t: Any, allowed: tuple[torch.dtype, ...], numel: int | None) -> None:
+def _check_tensor(
+    name: str, t: Any, allowed: tuple[torch.dtype, ...], numel: int | None, cpu: bool = True
+) -> None:
+    """``cpu`` False: any device (the PyTorch reference of the compact states runs there)."""
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_cpu:
+    if cpu and not t.is_cpu:
         raise ValueError(f"{name} must be a CPU tensor, got device {t.device}")
     if t.dtype not in allowed:
         raise ValueError(f"{name} must have dtype {_names(allowed)}; got {_names([t.dtype])}")

@@ -78,10 +78,25 @@ def map_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return _MAPS[bool(signed)]
 
 
+_ON_DEVICE: dict[tuple[bool, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _tables_on(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``map_tables`` on ``device`` (a moment on the accelerator is encoded and decoded there):
+    the CPU tables themselves on the CPU, else one copy per device, made once."""
+    if device.type == "cpu":
+        return _MAPS[bool(signed)]
+    key = (bool(signed), device)
+    if key not in _ON_DEVICE:
+        _ON_DEVICE[key] = tuple(t.to(device) for t in _MAPS[bool(signed)])  # type: ignore[assignment]
+    return _ON_DEVICE[key]
+
+
 @dataclass(frozen=True)
 class QuantizedMoment:
-    """An 8-bit Adam moment: ``codes`` (uint8, one per value, contiguous CPU) and ``scales``
-    (fp32, one absmax per block of ``block_size`` values). ``signed``: the exp_avg map (True)
+    """An 8-bit Adam moment: ``codes`` (uint8, one per value, contiguous; on the CPU for the
+    host kernel, on any one device for the reference) and ``scales`` (fp32, one absmax per block
+    of ``block_size`` values). ``signed``: the exp_avg map (True)
     or the exp_avg_sq map (False)."""
 
     codes: torch.Tensor
@@ -127,7 +142,8 @@ def zeros_moment(n: int, signed: bool, block_size: int = DEFAULT_BLOCK_SIZE) -> 
 def encode_blocks(
     x: torch.Tensor, block_size: int, signed: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, scales) of the fp32 vector x, as the kernel encodes an updated block."""
+    """(codes, scales) of the fp32 vector x, as the kernel encodes an updated block (on x's
+    device)."""
     n = x.numel()
     pad = (-n) % block_size
     xb = torch.cat([x.float().view(-1), x.new_zeros(pad, dtype=torch.float32)]).view(-1, block_size)
@@ -136,7 +152,7 @@ def encode_blocks(
     amax = absx.amax(dim=1)
     inv = torch.where(amax > 0, torch.reciprocal(amax), torch.zeros_like(amax))
     y = xb * inv[:, None]
-    mid = map_tables(signed)[1][:255]
+    mid = _tables_on(signed, x.device)[1][:255]
     codes = torch.searchsorted(mid, y.contiguous(), right=True)
     codes = torch.where(torch.isnan(y), torch.zeros_like(codes), codes)  # NaN -> code 0
     return codes.view(-1)[:n].to(torch.uint8), amax
@@ -145,9 +161,10 @@ def encode_blocks(
 def decode_blocks(
     codes: torch.Tensor, scales: torch.Tensor, block_size: int, signed: bool
 ) -> torch.Tensor:
-    """fp32 values of (codes, scales), as the kernel decodes a block before its update."""
+    """fp32 values of (codes, scales), as the kernel decodes a block before its update (on the
+    codes' device)."""
     n = codes.numel()
-    values = map_tables(signed)[0][codes.view(-1).long()]
+    values = _tables_on(signed, codes.device)[0][codes.view(-1).long()]
     return values * scales.repeat_interleave(block_size)[:n]
 
 
