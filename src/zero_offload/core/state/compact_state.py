@@ -2,15 +2,15 @@
 ``bf16_master_weights_and_grads``) and/or bf16 moments (``bf16_optimizer_states``) or 8-bit
 moments (``Adam8bit`` / ``AdamW8bit``: uint8 codes plus one fp32 absmax per block), in host
 memory (``offload_optimizer`` "cpu", the SIMD kernel of ``kernels/adam_states.py``) or on the
-device (the same arithmetic in PyTorch).
+device (the same arithmetic in PyTorch). Where the master would be the params' own values in
+their own memory, ``alias_state.py`` keeps the moments in the format instead, with no master.
 
 Invariants:
 - ``update`` gives the body each chunk's views in their own element types (a bf16 tensor, or a
   ``QuantizedMoment`` whose codes and scales are views of whole blocks: every chunk but the
   last is a multiple of the block); the rule's kernel takes them as they are;
-- ``read`` and ``write`` speak fp32 (checkpoints, the fragment API, conversions): ``read``
-  decodes, ``write`` encodes; an 8-bit write that does not cover whole blocks re-encodes the
-  blocks it touches from their decoded values;
+- ``read`` and ``write`` speak fp32 (checkpoints, the fragment API, conversions); the moments'
+  are ``compact_moments.py``'s;
 - the memory report counts what is allocated: master, codes and scales.
 """
 
@@ -20,11 +20,9 @@ from collections.abc import Callable
 
 import torch
 
-from ...kernels.quant_maps import QuantizedMoment, decode_blocks, encode_blocks, zeros_moment
+from .compact_moments import CompactMoments, Moment
 from .format import StateFormat
 from .shard_state import FILL_PIECE, KINDS, Body, Chunk, Fill, InMemory
-
-Moment = torch.Tensor | QuantizedMoment
 
 
 class CompactState(InMemory):
@@ -34,16 +32,15 @@ class CompactState(InMemory):
         self.numel, self.where, self.format = numel, where, fmt
         self.master_dtype = fmt.master
         self.master = torch.empty(numel, dtype=fmt.master, device=device)
-        self.exp_avg = self._zeros(numel, device, signed=True)
-        self.exp_avg_sq = self._zeros(numel, device, signed=False)
+        self.moments = CompactMoments(numel, device, fmt)
 
-    def _zeros(self, n: int, device: torch.device, signed: bool) -> Moment:
-        fmt = self.format
-        if fmt.moments == "8bit":
-            q = zeros_moment(n, signed, fmt.block)
-            return QuantizedMoment(q.codes.to(device), q.scales.to(device), fmt.block, signed)
-        dtype = torch.bfloat16 if fmt.moments == "bf16" else torch.float32
-        return torch.zeros(n, dtype=dtype, device=device)
+    @property
+    def exp_avg(self) -> Moment:
+        return self.moments.exp_avg
+
+    @property
+    def exp_avg_sq(self) -> Moment:
+        return self.moments.exp_avg_sq
 
     def parts(self) -> list:
         return [self]
@@ -65,12 +62,7 @@ class CompactState(InMemory):
         return getattr(self, kind)
 
     def _view(self, kind: str, lo: int, hi: int) -> Moment:
-        t = self.tensor(kind)
-        if not isinstance(t, QuantizedMoment):
-            return t[lo:hi]
-        b = t.block_size
-        assert lo % b == 0 and (hi % b == 0 or hi == self.numel), "chunks hold whole blocks"
-        return QuantizedMoment(t.codes[lo:hi], t.scales[lo // b : -(-hi // b)], b, t.signed)
+        return self.master[lo:hi] if kind == "master" else self.moments.view(kind, lo, hi)
 
     def update(
         self,
@@ -87,53 +79,25 @@ class CompactState(InMemory):
 
     def read(self, kind: str, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of ``kind`` in fp32 (a copy unless the kind is fp32)."""
-        t = self.tensor(kind)
-        if not isinstance(t, QuantizedMoment):
-            return t[lo:hi] if t.dtype == torch.float32 else t[lo:hi].float()
-        b = t.block_size
-        a, z = lo - lo % b, min(self.numel, -(-hi // b) * b)  # the whole blocks around it
-        values = decode_blocks(t.codes[a:z], t.scales[a // b : -(-z // b)], b, t.signed)
-        return values[lo - a : hi - a]
+        if kind == "master":
+            t = self.master[lo:hi]
+            return t if t.dtype == torch.float32 else t.float()
+        return self.moments.read(kind, lo, hi)
 
     def write(self, kind: str, lo: int, src: torch.Tensor) -> None:
-        t, hi = self.tensor(kind), lo + src.numel()
-        if not isinstance(t, QuantizedMoment):
-            t[lo:hi].copy_(src)
-            return
-        b = t.block_size
-        a, z = lo - lo % b, min(self.numel, -(-hi // b) * b)
-        if (a, z) != (lo, hi):  # blocks only partly written: their other values kept
-            whole = self.read(kind, a, z).clone()
-            whole[lo - a : hi - a] = src.to(whole.device, torch.float32)
-            src = whole
-        codes, scales = encode_blocks(src.to(torch.float32).cpu(), b, t.signed)
-        t.codes[a:z].copy_(codes)
-        t.scales[a // b : -(-z // b)].copy_(scales)
+        if kind == "master":
+            self.master[lo : lo + src.numel()].copy_(src)
+        else:
+            self.moments.write(kind, lo, src)
 
     def raw(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for kind in ("exp_avg", "exp_avg_sq"):
-            t = self.tensor(kind)
-            if isinstance(t, QuantizedMoment):
-                out[f"{kind}.codes"], out[f"{kind}.scales"] = t.codes, t.scales
-        return out
+        return self.moments.raw()
 
     def load_raw(self, fetch: Callable[[str], torch.Tensor | None]) -> None:
-        for name, t in self.raw().items():
-            saved = fetch(name)
-            if saved is not None:
-                if saved.shape != t.shape or saved.dtype != t.dtype:
-                    raise ValueError(f"{name}: saved {saved.dtype}{list(saved.shape)}, this shard "
-                                     f"keeps {t.dtype}{list(t.shape)}")  # fmt: skip
-                t.copy_(saved)
+        self.moments.load_raw(fetch)
 
     def nbytes(self) -> dict[str, int]:
-        def size(m: Moment) -> int:
-            if isinstance(m, QuantizedMoment):
-                return m.codes.numel() + m.scales.numel() * 4
-            return m.numel() * m.element_size()
-
         return {
             f"{self.where}.master_shard": self.master.numel() * self.master.element_size(),
-            f"{self.where}.optimizer_state": size(self.exp_avg) + size(self.exp_avg_sq),
+            f"{self.where}.optimizer_state": self.moments.nbytes(),
         }

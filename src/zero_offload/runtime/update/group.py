@@ -20,6 +20,7 @@ import torch
 from ...core.flat_group import FlatGroup
 from ...core.state.shard_state import ShardState
 from ...core.streams import Streams
+from ...kernels.quant_maps import QuantizedMoment
 from ...kernels.sumsq import sum_of_squares
 from ...nvme.state_range import StateRange
 from ..reduce.grad_shard import GradShard
@@ -80,8 +81,10 @@ class OptimizerGroup:
         parts = self._device_states()
         for part in parts:
             for t in (part.exp_avg, part.exp_avg_sq):
-                if t is not None:  # Muon's momentum state has no second moment
-                    yield StateBuffer(t, "device.optimizer_state", state=opt)
+                # Muon's momentum state has no second moment; an 8-bit moment is two tensors
+                pieces = (t.codes, t.scales) if isinstance(t, QuantizedMoment) else (t,)
+                for x in pieces if t is not None else ():
+                    yield StateBuffer(x, "device.optimizer_state", state=opt)
         yield from self.optimizer.device_buffers()  # the update's own (ZenFlow's columns)
         client = self.optimizer.client
         if client is not None and parts:  # it runs where the master lives: on the device

@@ -34,6 +34,7 @@ from ...core.state.format import FP32, format_of, format_tensor
 from ...core.state.shard_state import ShardState
 from ...core.state.torn import TornStateError
 from ...core.streams import Streams
+from ...kernels.adam_states import StateOptions
 from ..reduce.grad_shard import GradShard
 from .buffers import StateBuffer
 from .param_home import ParamHome
@@ -189,6 +190,18 @@ class ShardOptimizer:
             eps=float(h["eps"]),
             weight_decay=float(h["weight_decay"]),
         )
+
+    def _state_options(self, lo: int, step: int) -> dict:
+        """The compact-state update's options for the chunk at ``lo`` (host kernel or device
+        reference alike): stochastic rounding of a bf16 master seeded per run and step, each
+        element drawing by its place in the group's flat partition (so neither a chunking nor
+        the placement changes the draws)."""
+        fmt = self.placement.state
+        if not fmt.compact:
+            return {}
+        seed = fmt.seed if fmt.stochastic_round else None
+        offset = self.group.rank * self.group.shard_numel(self.sharded) + self.span.lo + lo
+        return {"options": StateOptions(stochastic_round_seed=seed, index_offset=offset)}
 
     @property
     def STATE_KEYS(self) -> dict[str, str]:  # noqa: N802 (the fragment API's table)

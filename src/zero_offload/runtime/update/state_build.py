@@ -33,23 +33,22 @@ def nvme_state_bytes(numel: int, chunk: int) -> int:
 
 
 def check_state_format(placement: Placement) -> None:
-    """A compact state format runs where its kernel is built: the host update over host memory
-    (``offload_optimizer`` "cpu", the whole shard); refused by key elsewhere."""
+    """A compact state format runs where its update is built: the host kernel over host memory
+    (``offload_optimizer`` "cpu", the whole shard) or the device update (no optimizer offload,
+    ``paths/device_update.py``); refused by key elsewhere."""
     fmt = placement.state
     if not fmt.compact:
         return
     keys = "bf16.bf16_master_weights_and_grads / bf16_optimizer_states / optimizer Adam8bit"
     where = None
-    if placement.optimizer == "device":
-        where = 'no optimizer offload (the device update keeps fp32 states): use "cpu"'
-    elif placement.optimizer == "nvme":
+    if placement.optimizer == "nvme":
         where = '"nvme" (its records are fp32 master and moments): use "cpu"'
     elif placement.twin:
         where = f"{RATIO_KEY} {placement.ratio} (the device part keeps fp32 states): use 1.0"
     if where is not None:
         raise ConfigError(
             f"{keys}: compact optimizer states are built with "
-            f'zero_optimization.offload_optimizer.device "cpu" only, not with {where}'
+            f'zero_optimization.offload_optimizer.device "cpu" or "none" only, not with {where}'
         )
 
 
@@ -108,23 +107,25 @@ def alias_state(
     client: object | None,
     moments: bool | None = None,
 ) -> AliasState | None:
-    """fp32 params whose master would sit beside them: the master shard is the param home's
-    own values (``alias_state.py``). Two placements hold that: the optimizer and the params on
-    the device, or (stage 3) both in host memory (``offload_optimizer`` and ``offload_param``
-    "cpu"), where the host kernel then updates the param shard in place. None where it cannot
-    be: a 16-bit dtype, the optimizer and the params in different places, NVMe, a partial
+    """Params whose master would sit beside them: the master shard is the param home's own
+    values (``alias_state.py``), its moments in the state format. Two placements hold that: the
+    optimizer and the params on the device, or (stage 3) both in host memory
+    (``offload_optimizer`` and ``offload_param`` "cpu"), where the host kernel then updates the
+    param shard in place. The master is the params' dtype: fp32 training's fp32 master, or a
+    bf16 master (``bf16_master_weights_and_grads``) of bf16 params. None where it cannot be: a
+    master of another dtype than the params, the optimizer and the params in different places,
+    NVMe, a partial
     offload (a twin's two parts), the delayed update (its worker writes while the next forward
     reads the home), or a client optimizer (which steps one tensor) over a sharded flat buffer
     whose partition is not one contiguous range. ``moments``: allocate Adam's moments
     (default: unless a client optimizer keeps its own state)."""
-    if group.dtype != torch.float32 or not _beside(placement, home.where):
-        return None
-    if placement.state.compact:  # the alias keeps fp32 moments
+    fmt = placement.state
+    if group.dtype != fmt.master or not _beside(placement, home.where):
         return None
     if client is not None and home.shard_tensor() is None:
         return None
     moments = client is None if moments is None else moments
-    return AliasState(home, group.segments(sharded), group.shard_numel(sharded), moments)
+    return AliasState(home, group.segments(sharded), group.shard_numel(sharded), moments, fmt)
 
 
 def _beside(placement: Placement, home_where: str) -> bool:

@@ -1,16 +1,34 @@
 """Placement "device": master, exp_avg and exp_avg_sq on the accelerator; the update is torch's
 fused Adam(W) over this rank's segments (or another rule over the master), and the whole shard
 is written to the param home in one call. A twin's device part (twin_update.py) runs the two
-halves apart: ``compute`` (kernels queued, asynchronous on CUDA), then ``write_home``."""
+halves apart: ``compute`` (kernels queued, asynchronous on CUDA), then ``write_home``.
+
+A compact state format (bf16 master, bf16 or 8-bit moments, ``core/state/format.py``) runs the
+host kernel's arithmetic written in PyTorch (``kernels/adam_states.reference_adam_step_states``)
+instead of the fused kernel: torch's fused Adam over bf16 tensors computes in fp32 too, but with
+its own operation order (``lerp`` for the first moment), so its bf16 values part from the host
+kernel's by a bf16 ulp here and there and drift apart over steps; stochastic rounding and 8-bit
+moments have no fused kernel at all. That update runs chunk by chunk over the whole shard range
+(the host update's chunks, multiples of ``CHUNK_ALIGN``, so every 8-bit block lies in one
+chunk), not segment by segment: a segment's end is not on a block boundary, and a block cut in
+two would be quantized as two. The padding between segments is in the shard range too: its
+gradient, master and moments are zero and stay zero, as in the host update."""
 
 from __future__ import annotations
 
 import torch
 
+from ....kernels.adam_states import reference_adam_step_states
 from ..shard_optimizer import ShardOptimizer
 
 
 class DeviceUpdate(ShardOptimizer):
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        # The update, chosen once: torch's fused Adam(W) over fp32 states, or the compact
+        # states' reference arithmetic chunk by chunk.
+        self._update = self._adam_states if self.placement.state.compact else self._adam
+
     def adam(self, factor: float, commit: bool = True) -> None:
         self.compute(factor)
         self.write_home()
@@ -18,7 +36,7 @@ class DeviceUpdate(ShardOptimizer):
     def compute(self, factor: float) -> None:
         """Adam's update of the master and moments (queued on the current stream with CUDA)."""
         if self.segs:  # a twin's device part may be empty
-            self._adam(factor)
+            self._update(factor)
 
     def grad_views(self) -> list[torch.Tensor]:
         return self._grads()
@@ -62,6 +80,33 @@ class DeviceUpdate(ShardOptimizer):
             amsgrad=False,
             maximize=False,
         )
+
+    def _adam_states(self, factor: float) -> None:
+        """Compact states: the reference update over each chunk of the shard range, in place
+        (an aliased master's chunk that no view covers goes back through the home)."""
+        h, step = self._hyper(), self.step_count
+        bc = bool(self.group.hyper.get("bias_correction", True))
+        grads = self._grads()
+
+        def body(lo: int, hi: int, v: dict) -> None:
+            reference_adam_step_states(
+                v["master"], v["exp_avg"], v["exp_avg_sq"], self._grad_range(grads, lo, hi),
+                None, step=step, adamw=self.adamw, bias_correction=bc, grad_scale=factor,
+                **self._state_options(lo, step), **h,
+            )  # fmt: skip
+
+        self.state.update(self.chunks, body)
+
+    def _grad_range(self, grads: list[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+        """The reduced gradient of shard range ``[lo, hi)`` (the segments tile the shard, each
+        with its padding): a view where one segment covers it, else its pieces joined."""
+        pieces = []
+        for s, g in zip(self.segs, grads):
+            a, b = max(lo, s.shard_start), min(hi, s.shard_start + s.numel)
+            if a < b:
+                pieces.append(g[a - s.shard_start : b - s.shard_start])
+        assert sum(p.numel() for p in pieces) == hi - lo, "the segments tile the shard"
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def _adam_no_bias_correction(p, g, m, v, adamw, lr, beta1, beta2, eps, weight_decay) -> None:

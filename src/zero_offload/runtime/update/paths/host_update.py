@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ....core.labels import HOST_UPDATE, label
-from ....kernels.adam_states import StateOptions, adam_step_states
+from ....kernels.adam_states import adam_step_states
 from ....kernels.host_adam import host_adam_step
 from ..shard_optimizer import ShardOptimizer
 from .staging import choose_staging
@@ -133,17 +133,6 @@ class HostUpdate(ShardOptimizer):
                     self.streams.h2d.synchronize()
 
         return body
-
-    def _state_options(self, lo: int, step: int) -> dict:
-        """The compact kernel's options for the chunk at ``lo``: stochastic rounding of a bf16
-        master seeded per run and step, each element drawing by its place in the group's flat
-        partition (so a chunking does not change the draws)."""
-        fmt = self.placement.state
-        if not fmt.compact:
-            return {}
-        seed = fmt.seed if fmt.stochastic_round else None
-        offset = self.group.rank * self.group.shard_numel(self.sharded) + self.span.lo + lo
-        return {"options": StateOptions(stochastic_round_seed=seed, index_offset=offset)}
 
     def nbytes(self) -> dict[str, int]:
         out = super().nbytes()
