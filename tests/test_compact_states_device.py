@@ -196,6 +196,26 @@ def test_device_resume_is_bitwise(one_rank, tmp_path, stage, states):
     _resume(tmp_path, _config(stage, states))
 
 
+@pytest.mark.parametrize("states", ["bf16", "8bit"])
+def test_offload_states_moves_compact_moments(one_rank, states):
+    """``offload_states`` moves the compact moments (8-bit: codes and scales) and the params
+    that are the master, and a reload gives the run back bitwise."""
+    from test_offload_states import _cfg, _check_moved_all, _same_run
+    from test_offload_states import _train as _train_with_cycles
+
+    cfg = _cfg(2)
+    cfg["bf16"].update(BF16)
+    if states == "8bit":
+        cfg["bf16"]["bf16_optimizer_states"] = False
+        cfg["optimizer"]["type"] = "AdamW8bit"
+    got, ref = _train_with_cycles(cfg), _train_with_cycles(cfg, offload=False)
+    assert _same_run(got, ref)
+    for cycle in got["cycles"]:
+        _check_moved_all(cycle)
+        assert cycle["moved"]["device.optimizer_state"] > 0
+        assert "device.master_shard" not in cycle["moved"]
+
+
 # ---- stage 3 with both offloads "cpu": the host param shard is the bf16 master ---------------
 
 

@@ -35,7 +35,9 @@ def _storages(engine) -> list[torch.Tensor]:
         st = og.optimizer.state
         parts = [st.device] if hasattr(st, "cut") else [st] if st.where == "device" else []
         for part in parts:
-            out += [getattr(part, "master", None), part.exp_avg, part.exp_avg_sq]
+            out.append(getattr(part, "master", None))
+            for t in (part.exp_avg, part.exp_avg_sq):  # an 8-bit moment: codes and scales
+                out += [t.codes, t.scales] if hasattr(t, "codes") else [t]
     if engine.param_store is not None:
         out += [s for s in engine.param_store.shards if s is not None and s.device == engine.device]
     return [t for t in out if t is not None]
