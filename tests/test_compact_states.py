@@ -154,12 +154,14 @@ def test_fragment_api_gives_fp32(one_rank):
     assert v.dtype == torch.float32 and bool((v >= 0).all())
 
 
-@pytest.mark.parametrize("zero", [{"offload_optimizer": {"device": "cpu", "ratio": 0.5}}])
-def test_not_built_is_refused_by_key(one_rank, zero):
-    """(The device placement is built: tests/test_compact_states_device.py.)"""
+def test_not_built_is_refused_by_key(one_rank, tmp_path):
+    """NVMe (the device placement and partial offload are built:
+    tests/test_compact_states_device.py)."""
     from zero_offload.config.errors import ConfigError
 
-    cfg = _config(3, "8bit")
-    cfg["zero_optimization"].update(zero)
-    with pytest.raises((ConfigError, ValueError), match="offload_optimizer"):
+    cfg = _config(2, "8bit")
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    with pytest.raises(
+        ConfigError, match=r"offload_optimizer.device \"cpu\" or \"none\" only, not with \"nvme\""
+    ):
         _engine(cfg)

@@ -253,10 +253,73 @@ def test_host_alias_resume_is_bitwise(one_rank, tmp_path, states):
     _resume(tmp_path, _config(3, states, offload=True, offload_param=True))
 
 
-def test_partial_offload_still_refused(one_rank):
-    from zero_offload.config.errors import ConfigError
+# ---- partial offload (ratio < 1): a device part and a host part, one format ---------------------
 
-    cfg = _config(3, "bf16", offload=True)
-    cfg["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
-    with pytest.raises(ConfigError, match="ratio 0.5"):
-        _engine(cfg)
+
+def _twin_config(ratio: float, states: str) -> dict:
+    from test_twin_flow import _config as twin_config
+
+    cfg = twin_config(ratio)
+    cfg["bf16"] = {"enabled": True, **BF16}
+    if states == "8bit":
+        cfg["bf16"]["bf16_optimizer_states"] = False
+        cfg["optimizer"]["type"] = "AdamW8bit"
+    return cfg
+
+
+def _twin_run(cfg: dict, steps: int, load: str | None = None, save: str | None = None) -> dict:
+    from test_twin_flow import _batches, _model
+
+    import zero_offload
+
+    model = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, *_ = zero_offload.initialize(model=model, config=copy.deepcopy(cfg))
+    if load is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the same format: no conversion warning
+            engine.load_checkpoint(load, tag="t")
+    batches_ = _batches(1)
+    losses = []
+    for x, y in batches_[:steps] if load is None else batches_[-steps:]:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+        if save is not None and len(losses) == 1:
+            engine.save_checkpoint(save, tag="t")
+    (og,) = engine.opt_groups
+    return {
+        "losses": losses,
+        "params": _params(model),
+        "cut": getattr(og.state, "cut", None),
+        "numel": og.state.numel,
+        "report": {k: v for k, v in engine.memory_report().items() if not k.startswith("peak.")},
+        "expected": engine.expected_memory(),
+    }
+
+
+@pytest.mark.parametrize("states", ["bf16", "8bit"])
+def test_partial_offload_is_the_host_update(one_rank, monkeypatch, tmp_path, states):
+    """ratio 0.5: the device part runs the device update, the host part the host kernel, each
+    over whole 8-bit blocks; with the reference arithmetic on both sides the run is bitwise the
+    whole-offload run (ratio 1.0). The memory report counts each part in the format, as
+    ``expected_memory`` does; a twin's checkpoint (its codes and scales joined at the cut)
+    resumes bitwise into a twin and into a whole-offload run."""
+    monkeypatch.setenv("ZERO_OFFLOAD_KERNEL", "reference")
+    twin = _twin_run(_twin_config(0.5, states), 3, save=str(tmp_path))
+    whole = _twin_run(_twin_config(1.0, states), 3)
+    assert 0 < twin["cut"] < twin["numel"] and whole["cut"] is None
+    assert twin["losses"] == whole["losses"]
+    assert all(torch.equal(twin["params"][n], whole["params"][n]) for n in whole["params"])
+    for key in ("device.master_shard", "device.optimizer_state", "host.optimizer_state"):
+        assert twin["report"][key] == twin["expected"][key], key
+    per = 2 + (4 if states == "bf16" else 2 + 8 / 256)  # bf16 master + both moments
+    assert twin["report"]["device.optimizer_state"] + twin["report"]["device.master_shard"] == (
+        pytest.approx(twin["cut"] * per)
+    )
+    for ratio in (0.5, 1.0):  # the saved step 1, then steps 2 and 3 again
+        again = _twin_run(_twin_config(ratio, states), 2, load=str(tmp_path))
+        assert again["losses"] == twin["losses"][1:]
+        assert all(torch.equal(again["params"][n], twin["params"][n]) for n in twin["params"])

@@ -34,8 +34,9 @@ def nvme_state_bytes(numel: int, chunk: int) -> int:
 
 def check_state_format(placement: Placement) -> None:
     """A compact state format runs where its update is built: the host kernel over host memory
-    (``offload_optimizer`` "cpu", the whole shard) or the device update (no optimizer offload,
-    ``paths/device_update.py``); refused by key elsewhere."""
+    (``offload_optimizer`` "cpu"), the device update (no optimizer offload,
+    ``paths/device_update.py``), or both over a partial offload's two parts; refused by key on
+    NVMe."""
     fmt = placement.state
     if not fmt.compact:
         return
@@ -43,8 +44,6 @@ def check_state_format(placement: Placement) -> None:
     where = None
     if placement.optimizer == "nvme":
         where = '"nvme" (its records are fp32 master and moments): use "cpu"'
-    elif placement.twin:
-        where = f"{RATIO_KEY} {placement.ratio} (the device part keeps fp32 states): use 1.0"
     if where is not None:
         raise ConfigError(
             f"{keys}: compact optimizer states are built with "
@@ -69,21 +68,24 @@ def build_states(
     if not groups:  # no optimizer: forward only
         return []
     check_state_format(placement)
+    fmt = placement.state
+
+    def memory(n: int, device: torch.device, where: str) -> ShardState:
+        if fmt.compact:  # bf16 or 8-bit master and moments (compact_state.py)
+            return CompactState(n, device, where, fmt)
+        return MemoryState(n, device, where, moments)
+
     if placement.twin:  # the device part, then the host part (twin_update.py)
         cpu, dev = torch.device("cpu"), groups[0].device
-        cuts = [placement.host_from(n) for n in numels]
+        cuts = [placement.host_from(n) for n in numels]  # whole 8-bit blocks on either side
         return [
-            TwinState(
-                MemoryState(c, dev, "device", moments), MemoryState(n - c, cpu, "host", moments)
-            )
+            TwinState(memory(c, dev, "device"), memory(n - c, cpu, "host"))
             for c, n in zip(cuts, numels)
         ]
     if placement.optimizer != "nvme":
         where = "host" if placement.host_update else "device"
         device = torch.device("cpu") if placement.host_update else groups[0].device
-        if placement.state.compact:  # bf16 or 8-bit master and moments (compact_state.py)
-            return [CompactState(n, device, where, placement.state) for n in numels]
-        return [MemoryState(n, device, where, moments) for n in numels]
+        return [memory(n, device, where) for n in numels]
     assert placement.nvme is not None and placement.nvme.optimizer_dir is not None and aio
     return [
         NvmeOptimizerState(

@@ -2,7 +2,8 @@
 group's update shared by the accelerator and the host CPU.
 
 The group's shard is cut at ``Placement.host_from``: a ``DeviceUpdate`` owns the device part
-``[0, cut)`` (master and moments on the accelerator, torch's fused Adam(W)), a ``HostUpdate`` the
+``[0, cut)`` (master and moments on the accelerator, torch's fused Adam(W); a compact format's
+reference arithmetic, ``device_update.py``), a ``HostUpdate`` the
 host part ``[cut, numel)`` (host memory, the SIMD host kernel chunk by chunk). Their state is one
 ``TwinState``, so checkpoints and accessors see the whole shard.
 
