@@ -39,6 +39,8 @@ WHERE = {
     "zenflow": "host",  # micro-step 1 is the device part alone (written in stage, undone)
     "zenflow-overlap": "host",
     "host-8bit": "host",  # a compact state kind: fp32 master, 8-bit moments
+    "device-8bit": "device",  # the same on the device (the reference arithmetic)
+    "twin-8bit": "host",  # ratio 0.5: two compact parts
 }
 KINDS = list(WHERE)
 MUON = {"use_muon": True, "momentum": 0.95, "ns_method": "standard"}
@@ -57,7 +59,7 @@ def _build(kind: str, tmp_path: Path) -> tuple[OptimizerGroup, list]:
     params = _params(kind)
     muon = kind.endswith("muon")
     place = placement(WHERE[kind], tmp_path / kind)
-    if kind == "twin":
+    if kind.startswith("twin"):
         place = dataclasses.replace(place, ratio=0.5)
     if kind.endswith("8bit"):
         place = dataclasses.replace(place, state=StateFormat(moments="8bit", block=32))
@@ -173,4 +175,4 @@ def test_buffers_are_the_device_bytes_reported(kind, tmp_path):
     listed, report = _device_bytes(og)
     assert listed == report
     # ZenFlow's device part keeps its columns' moments on the device (the CPU here)
-    assert bool(listed) == (WHERE[kind] == "device" or kind == "twin" or "zenflow" in kind)
+    assert bool(listed) == (WHERE[kind] == "device" or kind.startswith("twin") or "zenflow" in kind)
