@@ -51,6 +51,10 @@ class NvmeOptimizerState:
     aliased = False
     transactional = True
 
+    def whole(self, kind: str) -> torch.Tensor | None:
+        """Records in a file: no tensor holds a kind whole."""
+        return None
+
     def raw(self) -> dict[str, torch.Tensor]:
         """fp32 records: ``read`` is exact."""
         return {}

@@ -65,6 +65,11 @@ class ShardState(Protocol):
 
     def nbytes(self) -> dict[str, int]: ...
 
+    def whole(self, kind: str) -> torch.Tensor | None:
+        """``kind`` over the whole shard as one fp32 tensor (a view of the state), or None
+        where it is not stored as one (NVMe, a twin's two parts, a compact format's types)."""
+        ...
+
     def read_ahead(self) -> None: ...
 
     def commit(self) -> None: ...
@@ -86,6 +91,11 @@ class InMemory:
 
     transactional = False
     master_dtype = torch.float32
+
+    def whole(self, kind: str) -> torch.Tensor | None:
+        """The attribute of that name where it is one fp32 tensor (the kinds in memory)."""
+        t = getattr(self, kind, None)
+        return t if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else None
 
     def read_ahead(self) -> None:
         """Nothing to read: the state is in memory."""
