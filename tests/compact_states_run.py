@@ -2,7 +2,7 @@
 DeepSpeed itself or this project, and write each case's per-step losses and host bytes per
 param as JSON: ``tests/test_compact_states_deepspeed.py`` compares the two.
 
-    python tests/compact_states_run.py OUT --impl deepspeed|zero_offload CASE [CASE ...]
+    python tests/compact_states_run.py OUT --impl deepspeed|zero_offload [--gas N] CASE [CASE ...]
 
 A CASE is ``STAGE:STATES``: STAGE 2 or 3; STATES ``bf16`` (``bf16_master_weights_and_grads``
 + ``bf16_optimizer_states``: master, gradients and both Adam moments in bf16) or ``fp32`` (plain
@@ -36,7 +36,7 @@ STEPS, MICRO, GAS = 12, 4, 1
 BF16_STATES = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 
 
-def config(stage: int, states: str) -> dict:
+def config(stage: int, states: str, gas: int = GAS) -> dict:
     """The one config both run: bf16, AdamW, offload_optimizer "cpu"; stage 3 partitions every
     param (persistence threshold 0) and computes its linears with torch's own
     (``memory_efficient_linear`` false): DeepSpeed's memory-efficient linear
@@ -45,7 +45,7 @@ def config(stage: int, states: str) -> dict:
     runs differ from the first forward on, before any optimizer state exists."""
     if states not in ("bf16", "fp32"):
         raise ValueError(f"states must be 'bf16' or 'fp32', got {states!r}")
-    cfg = engine_config(stage, True, GAS, MICRO, 0.0, False, "bf16", bucket=10**6,
+    cfg = engine_config(stage, True, gas, MICRO, 0.0, False, "bf16", bucket=10**6,
                         zero_extra={"stage3_param_persistence_threshold": 0})  # fmt: skip
     cfg["zero_optimization"]["allgather_bucket_size"] = 10**6
     if stage == 3:
@@ -97,19 +97,19 @@ def project_host_bytes(engine) -> dict[str, float]:
     }
 
 
-def run_case(impl: str, stage: int, states: str) -> dict:
+def run_case(impl: str, stage: int, states: str, gas: int = GAS) -> dict:
     """One case's losses and host bytes, with one intra-op thread (the forward's and backward's
     bf16 matmuls then reduce in one order, whichever process runs it)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run_case(impl, stage, states)
+        return _run_case(impl, stage, states, gas)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_case(impl: str, stage: int, states: str) -> dict:
-    cfg = config(stage, states)
+def _run_case(impl: str, stage: int, states: str, gas: int) -> dict:
+    cfg = config(stage, states, gas)
     model = make_model()  # fp32-initialized, seed 0; each engine casts it to bf16
     if impl == "deepspeed":
         import deepspeed
@@ -124,7 +124,7 @@ def _run_case(impl: str, stage: int, states: str) -> dict:
         engine, *_ = initialize(
             model=model, model_parameters=model.parameters(), config=copy.deepcopy(cfg)
         )
-    losses = [global_step(engine, x, y) for x, y in batches(STEPS, 1, GAS, MICRO)]
+    losses = [global_step(engine, x, y) for x, y in batches(STEPS, 1, gas, MICRO)]
     out: dict = {"losses": losses}
     if impl == "deepspeed":
         out["bytes"] = deepspeed_host_bytes(engine) if stage == 2 else {}
@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--impl", choices=["deepspeed", "zero_offload"], required=True)
+    ap.add_argument("--gas", type=int, default=GAS, help="micro-steps per optimizer step")
     ap.add_argument("cases", nargs="+", help="STAGE:STATES, e.g. 2:bf16 3:fp32")
     args = ap.parse_args(argv)
     env = {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         stage, states = case.split(":")
         if stage not in ("2", "3"):
             ap.error(f"case {case!r}: stage must be 2 or 3")
-        results[case] = run_case(args.impl, int(stage), states)
+        results[case] = run_case(args.impl, int(stage), states, args.gas)
     with open(args.out, "w") as f:
         json.dump(results, f)
 
