@@ -135,11 +135,40 @@ def _run_case(impl: str, stage: int, states: str, gas: int) -> dict:
     return out
 
 
+KERNEL_N, KERNEL_HYPER = (
+    4133,
+    {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
+)
+
+
+def kernel_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 params and a bf16 gradient spanning five decades (the kernel comparison's)."""
+    g = torch.Generator().manual_seed(0)
+    p = (torch.randn(KERNEL_N, generator=g) * 0.1).bfloat16()
+    scale = 10.0 ** torch.randint(-4, 1, (KERNEL_N,), generator=g).float()
+    return p, (torch.randn(KERNEL_N, generator=g) * scale).bfloat16()
+
+
+def deepspeed_kernel_step() -> dict[str, torch.Tensor]:
+    """One step of DeepSpeed's CPU Adam (AdamW, bf16 params, bf16 moments) on
+    ``kernel_inputs``: the param and both moments after it."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    p, grad = kernel_inputs()
+    param = torch.nn.Parameter(p)
+    opt = DeepSpeedCPUAdam([param], adamw_mode=True, fp32_optimizer_states=False, **KERNEL_HYPER)
+    param.grad = grad
+    opt.step()
+    state = opt.state[param]
+    return {"master": param.data, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--impl", choices=["deepspeed", "zero_offload"], required=True)
     ap.add_argument("--gas", type=int, default=GAS, help="micro-steps per optimizer step")
+    ap.add_argument("--kernel-out", help="deepspeed: also save deepspeed_kernel_step() here")
     ap.add_argument("cases", nargs="+", help="STAGE:STATES, e.g. 2:bf16 3:fp32")
     args = ap.parse_args(argv)
     env = {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
@@ -152,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        if args.kernel_out:
+            torch.save(deepspeed_kernel_step(), args.kernel_out)
     results = {}
     for case in args.cases:
         stage, states = case.split(":")

@@ -32,7 +32,10 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from compact_states_run import run_case
+import torch
+from compact_states_run import KERNEL_HYPER, kernel_inputs, run_case
+
+from zero_offload.kernels.adam_states import adam_step_states, as_cpu_adam_hyper
 
 HERE = Path(__file__).resolve().parent
 TOL = 1e-3  # on each step's loss; measured 0 (bitwise), fp32 states 2.3e-2
@@ -61,6 +64,7 @@ def deepspeed_runs(tmp_path_factory) -> subprocess.Popen:
     env.update(MASTER_PORT=str(_free_port()), DS_ACCELERATOR="cpu")
     cmd = [sys.executable, str(HERE / "compact_states_run.py"), str(out), "--impl", "deepspeed"]
     log = open(out.with_suffix(".err"), "w")  # a file: a full pipe would stall it
+    cmd += ["--kernel-out", str(out.with_suffix(".kernel.pt"))]
     proc = subprocess.Popen([*cmd, *CASES], env=env, stderr=log, stdout=log)
     proc.out, proc.log = out, out.with_suffix(".err")  # type: ignore[attr-defined]
     yield proc
@@ -110,3 +114,29 @@ def test_host_bytes_per_param_equal_deepspeed(deepspeed_runs):
     assert kept == pytest.approx(8.0)
     assert ds["staging_16bit"] == pytest.approx(2.0)  # DeepSpeed's extra copy (module docstring)
     assert runs["3:bf16"]["dtypes"] == ["torch.bfloat16"] * 4  # stage 3: the same kinds
+
+
+def test_kernel_step_equals_deepspeeds_cpu_adam(deepspeed_runs):
+    """One step over bf16 master and moments equals DeepSpeed's CPU Adam bitwise with its fp32
+    hyperparameters (``as_cpu_adam_hyper``); with ``1 - beta2`` formed in double instead, some
+    stored second moments round the other way."""
+    _deepspeed(deepspeed_runs)
+    want = torch.load(deepspeed_runs.out.with_suffix(".kernel.pt"))  # type: ignore[attr-defined]
+    p, grad = kernel_inputs()
+    b1, b2 = KERNEL_HYPER["betas"]
+    hyper = {"lr": KERNEL_HYPER["lr"], "beta1": b1, "beta2": b2, "eps": KERNEL_HYPER["eps"],
+             "weight_decay": KERNEL_HYPER["weight_decay"]}  # fmt: skip
+
+    def step(h: dict) -> dict[str, torch.Tensor]:
+        got = {
+            "master": p.clone(),
+            "exp_avg": torch.zeros_like(p),
+            "exp_avg_sq": torch.zeros_like(p),
+        }
+        adam_step_states(*got.values(), grad.clone(), step=1, adamw=True, **h)
+        return got
+
+    got = step(as_cpu_adam_hyper(hyper))
+    for k in want:
+        assert torch.equal(got[k], want[k]), (k, int((got[k] != want[k]).sum()))
+    assert not torch.equal(step(hyper)["exp_avg_sq"], want["exp_avg_sq"])
