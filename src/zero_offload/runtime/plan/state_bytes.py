@@ -34,8 +34,8 @@ def moment_bytes(numel: int, state: StateFormat = FP32) -> int:
 
 
 def record_bytes(numel: int, state: StateFormat = FP32) -> int:
-    """One NVMe swap record of ``numel`` elements: the master and both moments (fp32: the
-    three 4-byte tensors, 12 bytes per element)."""
+    """The values of ``numel`` elements' master and both moments (fp32: the three 4-byte
+    tensors, 12 bytes per element); an NVMe record pads each region (``swap_record_bytes``)."""
     return master_bytes(numel, state) + moment_bytes(numel, state)
 
 
