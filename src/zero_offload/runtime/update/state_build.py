@@ -18,6 +18,7 @@ from ...nvme.io.aio import AioEngine
 from ...nvme.optimizer_state import NvmeOptimizerState
 from ...nvme.param_shard import NvmeParams
 from ...nvme.path_agreement import PathNeed, agree, check_nvme_paths
+from ...nvme.record_layout import nvme_state_bytes
 from .placement import CHUNK_ALIGN, Placement
 
 OPTIMIZER_PATH_KEY = "zero_optimization.offload_optimizer.nvme_path"
@@ -26,15 +27,10 @@ PARAM_PATH_KEY = "zero_optimization.offload_param.nvme_path"
 BUFFER_SIZE_KEY = "zero_optimization.offload_param.buffer_size"
 
 
-def nvme_state_bytes(numel: int, chunk: int) -> int:
-    """Swap bytes of one group's NVMe state: two versions of a 12-byte record per element,
-    whole chunks (``optimizer_state.py``'s layout)."""
-    return 2 * max(1, -(-numel // chunk)) * chunk * 12
-
-
 def check_state_format(placement: Placement) -> None:
     """A compact state format runs where its kernel is built: the host update over host memory
-    (``offload_optimizer`` "cpu", the whole shard); refused by key elsewhere."""
+    or NVMe records (``offload_optimizer`` "cpu" or "nvme", the whole shard); refused by key
+    elsewhere."""
     fmt = placement.state
     if not fmt.compact:
         return
@@ -42,14 +38,12 @@ def check_state_format(placement: Placement) -> None:
     where = None
     if placement.optimizer == "device":
         where = 'no optimizer offload (the device update keeps fp32 states): use "cpu"'
-    elif placement.optimizer == "nvme":
-        where = '"nvme" (its records are fp32 master and moments): use "cpu"'
     elif placement.twin:
         where = f"{RATIO_KEY} {placement.ratio} (the device part keeps fp32 states): use 1.0"
     if where is not None:
         raise ConfigError(
             f"{keys}: compact optimizer states are built with "
-            f'zero_optimization.offload_optimizer.device "cpu" only, not with {where}'
+            f'zero_optimization.offload_optimizer.device "cpu" or "nvme" only, not with {where}'
         )
 
 
@@ -95,6 +89,7 @@ def build_states(
             placement.nvme.optimizer_buffer_count,
             aio,
             placement.pin,
+            placement.state,
         )
         for g, n in zip(groups, numels)
     ]
@@ -190,7 +185,8 @@ def _needs(placement, groups, store_groups, sharded, client) -> list[PathNeed]:
     if placement.optimizer == "nvme" and groups:
         assert nv.optimizer_dir is not None
         numels = [g.shard_numel(sharded) for g in groups]
-        need = sum(nvme_state_bytes(n, _state_chunk(n, placement.chunk)) for n in numels)
+        chunk = placement.chunk
+        need = sum(nvme_state_bytes(n, _state_chunk(n, chunk), placement.state) for n in numels)
         needs.append((OPTIMIZER_PATH_KEY, nv.optimizer_dir.parents[3], need))  # <nvme_path>
     if placement.params == "nvme" and store_groups:
         assert nv.param_dir is not None
