@@ -386,6 +386,7 @@ class NvmeOptimizerState:
             buf.zero_()
             views = self._views(buf, hi - lo)
             master = views["master"]
+            assert isinstance(master, torch.Tensor)
             if master.dtype == torch.float32:
                 master_of(lo, hi, master)
             else:
@@ -417,6 +418,7 @@ class NvmeOptimizerState:
             for k in range(self.nchunks):
                 lo, n = k * self.chunk, self._n(k)
                 t = self._typed(self._load(k, i), kind, n)
+                assert isinstance(t, QuantizedMoment)
                 codes[lo : lo + n].copy_(t.codes)
                 at = lo // self.format.block
                 scales[at : at + t.scales.numel()].copy_(t.scales)
@@ -432,7 +434,7 @@ class NvmeOptimizerState:
         nblocks = self.layout.scales_of(self.numel)
         for kind in ("exp_avg", "exp_avg_sq"):
             want = {"codes": (torch.uint8, self.numel), "scales": (torch.float32, nblocks)}
-            saved = {}
+            saved: dict[str, torch.Tensor | None] = {}
             for part, (dtype, n) in want.items():
                 t = fetch(f"{kind}.{part}")
                 if t is not None and (t.dtype != dtype or tuple(t.shape) != (n,)):
@@ -442,12 +444,14 @@ class NvmeOptimizerState:
             i = KINDS.index(kind)
             for k in range(self.nchunks):
                 lo, n = k * self.chunk, self._n(k)
-                t = self._typed(self._cached(k, i), kind, n)
-                if saved["codes"] is not None:
-                    t.codes.copy_(saved["codes"][lo : lo + n])
-                if saved["scales"] is not None:
+                q = self._typed(self._cached(k, i), kind, n)
+                assert isinstance(q, QuantizedMoment)
+                codes, scales = saved["codes"], saved["scales"]
+                if codes is not None:
+                    q.codes.copy_(codes[lo : lo + n])
+                if scales is not None:
                     at = lo // self.format.block
-                    t.scales.copy_(saved["scales"][at : at + t.scales.numel()])
+                    q.scales.copy_(scales[at : at + q.scales.numel()])
         self.flush()
 
     def nbytes(self) -> dict[str, int]:

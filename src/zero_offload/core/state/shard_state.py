@@ -16,14 +16,15 @@ fragment accessors do not care which:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 Chunk = tuple[int, int]
-Body = Callable[[int, int, dict[str, torch.Tensor]], object]
+# A chunk's views: tensors in the state's element types (an 8-bit moment: ``QuantizedMoment``).
+Body = Callable[[int, int, dict[str, Any]], object]
 Fill = Callable[[int, int, torch.Tensor], object]
 FILL_PIECE = 1 << 22  # elements per piece of an initial fill (bounded temporaries)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -31,6 +31,7 @@ from .paths.host_worker import HostWorker
 Fetch = Callable[[str], "torch.Tensor | None"]
 
 if TYPE_CHECKING:
+    from .paths.host_update import HostUpdate
     from .shard_optimizer import ShardOptimizer
 
 
@@ -128,12 +129,13 @@ class Delayed(Synchronous):
         if not self._delayed:
             u.run(factor)
             return
-        grad = u.grads.host_grad()
-        u.grads.flip()  # the next backward copies into the other host buffer
+        host = cast("HostUpdate", u)  # the delayed runner is chosen for host updates only
+        grad = host.grads.host_grad()
+        host.grads.flip()  # the next backward copies into the other host buffer
         u.step_count += 1
         h = u._hyper()  # read here: the scheduler may change the lr before the worker runs
         self._pending = self.worker.submit(
-            u.host_pass, grad, factor, h, False, True, self.worker.threads
+            host.host_pass, grad, factor, h, False, True, self.worker.threads
         )
 
     def flush(self, u: ShardOptimizer) -> None:
@@ -143,7 +145,7 @@ class Delayed(Synchronous):
         pending, self._pending = self._pending, None
         pending.result()  # re-raises a failure of the host pass here, on the main thread
         u.home.prepare_write()
-        u.send_all()
+        cast("HostUpdate", u).send_all()
         u.home.publish()
 
     def close(self) -> None:

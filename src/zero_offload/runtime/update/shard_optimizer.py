@@ -283,7 +283,7 @@ class ShardOptimizer:
 
     def master_views(self) -> list[torch.Tensor]:
         if self.aliased:
-            return self.state.views("master", self.segs)
+            return self.state.views("master", self.segs)  # type: ignore[attr-defined]
         return [self.master[s.shard_start : s.shard_start + s.numel] for s in self.segs]
 
     def write_home(self) -> None:
