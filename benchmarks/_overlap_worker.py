@@ -68,10 +68,11 @@ class SpanExecutor(concurrent.futures.Executor):
 def time_host_update_thread(engine) -> SpanExecutor | None:
     """Route the engine's delayed host passes through a timing executor (None: no worker)."""
     rec = None
-    for so in (og.optimizer for og in engine.opt_groups):
-        if so.executor is not None:
-            rec = rec or SpanExecutor(so.executor)
-            so.executor = rec
+    for runner in (og.optimizer.runner for og in engine.opt_groups):
+        worker = getattr(runner, "worker", None)  # the delayed runner's (ZenFlow's overlap's)
+        if worker is not None:
+            rec = rec or SpanExecutor(worker)
+            runner.worker = rec
     return rec
 
 

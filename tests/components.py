@@ -59,9 +59,10 @@ def feed(og: OptimizerGroup, grads: list[torch.Tensor]) -> None:
     """Put ``grads`` (one per param, flat order) into the group's gradient shard as a completed
     window's last backward would: each segment written, norm and host copy done."""
     og.grads.begin_backward(first=True)
-    flat = torch.zeros(og.flat.layout.total)
-    for p_grad, view in zip(grads, og.flat.param_views(flat)):
-        view.copy_(p_grad)
+    layout = og.flat.layout
+    flat = torch.zeros(layout.total, dtype=og.flat.dtype)
+    for p_grad, off, n in zip(grads, layout.offsets, layout.numels):  # stage 3: p is empty
+        flat[off : off + n].copy_(p_grad.reshape(-1))
     for seg in og.grads.segs:
         target = og.grads.reduce_target(seg)
         piece = flat[seg.flat_start : seg.flat_start + seg.numel]

@@ -6,7 +6,8 @@ Checked: the run matches a written reference of the same arithmetic (a plain bf1
 stepped by ``reference_adam_step_states`` per param); the memory report counts the format's
 bytes and agrees with ``expected_memory``; save/resume is bitwise (8-bit codes and scales saved
 beside the fp32 values); a checkpoint of another format converts with a warning naming both;
-the fragment API gives fp32; what is not built is refused by key."""
+the fragment API gives fp32. (Without optimizer offload and with partial offload:
+test_compact_states_device.py; on NVMe: test_nvme_compact_states.py.)"""
 
 from __future__ import annotations
 
@@ -152,16 +153,3 @@ def test_fragment_api_gives_fp32(one_rank):
     v = safe_get_full_optimizer_state(p, "exp_avg_sq")
     assert m.dtype == torch.float32 and m.shape == p.shape and m.abs().sum() > 0
     assert v.dtype == torch.float32 and bool((v >= 0).all())
-
-
-def test_not_built_is_refused_by_key(one_rank, tmp_path):
-    """NVMe (the device placement and partial offload are built:
-    tests/test_compact_states_device.py)."""
-    from zero_offload.config.errors import ConfigError
-
-    cfg = _config(2, "8bit")
-    cfg["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": str(tmp_path)}
-    with pytest.raises(
-        ConfigError, match=r"offload_optimizer.device \"cpu\" or \"none\" only, not with \"nvme\""
-    ):
-        _engine(cfg)

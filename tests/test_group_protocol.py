@@ -1,11 +1,13 @@
 """The optimizer group's step protocol, one small test per step for each placement, written
-against the group (no ``initialize()``): ``stage`` then ``rollback`` leaves the master, the
-moments, the step count and the params bitwise unchanged; ``stage`` then ``commit`` is the
-update path's own synchronous step, bitwise."""
+against the group (no ``initialize()``, except the stage-3 ZenFlow kinds, whose group needs
+the engine's param store): ``stage`` then ``rollback`` leaves the master, the moments, the step
+count, the runner's own state and the params bitwise unchanged; ``stage`` then ``commit`` is
+the update path's own synchronous step, bitwise."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 from components import feed, flat_group, placement, tiny_params
 
 from zero_offload.config.zero.zenflow import ZenFlowConfig, resolve_schedule
+from zero_offload.core.partitioned import shape_of
 from zero_offload.core.state.format import StateFormat
 from zero_offload.core.streams import Streams
 from zero_offload.nvme.io.aio import AioEngine
@@ -41,6 +44,8 @@ WHERE = {
     "host-8bit": "host",  # a compact state kind: fp32 master, 8-bit moments
     "device-8bit": "device",  # the same on the device (the reference arithmetic)
     "twin-8bit": "host",  # ratio 0.5: two compact parts
+    "zenflow-stage3": "host",  # the group of an engine (stage 3: params in the param store)
+    "zenflow-overlap-stage3": "host",
 }
 KINDS = list(WHERE)
 MUON = {"use_muon": True, "momentum": 0.95, "ns_method": "standard"}
@@ -55,7 +60,10 @@ def _params(kind: str) -> list[torch.nn.Parameter]:
 
 
 def _build(kind: str, tmp_path: Path) -> tuple[OptimizerGroup, list]:
-    """A stage-2 group at world 1 of ``_params(kind)`` for one placement ``kind``."""
+    """A stage-2 group at world 1 of ``_params(kind)`` for one placement ``kind`` (a stage-3
+    kind: the first group of a one-rank engine)."""
+    if kind.endswith("stage3"):
+        return _stage3_group(kind)
     params = _params(kind)
     muon = kind.endswith("muon")
     place = placement(WHERE[kind], tmp_path / kind)
@@ -86,6 +94,27 @@ def _build(kind: str, tmp_path: Path) -> tuple[OptimizerGroup, list]:
     return OptimizerGroup(g, grads, home, so, place), params
 
 
+def _stage3_group(kind: str) -> tuple[OptimizerGroup, list]:
+    """ZenFlow at stage 3 (every param partitioned, offload_optimizer "cpu") as ``_zenflow``
+    builds it, through the engine: its first group, and the params (empty: partitioned)."""
+    import zero_offload
+
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0",
+                 "WORLD_SIZE": "1", "MASTER_PORT": str(29500 + os.getpid() % 2000)}.items():  # fmt: skip
+        os.environ.setdefault(k, v)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 4))
+    zf = {"topk_ratio": 0.5, "select_strategy": "step", "select_interval": 0, "update_interval": 3,
+          "full_warm_up_rounds": 0, "overlap_step": "overlap" in kind}  # fmt: skip
+    cfg = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                 "stage3_param_persistence_threshold": 0, "zenflow": zf}}  # fmt: skip
+    engine, *_ = zero_offload.initialize(model=model, config=cfg)
+    og = engine.opt_groups[0]
+    assert og.flat.flat is None and all(p.numel() == 0 for p in og.flat.params)  # partitioned
+    return og, list(reversed(og.flat.params))  # registration order, as _params gives
+
+
 def _zenflow(kind: str, args: tuple):
     """ZenFlow: columns chosen at micro-step 0, host updates after micro-steps 2, 5, ...; the
     overlapped kind runs them on a worker."""
@@ -99,7 +128,7 @@ def _zenflow(kind: str, args: tuple):
 def _grads(params: list, step: int) -> list[torch.Tensor]:
     """One gradient per param, in flat order (reverse registration order)."""
     g = torch.Generator().manual_seed(100 + step)
-    return [torch.randn(p.shape, generator=g) for p in reversed(params)]
+    return [torch.randn(shape_of(p), generator=g) for p in reversed(params)]
 
 
 def _snapshot(og: OptimizerGroup, params: list) -> list[torch.Tensor]:
@@ -108,6 +137,7 @@ def _snapshot(og: OptimizerGroup, params: list) -> list[torch.Tensor]:
     numel = og.state.numel
     out = [og.state.read(kind, 0, numel).clone() for kind in ("master", "exp_avg", "exp_avg_sq")]
     out += [t.clone() for _, t in sorted(og.optimizer.extra_state().items())]
+    out.append(og.home.read(0, numel).clone())  # the params as the home holds them (stage 3)
     return out + [p.detach().clone() for p in params]
 
 
@@ -135,6 +165,7 @@ def test_stage_then_rollback_changes_nothing(kind, tmp_path):
 def test_stage_then_commit_is_the_step(kind, tmp_path):
     og, params = _build(kind, tmp_path / "a")
     ref, ref_params = _build(kind, tmp_path / "b")
+    initial = og.home.read(0, og.state.numel).clone()
     for t in range(2):
         _step(og, params, t)
         feed(ref, _grads(ref_params, t))
@@ -143,7 +174,7 @@ def test_stage_then_commit_is_the_step(kind, tmp_path):
     assert og.optimizer.step_count == ref.optimizer.step_count == 2
     for got, want in zip(_snapshot(og, params), _snapshot(ref, ref_params)):
         assert torch.equal(got, want)
-    assert not torch.equal(params[2].detach(), _params(kind)[2].detach())  # it did update
+    assert not torch.equal(og.home.read(0, og.state.numel), initial)  # it did update
 
 
 def test_commit_without_stage_does_nothing(tmp_path):

@@ -227,8 +227,8 @@ def test_auto_update_interval_trains_its_own_schedule():
     assert max_diff(a, b) == 0.0 and all(torch.isfinite(p).all() for p in a[-1])
     engine = _engine(AUTO)
     _steps(engine, batches(7))
-    rule = engine.opt_groups[0].optimizer.auto
-    assert rule is engine.opt_groups[-1].optimizer.auto  # one rule for the engine
+    rule = engine.opt_groups[0].optimizer.runner.auto
+    assert rule is engine.opt_groups[-1].optimizer.runner.auto  # one rule for the engine
     for fixed in (2, 5):
         assert max_diff(a, ours({**AUTO, "update_interval": fixed}, 7)) > 1e-4
 
@@ -345,7 +345,7 @@ def test_zenflow_fp16_overflow_skips_the_step_whole():
     engine.backward(torch.nn.functional.mse_loss(engine(x.half()).float(), y))
     engine.step()
     assert engine.skipped_steps == 1 and engine.loss_scaler.loss_scale == scale / 2
-    assert zf.micro == 0 and float(zf.accum.abs().sum()) == 0.0
+    assert zf.runner.micro == 0 and float(zf.runner.accum.abs().sum()) == 0.0
     assert max_diff([before], [[p.detach() for p in engine.module.parameters()]]) == 0.0
     kept = []  # the batches of the steps not skipped
     for x, y in data[1:]:
@@ -354,7 +354,7 @@ def test_zenflow_fp16_overflow_skips_the_step_whole():
         engine.step()
         if engine.skipped_steps == skipped:
             kept.append((x, y))
-    assert len(kept) >= 3 and zf.micro == len(kept)
+    assert len(kept) >= 3 and zf.runner.micro == len(kept)
     got = [[p.detach().float() for p in engine.module.parameters()]]
     # fp32 fed the same batches (fp16 rounding can change a selected column: 0.02 apart here)
     assert max_diff(got, [_steps(_engine(TOPK), kept)]) < 0.05
@@ -367,7 +367,7 @@ def test_overlap_step_runs_the_host_update_during_the_next_steps():
     for _ in range(2):  # the second step ends the first interval: its host update starts
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))
         engine.step()
-    assert zf._running is not None  # on the worker while the next forward/backward run
-    assert zf.worker._threads and "host-update" in next(iter(zf.worker._threads)).name
+    assert zf.runner._running is not None  # on the worker while the next forward/backward run
+    assert zf.runner.worker._threads and "host-update" in next(iter(zf.runner.worker._threads)).name
     engine.flush_delayed_update()  # eval and saving wait for it
-    assert zf._running is None
+    assert zf.runner._running is None

@@ -13,7 +13,7 @@ from test_zenflow import AUTO, max_diff, reference
 from zenflow_run import TOPK, batches, config, make_model
 
 import zero_offload
-from zero_offload.runtime.update.zenflow.update import ZenFlowUpdate
+from zero_offload.runtime.update.zenflow.update import ZenFlowRunner
 
 pytestmark = [
     pytest.mark.cuda,
@@ -42,7 +42,7 @@ def _run(zf: dict, stage: int, zero: dict | None = None, steps: int = 7):
     engine, *_ = zero_offload.initialize(model=model, model_parameters=model.parameters(),
                                          config=cfg)  # fmt: skip
     update = engine.opt_groups[0].optimizer
-    assert isinstance(update, ZenFlowUpdate) and engine.device.type == "cuda"
+    assert isinstance(update.runner, ZenFlowRunner) and engine.device.type == "cuda"
     out = []
     for x, y in batches(steps):
         loss = torch.nn.functional.mse_loss(engine(x.to(engine.device)), y.to(engine.device))
@@ -101,6 +101,6 @@ def test_cuda_device_part_moves_in_one_copy_each_way(monkeypatch):
         engine.backward(loss)
         engine.step()
         assert 1 <= sum(1 for c in crossings[before:] if c) <= 3  # up: grad, values; down
-    values = engine.opt_groups[0].optimizer.values
+    values = engine.opt_groups[0].optimizer.runner.values
     assert all(ix.dtype == torch.int32 for ix in values.index)
     engine.destroy()

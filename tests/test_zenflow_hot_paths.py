@@ -69,7 +69,7 @@ def test_stage3_positions_are_int32_and_counted_so():
     engine = _engine(_deep(16, 2), TOPK, stage=3)
     for b in batches(2):
         _step(engine, b)
-    values = engine.opt_groups[0].optimizer.values
+    values = engine.opt_groups[0].optimizer.runner.values
     assert all(ix.dtype == torch.int32 for ix in values.index)
     held = sum(ix.numel() for ix in values.index)
     assert engine.memory_report()["host.zenflow_index"] == held * 4
@@ -80,7 +80,7 @@ def test_stage3_positions_are_the_selected_elements_in_row_major_order():
     """The positions built from the selected columns equal the element-by-element rule."""
     engine = _engine(_deep(16, 2), TOPK, stage=3)
     _step(engine, batches(1)[0])
-    zf = engine.opt_groups[0].optimizer
+    zf = engine.opt_groups[0].optimizer.runner
     for i, c in enumerate(zf.columns):
         if c.columns is None:
             continue
@@ -100,8 +100,9 @@ def test_stage3_positions_are_the_selected_elements_in_row_major_order():
 def test_the_overlapped_update_uploads_through_its_staging(monkeypatch):
     engine = _engine(_deep(), {**TOPK, "overlap_step": True}, dtype="bf16")
     zf = engine.opt_groups[0].optimizer
-    assert zf.staging is not None
-    lo, hi = zf.staging.data_ptr(), zf.staging.data_ptr() + zf.staging.numel() * 2
+    assert zf.staging.kind == "whole"
+    buf = zf.staging.buffer
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel() * 2
     sources = []
     real = zf.home.write
 

@@ -114,7 +114,7 @@ def test_offload_states_moves_the_column_moments(overlap):
     zf = {**TOPK, "overlap_step": overlap}
     engine, g = _engine(zf), torch.Generator().manual_seed(2)
     _train(engine, 3, g)
-    cols = engine.opt_groups[0].optimizer.columns
+    cols = engine.opt_groups[0].optimizer.runner.columns
     before = [(c.exp_avg.clone(), c.exp_avg_sq.clone()) for c in cols]
     on_device = engine.memory_report()["device.zenflow_columns"]
     engine.offload_states(include=[OffloadStateType.optim_states])

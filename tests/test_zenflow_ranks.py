@@ -14,7 +14,7 @@ from zenflow_run import TOPK, batches, config, make_model
 import zero_offload
 from zero_offload.runtime.update.buffers import OffloadStateType
 from zero_offload.runtime.update.zenflow.columns import column_fragments, select_columns
-from zero_offload.runtime.update.zenflow.update import ZenFlowUpdate
+from zero_offload.runtime.update.zenflow.update import ZenFlowRunner
 
 TERMS = (
     "device.zenflow_columns",
@@ -48,7 +48,7 @@ def _checkpoint_run(path: str, zf: dict, stage: int) -> dict:
     accumulator holds step 3's gradient), resumed, and loaded without ZenFlow."""
     data = batches(7, tdist.get_rank())
     engine = _engine(zf, stage)
-    built = isinstance(engine.opt_groups[0].optimizer, ZenFlowUpdate)
+    built = isinstance(engine.opt_groups[0].optimizer.runner, ZenFlowRunner)
     straight = _steps(engine, data)
     first = _engine(zf, stage)
     saved = _steps(first, data[:3])
@@ -125,7 +125,7 @@ def _save_one_rank(path: str, zf: dict) -> None:
 def _resume(path: str, zf: dict) -> tuple[int, list[torch.Tensor]]:
     engine = _engine(zf, 2)
     engine.load_checkpoint(path, tag="one")
-    micro = engine.opt_groups[0].optimizer.micro
+    micro = engine.opt_groups[0].optimizer.runner.micro
     return micro, _steps(engine, batches(3, tdist.get_rank()))
 
 

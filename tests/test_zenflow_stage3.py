@@ -17,7 +17,7 @@ from test_zenflow import AUTO, max_diff, reference
 from zenflow_run import TOPK, batches, config, make_model
 
 import zero_offload
-from zero_offload.runtime.update.zenflow.update import ZenFlowUpdate
+from zero_offload.runtime.update.zenflow.update import ZenFlowRunner
 
 OVERLAP = {**TOPK, "overlap_step": True, "select_interval": 3, "full_warm_up_rounds": 1}
 CPU = {"offload_param": {"device": "cpu"}}
@@ -58,7 +58,7 @@ def _train(engine, data) -> list[list[torch.Tensor]]:
 def _run(zf: dict, zero: dict | None = None, clip: float = 0.0, steps: int = 7, shape="mlp"):
     """On each rank (its own batches): the params after every step, and whether ZenFlow ran."""
     engine = _engine(zf, zero, clip, shape)
-    built = isinstance(engine.opt_groups[0].optimizer, ZenFlowUpdate)
+    built = isinstance(engine.opt_groups[0].optimizer.runner, ZenFlowRunner)
     rank = tdist.get_rank() if tdist.is_initialized() else 0
     return built, _train(engine, batches(steps, rank))
 
@@ -117,7 +117,7 @@ def test_one_rank_equals_stage2_bitwise(one_rank, zf, dtype, zero):
         model = make_model()
         engine, *_ = zero_offload.initialize(model=model, model_parameters=model.parameters(),
                                              config=cfg)  # fmt: skip
-        assert isinstance(engine.opt_groups[0].optimizer, ZenFlowUpdate)
+        assert isinstance(engine.opt_groups[0].optimizer.runner, ZenFlowRunner)
         runs.append(_losses_and_params(engine, engine.module[0].weight.dtype, stage == 3))
     assert max_diff(*runs) == 0.0
 

@@ -66,8 +66,9 @@ def _snapshot(engine) -> list[torch.Tensor]:
         zf = og.optimizer
         n = zf.state.numel
         out += [zf.state.read(k, 0, n).clone() for k in ("master", "exp_avg", "exp_avg_sq")]
-        out += [zf.accum.clone(), torch.tensor([zf.micro, zf.step_count])]
-        for c in zf.columns:
+        run = zf.runner
+        out += [run.accum.clone(), torch.tensor([run.micro, zf.step_count])]
+        for c in run.columns:
             out += [t.clone() for t in (c.columns, c.exp_avg, c.exp_avg_sq) if t is not None]
             out.append(torch.tensor([c.step]))
     with engine.params_on_host():
@@ -119,12 +120,14 @@ def test_a_failed_stage_in_the_second_group_rolls_back_every_group(seam, monkeyp
         first = _params_in_group(engine, 0)
         monkeypatch.setattr(update_mod, "adamw_step", _fail_on_call(first, update_mod.adamw_step))
     elif seam == "device read":
-        monkeypatch.setattr(second.values, "read_all", _fail_on_call(0, second.values.read_all))
+        monkeypatch.setattr(
+            second.runner.values, "read_all", _fail_on_call(0, second.runner.values.read_all)
+        )
     elif seam == "selection":
         monkeypatch.setattr(update_mod, "select_from_sums", _fail_on_call(
             _params_in_group(engine, 0) // 2, update_mod.select_from_sums))  # fmt: skip
     else:  # "auto": the rule observed the first group, then the second group fails
-        monkeypatch.setattr(second, "_parts", _fail_on_call(0, second._parts))
+        monkeypatch.setattr(second.runner, "_parts", _fail_on_call(0, second.runner._parts))
     with pytest.raises(StepRolledBackError, match="kept the last committed step"):
         _step(engine, data[at])
     monkeypatch.undo()
@@ -203,7 +206,7 @@ def test_fp16_loss_scale_changes_inside_an_interval_keep_each_gradients_weight()
 
     dynamic = _fp16(zf, {"initial_scale_power": 12, "hysteresis": 1, "loss_scale_window": 1000})
     got, upd = run(dynamic, [data[0], data[1], bad, *data[2:5]])
-    assert upd.micro == 5  # the skip is no micro-step
+    assert upd.runner.micro == 5  # the skip is no micro-step
     want, _ = run(_fp16(zf, {"loss_scale": 2048}), data[:5])
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
@@ -314,7 +317,7 @@ def test_the_fragment_api_reads_the_device_part_once(tmp_path, monkeypatch):
     )
     for b in batches(3):
         _step(engine, b)
-    values = engine.opt_groups[0].optimizer.values
+    values = engine.opt_groups[0].optimizer.runner.values
     reads = [0]
     real = values.read
 

@@ -60,6 +60,7 @@ __all__ = [
     "QuantizedMoment",
     "StateOptions",
     "adam_step_states",
+    "as_cpu_adam_hyper",
     "dequantize_moment",
     "quantize_moment",
     "reference_adam_step_states",
@@ -417,6 +418,26 @@ def _hyper(step, lr, beta1, beta2, eps, weight_decay, grad_scale, threads) -> di
         "weight_decay": ha._check_number("weight_decay", weight_decay, lo=0.0),
         "grad_scale": ha._check_number("grad_scale", grad_scale),
     }
+
+
+# The hyperparameters that DeepSpeed's CPU Adam takes as C++ floats (``adam_update``'s arguments,
+# ``Adam_Optimizer``'s members in its csrc/includes/cpu_adam.h).
+CPU_ADAM_FLOAT_HYPER = ("lr", "beta1", "beta2", "eps", "weight_decay")
+
+
+def as_cpu_adam_hyper(hyper: dict[str, Any]) -> dict[str, Any]:
+    """``hyper`` with lr, betas, eps and weight_decay rounded to fp32, as DeepSpeed's CPU Adam
+    holds them: its ``1 - beta2`` is then formed from the fp32 beta2 (1 - 0.999f = 0.00099998713,
+    not 0.001). With fp32 moments that is an fp32 ulp of the update; with bf16 moments the 1.3e-5
+    relative difference in the second-moment increment flips the rounding of ~0.4% of the stored
+    moments at the first step, and the losses drift apart from there. The engine passes these to
+    :func:`adam_step_states` for DeepSpeed's compact states; the kernels themselves take any
+    values (their coefficients in double precision, rounded once)."""
+    out = dict(hyper)
+    for k in CPU_ADAM_FLOAT_HYPER:
+        if k in out:
+            out[k] = float(torch.tensor(float(out[k]), dtype=torch.float32))
+    return out
 
 
 def _load(x: Moment) -> torch.Tensor:

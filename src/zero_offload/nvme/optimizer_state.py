@@ -2,9 +2,11 @@
 "nvme"): the state of ``core/state/shard_state.py`` with host memory bounded by a buffer pool.
 
 File layout: the shard index space is cut into chunks of ``chunk`` elements (the host update's
-unit, a multiple of 2048); chunk k has a *record* of three regions (master, exp_avg, exp_avg_sq),
-``chunk * 4`` bytes each, and two versions of it, at ``(2k + v) * record`` bytes. ``current[k]``
-is the version holding chunk k's committed state.
+unit, a multiple of 2048); chunk k has a *record* of three regions (master, exp_avg, exp_avg_sq)
+in the state format's element types (``core/state/format.py``; ``record_layout.py``: fp32 or
+bf16 values, or 8-bit codes followed by their fp32 scales), each padded to whole 4096-byte
+blocks, and two versions of it, at ``(2k + v) * record`` bytes. ``current[k]`` is the version
+holding chunk k's committed state.
 
 Invariants:
 - an update reads every chunk's current version and writes the other one; only when every chunk
@@ -22,6 +24,10 @@ Invariants:
   waits for the kernel), and a buffer goes back to reading as soon as its write is done;
 - every I/O is one record or one region: offsets and sizes are multiples of 4096 bytes, as
   direct I/O needs;
+- the update's body gets each chunk's views in the format's types (fp32 or bf16 tensors,
+  ``QuantizedMoment``s of whole blocks) over the record buffer, as ``CompactState`` gives them;
+  ``read``, ``write`` and ``fill`` speak fp32 as ``CompactState`` does (decode; encode, an 8-bit
+  write re-encoding the blocks it touches from their decoded values);
 - ``sums[v, k]`` holds the block checksums of what this run last wrote to version v of chunk
   k (``known[v, k]``: it wrote it); every read is checked against them, so a record changed
   underneath the run is an ``NvmeSwapError``, never master weights or moments silently
@@ -37,13 +43,18 @@ from pathlib import Path
 import torch
 
 from ..core.pinned_bytes import host_bytes
+from ..core.state.format import FP32, StateFormat
 from ..core.state.shard_state import KINDS, Body, Chunk
+from ..kernels.quant_maps import QuantizedMoment, decode_blocks, encode_blocks, zeros_moment
 from .errors import NvmeSwapError
-from .io.aio import ALIGN, AioEngine, SwapFile, aligned_empty
+from .io.aio import AioEngine, SwapFile, aligned_empty
 from .io.checksum import BLOCK, block_sums, first_mismatch
 from .io.file_guard import check_swap_file, hold
 from .io.scratch import own_file
+from .record_layout import RecordLayout
 from .swap_root import making
+
+Moment = torch.Tensor | QuantizedMoment
 
 
 class NvmeOptimizerState:
@@ -51,14 +62,9 @@ class NvmeOptimizerState:
     aliased = False
     transactional = True
 
-    def raw(self) -> dict[str, torch.Tensor]:
-        """fp32 records: ``read`` is exact."""
-        return {}
-
-    def load_raw(self, fetch) -> None:
-        """fp32 records: nothing beside them."""
-
-    master_dtype = torch.float32
+    def whole(self, kind: str) -> torch.Tensor | None:
+        """Records in a file: no tensor holds a kind whole."""
+        return None
 
     def parts(self) -> list:
         return [self]
@@ -72,11 +78,12 @@ class NvmeOptimizerState:
         buffers: int,
         aio: AioEngine,
         pin: bool,
+        fmt: StateFormat = FP32,
     ) -> None:
-        assert chunk % (ALIGN // 2) == 0, "a chunk's regions must be whole 4096-byte blocks"
-        self.numel, self.chunk, self.aio = numel, chunk, aio
-        self.region = chunk * 4
-        self.record = len(KINDS) * self.region
+        self.numel, self.chunk, self.aio, self.format = numel, chunk, aio, fmt
+        self.layout = RecordLayout(chunk, fmt)  # a chunk's regions are whole 4096-byte blocks
+        self.master_dtype = fmt.master
+        self.record = self.layout.record
         self.nchunks = max(1, -(-numel // chunk))
         with making(folder):  # held before a reclaimer can see it (swap_root.py)
             self.file = SwapFile.create(folder / f"{name}.swp", 2 * self.nchunks * self.record)
@@ -92,12 +99,29 @@ class NvmeOptimizerState:
 
     # ---- addressing ----------------------------------------------------------------------------
     def _offset(self, k: int, version: int, kind: int = 0) -> int:
-        return (2 * k + version) * self.record + kind * self.region
+        return (2 * k + version) * self.record + self.layout.offsets[kind]
 
-    def _views(self, buf: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
-        f = buf.view(torch.float32)
-        per = self.chunk
-        return {kind: f[i * per : i * per + n] for i, kind in enumerate(KINDS)}
+    def _n(self, k: int) -> int:
+        """Elements of chunk k (the last one may be short)."""
+        return min(self.chunk, self.numel - k * self.chunk)
+
+    def _typed(self, region: torch.Tensor, kind: str, n: int) -> Moment:
+        """The first ``n`` values of a region's bytes (starting at the region) in its type."""
+        if kind == "master":
+            return region[: n * self.format.master_bytes].view(self.format.master)
+        if self.layout.quantized:
+            codes = region[:n]
+            at = self.chunk  # the scales follow the chunk's codes (4-byte aligned)
+            scales = region[at : at + self.layout.scales_of(n) * 4].view(torch.float32)
+            return QuantizedMoment(codes, scales, self.format.block, kind == "exp_avg")
+        dtype = torch.bfloat16 if self.format.moments == "bf16" else torch.float32
+        return region[: n * dtype.itemsize].view(dtype)
+
+    def _views(self, buf: torch.Tensor, n: int) -> dict[str, Moment]:
+        return {kind: self._typed(buf[s : s + p], kind, n) for kind, s, p in self._spans()}
+
+    def _spans(self):
+        return zip(KINDS, self.layout.offsets, self.layout.spans)
 
     def _fail(self, what: str, k: int, err: OSError) -> NvmeSwapError:
         lo = k * self.chunk
@@ -116,8 +140,10 @@ class NvmeOptimizerState:
 
     # ---- checksums -----------------------------------------------------------------------------
     def _blocks_of(self, kind: int | None) -> slice:
-        per = self.region // BLOCK
-        return slice(0, 3 * per) if kind is None else slice(kind * per, (kind + 1) * per)
+        if kind is None:
+            return slice(0, self.record // BLOCK)
+        start, span = self.layout.offsets[kind], self.layout.spans[kind]
+        return slice(start // BLOCK, (start + span) // BLOCK)
 
     def _wrote(self, k: int, version: int, buf: torch.Tensor, kind: int | None = None) -> None:
         """Record the checksums of ``buf`` (the record, or region ``kind``), about to be written."""
@@ -131,7 +157,7 @@ class NvmeOptimizerState:
         want = self.sums[version, k, blocks]
         bad = first_mismatch(buf, want, torch.ones_like(want, dtype=torch.bool))
         if bad is not None:
-            region = KINDS[(bad + (blocks.start or 0)) * BLOCK // self.region]
+            region = self.layout.kind_at((bad + blocks.start) * BLOCK)
             lo = k * self.chunk
             raise NvmeSwapError(
                 f"{self.file.path}: optimizer-state chunk {k} (elements {lo}.."
@@ -272,36 +298,71 @@ class NvmeOptimizerState:
             yield k, a, b, pos - lo
             pos = k * self.chunk + b
 
+    def _region_buf(self, kind: int) -> torch.Tensor:
+        """``pool[0]``'s bytes for one region of ``kind`` (the element cache)."""
+        return self.pool[0][: self.layout.spans[kind]]
+
+    def _load(self, k: int, kind: int) -> torch.Tensor:
+        """Region ``kind`` of chunk k's committed version into ``pool[0]``, checked."""
+        region, v = self._region_buf(kind), self.current[k]
+        self._wait(self.aio.read(self.file, self._offset(k, v, kind), region), "read", k)
+        self._verify(k, v, region, kind)
+        return region
+
+    def _decode(self, t: Moment, a: int, b: int, n: int) -> torch.Tensor:
+        """Values ``[a, b)`` of a chunk's typed view ``t`` of ``n`` values, in fp32 (8-bit: the
+        whole blocks around them decoded)."""
+        if not isinstance(t, QuantizedMoment):
+            return t[a:b].float()
+        bs = t.block_size
+        aa, bb = a - a % bs, min(n, -(-b // bs) * bs)
+        values = decode_blocks(t.codes[aa:bb], t.scales[aa // bs : -(-bb // bs)], bs, t.signed)
+        return values[a - aa : b - aa]
+
     def read(self, kind: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of ``kind`` in fp32 (decoded from the format's types)."""
         self._drop_early()  # pool[0] may hold a record read ahead
         self.flush()
         out = torch.empty(hi - lo, dtype=torch.float32)
         i = KINDS.index(kind)
-        buf = self.pool[0].view(torch.float32)[: self.chunk]
-        region = self.pool[0][: self.region]
         for k, a, b, at in self._regions(lo, hi):
-            v = self.current[k]
-            self._wait(self.aio.read(self.file, self._offset(k, v, i), region), "read", k)
-            self._verify(k, v, region, i)
-            out[at : at + b - a].copy_(buf[a:b])
+            n = self._n(k)
+            t = self._typed(self._load(k, i), kind, n)
+            out[at : at + b - a].copy_(self._decode(t, a, b, n))
         return out
 
     def write(self, kind: str, lo: int, src: torch.Tensor) -> None:
-        """Into the committed version (not a step): one region is cached in ``pool[0]`` and
-        written back when another region is touched or at ``flush`` (which every read, update
-        and fill runs first), so many small consecutive writes cost one read and one write."""
+        """Into the committed version (not a step), in fp32, encoded into the format's types
+        (bf16 rounded to nearest; an 8-bit write re-encodes the blocks it touches, their other
+        values decoded and kept). One region is cached in ``pool[0]`` and written back when
+        another region is touched or at ``flush`` (which every read, update and fill runs
+        first), so many small consecutive writes cost one read and one write."""
         self._drop_early()
         i = KINDS.index(kind)
         src = src.detach().reshape(-1).to("cpu", torch.float32)
-        buf = self.pool[0].view(torch.float32)[: self.chunk]
         for k, a, b, at in self._regions(lo, lo + src.numel()):
-            if self._dirty != (k, i):
-                self.flush()
-                off = self._offset(k, self.current[k], i)
-                self._wait(self.aio.read(self.file, off, self.pool[0][: self.region]), "read", k)
-                self._verify(k, self.current[k], self.pool[0][: self.region], i)
-                self._dirty = (k, i)
-            buf[a:b].copy_(src[at : at + b - a])
+            n = self._n(k)
+            t = self._typed(self._cached(k, i), kind, n)
+            piece = src[at : at + b - a]
+            if not isinstance(t, QuantizedMoment):
+                t[a:b].copy_(piece)
+                continue
+            bs = t.block_size
+            aa, bb = a - a % bs, min(n, -(-b // bs) * bs)
+            whole = self._decode(t, aa, bb, n).clone()
+            whole[a - aa : b - aa] = piece
+            codes, scales = encode_blocks(whole, bs, t.signed)
+            t.codes[aa:bb].copy_(codes)
+            t.scales[aa // bs : -(-bb // bs)].copy_(scales)
+
+    def _cached(self, k: int, i: int) -> torch.Tensor:
+        """Region ``i`` of chunk k in ``pool[0]``, cached for writes (the one cached before
+        is written back first)."""
+        if self._dirty != (k, i):
+            self.flush()
+            self._load(k, i)
+            self._dirty = (k, i)
+        return self._region_buf(i)
 
     def flush(self) -> None:
         """Write the cached region of ``write`` back, if any."""
@@ -309,12 +370,13 @@ class NvmeOptimizerState:
             return
         (k, i), self._dirty = self._dirty, None
         off = self._offset(k, self.current[k], i)
-        self._wrote(k, self.current[k], self.pool[0][: self.region], i)
-        self._wait(self.aio.write(self.file, off, self.pool[0][: self.region]), "write", k)
+        self._wrote(k, self.current[k], self._region_buf(i), i)
+        self._wait(self.aio.write(self.file, off, self._region_buf(i)), "write", k)
 
     def fill(self, master_of: Callable[[int, int, torch.Tensor], object]) -> None:
         """Initial state, one chunk at a time: moments zero, ``master_of(lo, hi, out)`` writes
-        elements ``[lo, hi)`` of the master into ``out`` (fp32, host)."""
+        elements ``[lo, hi)`` of the master into ``out`` (fp32, host; a bf16 master keeps
+        them rounded to nearest)."""
         self._dirty = None  # every region is rewritten
         self._drop_early()
         buf = self.pool[0]
@@ -322,18 +384,89 @@ class NvmeOptimizerState:
             lo = k * self.chunk
             hi = min(lo + self.chunk, self.numel)
             buf.zero_()
-            master_of(lo, hi, self._views(buf, hi - lo)["master"])
+            views = self._views(buf, hi - lo)
+            master = views["master"]
+            assert isinstance(master, torch.Tensor)
+            if master.dtype == torch.float32:
+                master_of(lo, hi, master)
+            else:
+                tmp = torch.empty(hi - lo, dtype=torch.float32)
+                master_of(lo, hi, tmp)
+                master.copy_(tmp)
+            for kind in ("exp_avg", "exp_avg_sq"):  # zeros: the codes of 0 (as zeros_moment)
+                m = views[kind]
+                if isinstance(m, QuantizedMoment):
+                    m.codes.fill_(int(zeros_moment(1, m.signed, m.block_size).codes[0]))
             off = self._offset(k, self.current[k])
             self._wrote(k, self.current[k], buf)
             self._wait(self.aio.write(self.file, off, buf), "write", k)
 
+    # ---- 8-bit moments' stored tensors (a bitwise resume) --------------------------------------
+    def raw(self) -> dict[str, torch.Tensor]:
+        """8-bit moments: each moment's codes and scales, read from the committed records
+        (copies, called at save time); nothing for fp32 or bf16 values (``read`` is exact)."""
+        if not self.layout.quantized:
+            return {}
+        self._drop_early()
+        self.flush()
+        nblocks = self.layout.scales_of(self.numel)
+        out = {}
+        for kind in ("exp_avg", "exp_avg_sq"):
+            i = KINDS.index(kind)
+            codes = torch.empty(self.numel, dtype=torch.uint8)
+            scales = torch.empty(nblocks, dtype=torch.float32)
+            for k in range(self.nchunks):
+                lo, n = k * self.chunk, self._n(k)
+                t = self._typed(self._load(k, i), kind, n)
+                assert isinstance(t, QuantizedMoment)
+                codes[lo : lo + n].copy_(t.codes)
+                at = lo // self.format.block
+                scales[at : at + t.scales.numel()].copy_(t.scales)
+            out[f"{kind}.codes"], out[f"{kind}.scales"] = codes, scales
+        return out
+
+    def load_raw(self, fetch: Callable[[str], torch.Tensor | None]) -> None:
+        """``raw`` back into the committed records (same partition only; absent names leave
+        the values ``write`` converted)."""
+        if not self.layout.quantized:
+            return
+        self._drop_early()
+        nblocks = self.layout.scales_of(self.numel)
+        for kind in ("exp_avg", "exp_avg_sq"):
+            want = {"codes": (torch.uint8, self.numel), "scales": (torch.float32, nblocks)}
+            saved: dict[str, torch.Tensor | None] = {}
+            for part, (dtype, n) in want.items():
+                t = fetch(f"{kind}.{part}")
+                if t is not None and (t.dtype != dtype or tuple(t.shape) != (n,)):
+                    raise ValueError(f"{kind}.{part}: saved {t.dtype}{list(t.shape)}, this "
+                                     f"shard keeps {dtype}[{n}]")  # fmt: skip
+                saved[part] = t
+            i = KINDS.index(kind)
+            for k in range(self.nchunks):
+                lo, n = k * self.chunk, self._n(k)
+                q = self._typed(self._cached(k, i), kind, n)
+                assert isinstance(q, QuantizedMoment)
+                codes, scales = saved["codes"], saved["scales"]
+                if codes is not None:
+                    q.codes.copy_(codes[lo : lo + n])
+                if scales is not None:
+                    at = lo // self.format.block
+                    q.scales.copy_(scales[at : at + q.scales.numel()])
+        self.flush()
+
     def nbytes(self) -> dict[str, int]:
+        fmt, n = self.format, self.numel
+        if self.layout.quantized:
+            moments = 2 * (n + self.layout.scales_of(n) * 4)
+        else:
+            moments = 2 * n * (2 if fmt.moments == "bf16" else 4)
+        master = n * fmt.master_bytes
         return {
-            "nvme.master_shard": self.numel * 4,
-            "nvme.optimizer_state": self.numel * 8,
+            "nvme.master_shard": master,
+            "nvme.optimizer_state": moments,
             # the record's other version: the step writes it while the committed one stays
             # readable, so the file holds every state twice (never a half-updated master)
-            "nvme.second_version": self.numel * 12,
+            "nvme.second_version": master + moments,
             "host.nvme_buffers": sum(host_bytes(b) for b in self.pool),
         }
 

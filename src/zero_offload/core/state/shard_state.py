@@ -16,14 +16,15 @@ fragment accessors do not care which:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 Chunk = tuple[int, int]
-Body = Callable[[int, int, dict[str, torch.Tensor]], object]
+# A chunk's views: tensors in the state's element types (an 8-bit moment: ``QuantizedMoment``).
+Body = Callable[[int, int, dict[str, Any]], object]
 Fill = Callable[[int, int, torch.Tensor], object]
 FILL_PIECE = 1 << 22  # elements per piece of an initial fill (bounded temporaries)
 
@@ -65,6 +66,11 @@ class ShardState(Protocol):
 
     def nbytes(self) -> dict[str, int]: ...
 
+    def whole(self, kind: str) -> torch.Tensor | None:
+        """``kind`` over the whole shard as one fp32 tensor (a view of the state), or None
+        where it is not stored as one (NVMe, a twin's two parts, a compact format's types)."""
+        ...
+
     def read_ahead(self) -> None: ...
 
     def commit(self) -> None: ...
@@ -86,6 +92,11 @@ class InMemory:
 
     transactional = False
     master_dtype = torch.float32
+
+    def whole(self, kind: str) -> torch.Tensor | None:
+        """The attribute of that name where it is one fp32 tensor (the kinds in memory)."""
+        t = getattr(self, kind, None)
+        return t if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else None
 
     def read_ahead(self) -> None:
         """Nothing to read: the state is in memory."""

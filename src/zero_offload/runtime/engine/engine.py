@@ -34,7 +34,7 @@ from ..offload_states.offload_states import (
 )
 from ..plan.memory import expected_bytes
 from ..plan.memory_bounds import check_working_set, free_bytes
-from ..plan.memory_model import StepShape, predict
+from ..plan.memory_model import StepShape, nvme_optimizer_terms, predict
 from ..plan.model_shape import ModelShape
 from ..plan.zenflow_memory import zenflow_bytes
 from ..precision.overflow_cause import overflow_cause
@@ -436,6 +436,9 @@ class ZeroOffloadEngine(
             muon_numel=sum(og.flat.layout.total for og in groups if og.flat.hyper.get("use_muon")),
             state=self.zero_plan.state,
         )
+        if self.placement.optimizer == "nvme" and groups:  # the swap files, as reported
+            shards = [og.optimizer.state.numel for og in groups]
+            nvme_optimizer_terms(out, shards, self.zero_plan)
         zenflow = self.zero_plan.zenflow  # built: each group's own params, on this rank
         for og in groups if zenflow is not None else ():
             shapes = [shape_of(p) for p in reversed(og.flat.params)]  # registration order

@@ -106,21 +106,9 @@ def expected_bytes(
     b = dtype_bytes(dtype)
     a = b if accum_dtype is None else dtype_bytes(accum_dtype)  # grad shards, device and host
     shard = numel if stage == 0 else numel // world_size
-    out: dict[str, int] = {}
-    if stage == 3:
-        out[f"{'host' if offload_param else 'device'}.param_shard"] = shard * b
-    else:
-        out["device.params"] = numel * b
     # the device part of the optimizer state: all of it, none (offload) or a twin's cut
     cut = shard if not offload else twin_split(shard, ratio) if stage == 3 else 0
-    if stage <= 1:
-        out["device.grads"] = numel * b
-        if a != b:  # the full-length flat accumulator beside the 16-bit grads
-            out["device.grad_accum"] = numel * a
-    elif not offload or gas > 1:
-        out["device.grad_shard"] = shard * a
-    elif cut:
-        out["device.grad_shard"] = cut * a
+    out = _params_and_grads(numel, shard, cut, b, a, stage, offload, offload_param, gas)
     if alias_master is None:
         alias_master = b == state.master_bytes and _beside(
             stage, offload, offload_param, cut, delayed
@@ -138,6 +126,25 @@ def expected_bytes(
         out["host.grad_shard"] = (shard - cut) * a * (2 if delayed else 1)
         if b < state.master_bytes and not offload_param:  # a master wider than the params
             out["host.param_staging"] = (shard - cut) * b
+    return out
+
+
+def _params_and_grads(numel, shard, cut, b, a, stage, offload, offload_param, gas) -> dict:
+    """The 16-bit params' and the device gradients' bytes (``b``: the params' element size,
+    ``a``: the grad shards')."""
+    out: dict[str, int] = {}
+    if stage == 3:
+        out[f"{'host' if offload_param else 'device'}.param_shard"] = shard * b
+    else:
+        out["device.params"] = numel * b
+    if stage <= 1:
+        out["device.grads"] = numel * b
+        if a != b:  # the full-length flat accumulator beside the 16-bit grads
+            out["device.grad_accum"] = numel * a
+    elif not offload or gas > 1:
+        out["device.grad_shard"] = shard * a
+    elif cut:
+        out["device.grad_shard"] = cut * a
     return out
 
 

@@ -17,7 +17,8 @@ set, every term from the config and the model shape:
 - ``logits``: the LM head's output and the fp32 loss's softmax and gradients (``LOGIT_COPIES``
   vocabulary-sized fp32 tensors at once), the largest transient of a small model;
 - ``nvme_buffers`` (host state, NVMe optimizer): ``buffer_count`` records of a chunk's master
-  and moments (three fp32 tensors with fp32 states; ``state_bytes.record_bytes``);
+  and moments (three fp32 tensors with fp32 states; ``state_bytes.swap_record_bytes``, each
+  region padded to whole 4096-byte blocks);
   ``swap_reads`` (host, NVMe params): reads ahead beside the buffers kept for reuse
   (``host.param_spares``, up to two per buffer size, within ``max_in_cpu``).
 
@@ -40,7 +41,7 @@ from ...core.state.format import FP32, StateFormat
 from ..reduce.reduce_buffers import ALIGN as REDUCE_ALIGN
 from .memory import expected_bytes
 from .model_shape import ModelShape
-from .state_bytes import record_bytes
+from .state_bytes import swap_record_bytes
 from .zenflow_memory import ZenFlowPlan, plan_from_config, zenflow_bytes
 
 # Per token per layer, saved for backward, in the training dtype: (x hidden, x ffn). Counted
@@ -171,11 +172,7 @@ def states(numel: int, plan: ZeroPlan, shape: ModelShape | None = None) -> dict[
                          state=plan.state)  # fmt: skip
     shard = numel // plan.world if plan.stage else numel
     if plan.optimizer == "nvme":
-        out["nvme.master_shard"] = out.pop("host.master_shard")
-        out["nvme.optimizer_state"] = out.pop("host.optimizer_state")
-        out["nvme.second_version"] = out["nvme.master_shard"] + out["nvme.optimizer_state"]
-        record = record_bytes(_swap_chunk(shard, plan.chunk), plan.state)
-        out["host.nvme_buffers"] = plan.optimizer_buffers * record
+        nvme_optimizer_terms(out, [shard], plan)
     if plan.params == "nvme":
         out["nvme.param_shard"] = out.pop("host.param_shard")
         if shape is not None:
@@ -189,6 +186,18 @@ def states(numel: int, plan: ZeroPlan, shape: ModelShape | None = None) -> dict[
         out["device.persistent_params"] = persistent * plan.dtype_bytes
     _reserve_pinned(out, plan)
     return out
+
+
+def nvme_optimizer_terms(out: dict[str, int], shards: list[int], plan: ZeroPlan) -> None:
+    """``offload_optimizer`` "nvme": the master and moments ``expected_bytes`` counted in host
+    memory live in the swap files instead (in the format's bytes), with their second version,
+    and each group's state (``shards``: its elements) keeps ``optimizer_buffers`` padded
+    records in host memory (``nvme/record_layout.py``)."""
+    out["nvme.master_shard"] = out.pop("host.master_shard")
+    out["nvme.optimizer_state"] = out.pop("host.optimizer_state")
+    out["nvme.second_version"] = out["nvme.master_shard"] + out["nvme.optimizer_state"]
+    records = (swap_record_bytes(_swap_chunk(n, plan.chunk), plan.state) for n in shards)
+    out["host.nvme_buffers"] = plan.optimizer_buffers * sum(records)
 
 
 def _zenflow_runs(plan: ZeroPlan) -> bool:

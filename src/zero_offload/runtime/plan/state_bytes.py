@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from ...core.state.format import FP32, StateFormat
+from ...nvme.record_layout import RecordLayout
+from ...nvme.record_layout import nvme_state_bytes as _swap_bytes
 
 # The modes ``zero-offload estimate`` compares (``mode_format``).
 MODES = ("fp32", "bf16", "8bit")
@@ -32,15 +34,21 @@ def moment_bytes(numel: int, state: StateFormat = FP32) -> int:
 
 
 def record_bytes(numel: int, state: StateFormat = FP32) -> int:
-    """One NVMe swap record of ``numel`` elements: the master and both moments (fp32: the
-    three 4-byte tensors, 12 bytes per element)."""
+    """The values of ``numel`` elements' master and both moments (fp32: the three 4-byte
+    tensors, 12 bytes per element); an NVMe record pads each region (``swap_record_bytes``)."""
     return master_bytes(numel, state) + moment_bytes(numel, state)
 
 
+def swap_record_bytes(chunk: int, state: StateFormat = FP32) -> int:
+    """One NVMe swap record as the file and the buffer pool hold it: ``record_bytes(chunk)``
+    with each region padded to whole 4096-byte blocks (``nvme/record_layout.py``)."""
+    return RecordLayout(chunk, state).record
+
+
 def nvme_state_bytes(numel: int, chunk: int, state: StateFormat = FP32) -> int:
-    """Swap bytes of one group's NVMe state: two versions of a record per ``chunk`` elements,
-    whole chunks (``nvme/optimizer_state.py``'s layout); fp32: ``2 * chunks * chunk * 12``."""
-    return 2 * max(1, -(-numel // chunk)) * record_bytes(chunk, state)
+    """Swap bytes of one group's NVMe state: two versions of a padded record per ``chunk``
+    elements, whole chunks (``nvme/record_layout.py``); fp32: ``2 * chunks * chunk * 12``."""
+    return _swap_bytes(numel, chunk, state)
 
 
 def mode_format(mode: str, dtype: torch.dtype, block: int = 256) -> StateFormat:

@@ -1,5 +1,5 @@
 """ZenFlow's own buffers per rank (``zero_optimization.zenflow``, ``runtime/update/zenflow/``),
-as ``ZenFlowUpdate`` allocates them and ``memory_report()`` counts them:
+as ``ZenFlowRunner`` allocates them and ``memory_report()`` counts them:
 
 - ``device.zenflow_columns``: per 2-D param of shape (rows, cols), the two Adam moments of its
   ``k`` selected columns (rows x k each) and the columns' int64 indices (k); per 1-D param, the

@@ -42,7 +42,7 @@ class GroupSave:
         """State ``kind`` ("master", "exp_avg", "exp_avg_sq") as one tensor, or None where it is
         not stored as one fp32 tensor (on NVMe, a master aliased to several param slices, a
         compact format's bf16 or 8-bit values: read in fp32 by ``pieces``)."""
-        return _fp32(getattr(self.state, kind, None))
+        return self.state.whole(kind)
 
     def pieces(self, kind: str) -> Iterator[torch.Tensor]:
         """State ``kind`` chunk by chunk (host memory: one chunk at a time)."""
@@ -91,15 +91,10 @@ def state_source(state: ShardState, kind: str):
     """``kind`` of a shard state over the whole shard: the tensor, or for a state on NVMe (or
     an aliased master not stored as one tensor, or a compact format's) a range that reads and
     writes it in fp32."""
-    t = _fp32(getattr(state, kind, None))
+    t = state.whole(kind)
     if t is not None:
         return t
     return StateRange(state, kind, 0, state.numel)
-
-
-def _fp32(t: object) -> torch.Tensor | None:
-    """``t`` where it is one fp32 tensor (what a checkpoint and the fragment API speak)."""
-    return t if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else None
 
 
 def state_tensor(so: ShardOptimizer, key: str, fn: str):

@@ -8,7 +8,10 @@
   ``flush``) joins it and uploads its params, so step t+1's forward and backward overlap it.
 - ``Transactional`` (a state that declares ``transactional``: NVMe): ``stage`` writes the
   update without committing it (and may fail part way); once the ranks agree, ``commit`` makes
-  it the state, or ``rollback`` discards it and restores the params from the committed master.
+  it the state, or ``rollback`` discards it and restores the params from the committed master;
+- ZenFlow's runners (``zenflow/update.py``, ``zenflow/overlap.py``): each micro-step's device
+  part and, every interval, the host part, with the mid-interval state they keep (saved through
+  the ``extra_state`` hooks below), synchronous or overlapped on the engine's worker.
 
 Invariant: ``u.step_count`` counts committed updates; a runner raises before changing it or
 puts it back.
@@ -17,12 +20,40 @@ puts it back.
 from __future__ import annotations
 
 import concurrent.futures
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Protocol, cast
 
+import torch
+
+from .buffers import StateBuffer
 from .paths.host_worker import HostWorker
 
+Fetch = Callable[[str], "torch.Tensor | None"]
+
 if TYPE_CHECKING:
+    from .paths.host_update import HostUpdate
     from .shard_optimizer import ShardOptimizer
+
+
+class Runner(Protocol):
+    """What the update asks of its runner: the step protocol, and the runner's own state."""
+
+    stage_writes: bool
+
+    def bind(self, u: ShardOptimizer) -> None: ...
+    def stage(self, u: ShardOptimizer, factor: float, delayed: bool) -> None: ...
+    def commit(self, u: ShardOptimizer) -> None: ...
+    def rollback(self, u: ShardOptimizer) -> None: ...
+    def flush(self, u: ShardOptimizer) -> None: ...
+    def prepare(self, u: ShardOptimizer) -> None: ...
+    def close(self) -> None: ...
+    def nbytes(self) -> dict[str, int]: ...
+    def device_buffers(self) -> Iterator[StateBuffer]: ...
+    def extra_state(self) -> dict[str, torch.Tensor]: ...
+    def check_extra_state(self, fetch: Fetch, step_count: int, same_world: bool) -> None: ...
+    def extra_digest(self, fetch: Fetch) -> torch.Tensor | None: ...
+    def load_extra_state(self, fetch: Fetch) -> None: ...
+    def params_after_load(self) -> bool: ...
 
 
 class Synchronous:
@@ -53,6 +84,32 @@ class Synchronous:
     def close(self) -> None:
         """Nothing held."""
 
+    def bind(self, u: ShardOptimizer) -> None:
+        """The update this runner runs (called once, when it is built); nothing to keep."""
+
+    # State of the runner's own beyond the shard state (ZenFlow's): none here.
+    def nbytes(self) -> dict[str, int]:
+        return {}
+
+    def device_buffers(self) -> Iterator[StateBuffer]:
+        return iter(())
+
+    def extra_state(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def check_extra_state(self, fetch: Fetch, step_count: int, same_world: bool) -> None:
+        """Nothing saved, nothing to refuse."""
+
+    def extra_digest(self, fetch: Fetch) -> torch.Tensor | None:
+        return None
+
+    def load_extra_state(self, fetch: Fetch) -> None:
+        """Nothing saved."""
+
+    def params_after_load(self) -> bool:
+        """After a load the params are the master's cast (the update writes them)."""
+        return False
+
 
 class Delayed(Synchronous):
     def __init__(self, worker: HostWorker) -> None:
@@ -72,12 +129,13 @@ class Delayed(Synchronous):
         if not self._delayed:
             u.run(factor)
             return
-        grad = u.grads.host_grad()
-        u.grads.flip()  # the next backward copies into the other host buffer
+        host = cast("HostUpdate", u)  # the delayed runner is chosen for host updates only
+        grad = host.grads.host_grad()
+        host.grads.flip()  # the next backward copies into the other host buffer
         u.step_count += 1
         h = u._hyper()  # read here: the scheduler may change the lr before the worker runs
         self._pending = self.worker.submit(
-            u.host_pass, grad, factor, h, False, True, self.worker.threads
+            host.host_pass, grad, factor, h, False, True, self.worker.threads
         )
 
     def flush(self, u: ShardOptimizer) -> None:
@@ -87,7 +145,7 @@ class Delayed(Synchronous):
         pending, self._pending = self._pending, None
         pending.result()  # re-raises a failure of the host pass here, on the main thread
         u.home.prepare_write()
-        u.send_all()
+        cast("HostUpdate", u).send_all()
         u.home.publish()
 
     def close(self) -> None:

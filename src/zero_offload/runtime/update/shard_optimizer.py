@@ -42,7 +42,7 @@ from .part import PartHome, Span
 from .paths.client_update import ClientUpdate
 from .placement import Placement
 from .rules import AdamRule, Rule
-from .runner import Synchronous
+from .runner import Runner, Synchronous
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class ShardOptimizer:
         client: torch.optim.Optimizer | None = None,
         span: Span | None = None,
         rule: Rule | None = None,
-        runner: Synchronous | None = None,
+        runner: Runner | None = None,
     ) -> None:
         """``state``: the master shard and moments, built for ``policy.placement.optimizer`` and
         still empty; they are filled here from the param home's 16-bit values. ``span``: the
@@ -90,11 +90,12 @@ class ShardOptimizer:
         self.state.fill(lambda lo, hi, out: out.copy_(self.home.read(lo, hi)))
         self.client = ClientUpdate(client, group.hyper, state.master) if client else None
         self.rule: Rule = rule or AdamRule()
-        self.runner = runner or Synchronous()
         self.step_count = 0
         # Why the state no longer is one committed step (a commit that failed part way, an
         # overlapped update that failed): then no step and no save runs until a load.
         self.torn: str | None = None
+        self.runner: Runner = runner or Synchronous()
+        self.runner.bind(self)
 
     @property
     def master(self) -> torch.Tensor:
@@ -123,18 +124,19 @@ class ShardOptimizer:
         self.state.update(self.chunks, lambda lo, hi, v: v["master"].copy_(self.home.read(lo, hi)))
 
     def device_buffers(self) -> Iterator[StateBuffer]:
-        """Device buffers of the update's own beyond the shard state (ZenFlow's selected
+        """Device buffers of the runner's own beyond the shard state (ZenFlow's selected
         columns' moments), for ``offload_states`` and the memory report; none for the others."""
-        return iter(())
+        return self.runner.device_buffers()
 
     def extra_state(self) -> dict[str, torch.Tensor]:
         """State saved beside the shard's fp32 tensors: a compact format's record and the
         stored tensors its fp32 does not give back exactly (8-bit codes and scales); none in
         fp32. (ZenFlow adds its mid-interval state.)"""
+        out = self.runner.extra_state()
         fmt = self.placement.state
-        if not fmt.compact:
-            return {}
-        return {"state_format": format_tensor(fmt, self._where()), **self.state.raw()}
+        if fmt.compact:
+            out.update(state_format=format_tensor(fmt, self._where()), **self.state.raw())
+        return out
 
     def _where(self) -> tuple[int, int, int]:
         """This shard's partition: world size, rank, numel."""
@@ -156,17 +158,22 @@ class ShardOptimizer:
             )
         elif where == self._where():
             self.state.load_raw(fetch)
+        self.runner.load_extra_state(fetch)
 
     def check_extra_state(self, fetch, step_count: int, same_world: bool) -> None:
         """Refuse (``ValueError`` naming the tensor) saved extra state this update cannot
-        continue from; checked before anything is loaded. None saved by the built-in paths."""
+        continue from; checked before anything is loaded (the runner's: ZenFlow's)."""
+        self.runner.check_extra_state(fetch, step_count, same_world)
 
     def extra_digest(self, fetch) -> torch.Tensor | None:
         """What the ranks' saved extra state must agree on (compared before the load)."""
-        return None
+        return self.runner.extra_digest(fetch)
 
     def params_from_master(self) -> None:
-        """The param home becomes the master's cast, as after a step (checkpoint load)."""
+        """The param home becomes the master's cast, as after a step (checkpoint load), unless
+        the runner restores the params the checkpoint's run had (ZenFlow's overlap)."""
+        if self.runner.params_after_load():
+            return
         self.restore_params()
         self.home.publish()
 
@@ -289,7 +296,7 @@ class ShardOptimizer:
 
     def master_views(self) -> list[torch.Tensor]:
         if self.aliased:
-            return self.state.views("master", self.segs)
+            return self.state.views("master", self.segs)  # type: ignore[attr-defined]
         return [self.master[s.shard_start : s.shard_start + s.numel] for s in self.segs]
 
     def write_home(self) -> None:
@@ -299,4 +306,6 @@ class ShardOptimizer:
         out = self.state.nbytes()
         if self.client is not None:
             out[f"{self.state.where}.optimizer_state"] = self.client.state_nbytes()
+        for k, v in self.runner.nbytes().items():
+            out[k] = out.get(k, 0) + v
         return out

@@ -18,37 +18,13 @@ from ...nvme.io.aio import AioEngine
 from ...nvme.optimizer_state import NvmeOptimizerState
 from ...nvme.param_shard import NvmeParams
 from ...nvme.path_agreement import PathNeed, agree, check_nvme_paths
+from ...nvme.record_layout import nvme_state_bytes
 from .placement import CHUNK_ALIGN, Placement
 
 OPTIMIZER_PATH_KEY = "zero_optimization.offload_optimizer.nvme_path"
 RATIO_KEY = "zero_optimization.offload_optimizer.ratio"
 PARAM_PATH_KEY = "zero_optimization.offload_param.nvme_path"
 BUFFER_SIZE_KEY = "zero_optimization.offload_param.buffer_size"
-
-
-def nvme_state_bytes(numel: int, chunk: int) -> int:
-    """Swap bytes of one group's NVMe state: two versions of a 12-byte record per element,
-    whole chunks (``optimizer_state.py``'s layout)."""
-    return 2 * max(1, -(-numel // chunk)) * chunk * 12
-
-
-def check_state_format(placement: Placement) -> None:
-    """A compact state format runs where its update is built: the host kernel over host memory
-    (``offload_optimizer`` "cpu"), the device update (no optimizer offload,
-    ``paths/device_update.py``), or both over a partial offload's two parts; refused by key on
-    NVMe."""
-    fmt = placement.state
-    if not fmt.compact:
-        return
-    keys = "bf16.bf16_master_weights_and_grads / bf16_optimizer_states / optimizer Adam8bit"
-    where = None
-    if placement.optimizer == "nvme":
-        where = '"nvme" (its records are fp32 master and moments): use "cpu"'
-    if where is not None:
-        raise ConfigError(
-            f"{keys}: compact optimizer states are built with "
-            f'zero_optimization.offload_optimizer.device "cpu" or "none" only, not with {where}'
-        )
 
 
 def _state_chunk(numel: int, chunk: int) -> int:
@@ -63,11 +39,11 @@ def build_states(
     aio: AioEngine | None,
     moments: bool,
 ) -> list[ShardState]:
-    """One empty state per group (NVMe: preallocated swap files; ``preflight`` ran first)."""
+    """One empty state per group (NVMe: preallocated swap files; ``preflight`` ran first), in
+    the placement's state format: every placement keeps every format."""
     numels = [g.shard_numel(sharded) for g in groups]
     if not groups:  # no optimizer: forward only
         return []
-    check_state_format(placement)
     fmt = placement.state
 
     def memory(n: int, device: torch.device, where: str) -> ShardState:
@@ -96,6 +72,7 @@ def build_states(
             placement.nvme.optimizer_buffer_count,
             aio,
             placement.pin,
+            placement.state,
         )
         for g, n in zip(groups, numels)
     ]
@@ -193,7 +170,8 @@ def _needs(placement, groups, store_groups, sharded, client) -> list[PathNeed]:
     if placement.optimizer == "nvme" and groups:
         assert nv.optimizer_dir is not None
         numels = [g.shard_numel(sharded) for g in groups]
-        need = sum(nvme_state_bytes(n, _state_chunk(n, placement.chunk)) for n in numels)
+        chunk = placement.chunk
+        need = sum(nvme_state_bytes(n, _state_chunk(n, chunk), placement.state) for n in numels)
         needs.append((OPTIMIZER_PATH_KEY, nv.optimizer_dir.parents[3], need))  # <nvme_path>
     if placement.params == "nvme" and store_groups:
         assert nv.param_dir is not None

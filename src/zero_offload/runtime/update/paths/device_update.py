@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ....kernels.adam_states import reference_adam_step_states
+from ....kernels.adam_states import as_cpu_adam_hyper, reference_adam_step_states
 from ..shard_optimizer import ShardOptimizer
 
 
@@ -84,7 +84,8 @@ class DeviceUpdate(ShardOptimizer):
     def _adam_states(self, factor: float) -> None:
         """Compact states: the reference update over each chunk of the shard range, in place
         (an aliased master's chunk that no view covers goes back through the home)."""
-        h, step = self._hyper(), self.step_count
+        # DeepSpeed's fp32 hyperparameters, as the host update of a compact format takes them
+        h, step = as_cpu_adam_hyper(self._hyper()), self.step_count
         bc = bool(self.group.hyper.get("bias_correction", True))
         grads = self._grads()
 

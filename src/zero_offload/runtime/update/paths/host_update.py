@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ....core.labels import HOST_UPDATE, label
-from ....kernels.adam_states import adam_step_states
+from ....kernels.adam_states import adam_step_states, as_cpu_adam_hyper
 from ....kernels.host_adam import host_adam_step
 from ..shard_optimizer import ShardOptimizer
 from .staging import choose_staging
@@ -108,6 +108,8 @@ class HostUpdate(ShardOptimizer):
     ):
         """The kernel over one chunk of the state, then (``upload``) its trip to the home."""
         bc = bool(self.group.hyper.get("bias_correction", True))
+        if self.placement.state.compact:  # DeepSpeed's CPU Adam's fp32 hyperparameters
+            h = as_cpu_adam_hyper(h)
         staging, sync_each = self.staging, self._sync_each
         kernel, step = self._kernel, self.step_count
 

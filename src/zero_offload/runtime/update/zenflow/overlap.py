@@ -26,25 +26,30 @@ import concurrent.futures
 import torch
 
 from ....kernels.host_adam import host_adam_step
+from ..paths.host_update import HostUpdate
 from ..paths.host_worker import HostWorker
 from ..shard_optimizer import TornStateError
-from .update import KEY, ZenFlowUpdate
+from .update import KEY, ZenFlowRunner
 
 
-class ZenFlowOverlapUpdate(ZenFlowUpdate):
+class ZenFlowOverlapRunner(ZenFlowRunner):
     def __init__(self, *args, worker: HostWorker, **kw) -> None:
         """``worker``: the engine's one host-update worker (shared by its groups, joined by
         ``engine.destroy``)."""
         super().__init__(*args, **kw)
-        n = self.span.numel
+        self.worker = worker
+        self._running: concurrent.futures.Future | None = None
+        self._live: torch.Tensor | None = None
+
+    def bind(self, u: HostUpdate) -> None:
+        super().bind(u)
+        n = u.span.numel
         # The second set of moments (the first is the shard state's) and the master's copy.
         self.exp_avg1 = torch.zeros(n, dtype=torch.float32)
         self.exp_avg_sq1 = torch.zeros(n, dtype=torch.float32)
         self.stale = torch.zeros(n, dtype=torch.float32)
         self.spare = torch.zeros(n, dtype=torch.float32)  # the accumulator not being filled
         self.updates_after_warmup = 0
-        self.worker = worker
-        self._running: concurrent.futures.Future | None = None
 
     def join(self) -> None:
         """Wait for the running host update. Its failure leaves the master and moments partly
@@ -57,15 +62,14 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
         except Exception as e:
             reason = (
                 f"{KEY}.overlap_step: the overlapped host update of param group "
-                f"{self.group.index} failed ({type(e).__name__}: {e})"
+                f"{self.u.group.index} failed ({type(e).__name__}: {e})"
             )
-            self.tear(reason)
+            self.u.tear(reason)
             raise TornStateError(reason) from e
 
     def close(self) -> None:
         """The running update finished (its error, if any, is dropped with the engine)."""
         self._drop_running()
-        super().close()
 
     def _drop_running(self) -> None:
         running, self._running = self._running, None
@@ -92,16 +96,18 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
     def _submit(self, which: int, step: int) -> None:
         """Start this interval's host Adam on the master with moment set ``which`` (no param
         moves); the next steps accumulate into the spare accumulator meanwhile."""
-        m, v = (self.exp_avg, self.exp_avg_sq) if which == 0 else (self.exp_avg1, self.exp_avg_sq1)
-        h = dict(self._hyper(), adamw=self.adamw, grad_scale=self._host_factor(), step=step)
-        h["bias_correction"] = bool(self.group.hyper.get("bias_correction", True))
+        m, v = (
+            (self.u.exp_avg, self.u.exp_avg_sq) if which == 0 else (self.exp_avg1, self.exp_avg_sq1)
+        )
+        h = dict(self.u._hyper(), adamw=self.u.adamw, grad_scale=self._host_factor(), step=step)
+        h["bias_correction"] = bool(self.u.group.hyper.get("bias_correction", True))
         grad, self.accum, self.spare = self.accum, self.spare, self.accum
-        self.step_count = step
+        self.u.step_count = step
         threads = self.worker.threads
 
         def update() -> None:
-            host_adam_step(self.master, m, v, grad, None, threads=threads, **h)
-            self.stale.copy_(self.master)
+            host_adam_step(self.u.master, m, v, grad, None, threads=threads, **h)
+            self.stale.copy_(self.u.master)
             grad.zero_()
 
         self._running = self.worker.submit(update)
@@ -116,9 +122,9 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
     def _copy(self) -> None:
         """The params take the master's copy left by the last update: cast into the staging
         and uploaded on the copy stream, as the host update's params are."""
-        self.home.prepare_write()
-        self.write_home(self.stale)
-        self.home.publish()
+        self.u.home.prepare_write()
+        self.u.write_home(self.stale)
+        self.u.home.publish()
 
     # ---- checkpoints: the second moments, the copy, and the params the copy has not reached --
     def _master_takes_live_values(self) -> None:
@@ -135,7 +141,7 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
         out["zenflow.updates_after_warmup"] = torch.tensor([self.updates_after_warmup])
         # The master is one update ahead of the params: the live params are kept too.
         out["zenflow.params"] = torch.cat(
-            [self.home.read(lo, hi).float() for lo, hi in self.chunks]
+            [self.u.home.read(lo, hi).float() for lo, hi in self.u.chunks]
         )
         return out
 
@@ -145,7 +151,7 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
         accum = fetch("zenflow.accum")
         if micro is None or accum is None or accum.numel() != self.accum.numel():
             return  # afresh
-        n = self.span.numel
+        n = self.u.span.numel
         for name in ("exp_avg1", "exp_avg_sq1", "stale", "params"):
             t = fetch(f"zenflow.{name}")
             if t is None:
@@ -173,13 +179,13 @@ class ZenFlowOverlapUpdate(ZenFlowUpdate):
             t = fetch(f"zenflow.{name}")
             getattr(self, name).copy_(t) if t is not None else getattr(self, name).zero_()
 
-    def params_from_master(self) -> None:
+    def params_after_load(self) -> bool:
         """After a load: the params the checkpoint's run had (its master is ahead of them)."""
-        live, self._live = getattr(self, "_live", None), None
+        live, self._live = self._live, None
         if live is None:
-            super().params_from_master()
-            return
-        self.home.prepare_write()
-        for lo, hi in self.chunks:
-            self.home.write(lo, live[lo:hi].to(self.group.dtype))
-        self.home.publish()
+            return False
+        self.u.home.prepare_write()
+        for lo, hi in self.u.chunks:
+            self.u.home.write(lo, live[lo:hi].to(self.u.group.dtype))
+        self.u.home.publish()
+        return True

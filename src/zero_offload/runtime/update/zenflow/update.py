@@ -107,28 +107,33 @@ class _Staged:
     undo: _Undo | None = None
 
 
-class ZenFlowUpdate(HostUpdate):
+class ZenFlowRunner:
+    """ZenFlow's runner of a host update ``u`` (bound once, ``bind``): it owns the step
+    protocol of the group, the mid-interval state, and both parts' arithmetic; the host part
+    runs through ``u``'s host pass, staging and home."""
+
     def __init__(
         self,
-        *args,
         schedule: ZenFlowSchedule,
         clip: float,
         loss_scale: Callable[[], float],
         auto: AutoInterval | None = None,
-        **kw,
     ) -> None:
-        super().__init__(*args, **kw)
         self.schedule, self.clip, self.loss_scale = schedule, clip, loss_scale
         self.auto = auto  # update_interval "auto": the engine's one rule (auto_interval.py)
+
+    def bind(self, u: HostUpdate) -> None:
+        """The update this runner runs (once, when the update is built)."""
+        self.u = u
         self.micro = 0  # micro-steps taken (DeepSpeed's micro_step + 1)
         # The host accumulator: the gradients of the micro-steps since the last host update.
-        self.accum = torch.zeros(self.span.numel, dtype=torch.float32)
-        layout = self.group.layout
+        self.accum = torch.zeros(self.u.span.numel, dtype=torch.float32)
+        layout = self.u.group.layout
         self.ranges = [(o, o + n) for o, n in zip(layout.offsets, layout.numels)]
-        self.columns: list[ColumnState] = [ColumnState(None) for _ in self.group.params]
-        self.world = dist.world_size() if self.sharded else 1
-        self.stage3 = self.group.flat is None  # params live in the param store's shards
-        self.shapes = [shape_of(p) for p in self.group.params]
+        self.columns: list[ColumnState] = [ColumnState(None) for _ in self.u.group.params]
+        self.world = dist.world_size() if self.u.sharded else 1
+        self.stage3 = self.u.group.flat is None  # params live in the param store's shards
+        self.shapes = [shape_of(p) for p in self.u.group.params]
         # the params the device part updates whole (columns None), and the others' candidates
         self.whole = [len(s) != 2 or (self.stage3 and s[0] == 1) for s in self.shapes]
         if self.stage3:
@@ -150,18 +155,18 @@ class ZenFlowUpdate(HostUpdate):
         if self.world == 1:
             return ShardGrads(self.ranges, shapes)
         counts = [selected_count(f, self.schedule.topk_ratio) for f in self.fragments]
-        dt = self.grads.host_grad().dtype
+        dt = self.u.grads.host_grad().dtype
         # stage 3: the device part reads its own shard; only the column norms are reduced
-        dev = self.group.device
+        dev = self.u.group.device
         return RankGrads(self.pieces, shapes, counts, dt, dev, parts=not self.stage3)
 
     def _values(self) -> ParamValues | ShardValues:
         """Where the device part reads and writes (``values.py``)."""
         if not self.stage3:
-            return ParamValues(self.group.params)
-        g = self.group
-        return ShardValues(self.home, self.pieces, self.shapes, self.whole, g.device, g.dtype,
-                           self.streams)  # fmt: skip
+            return ParamValues(self.u.group.params)
+        g = self.u.group
+        return ShardValues(self.u.home, self.pieces, self.shapes, self.whole, g.device, g.dtype,
+                           self.u.streams)  # fmt: skip
 
     def _parts(
         self, grads: ShardGrads | RankGrads, shard: torch.Tensor, columns: list[ColumnState]
@@ -174,14 +179,14 @@ class ZenFlowUpdate(HostUpdate):
 
     def _observe(self, grads: ShardGrads | RankGrads, parts: list[torch.Tensor]) -> None:
         """The "auto" rule's sums of this micro-step, per 2-D param, in the param's dtype."""
-        dtypes = [self.group.dtype] * len(self.shapes)
+        dtypes = [self.u.group.dtype] * len(self.shapes)
         totals = grads.abs_sums(dtypes)
         if self.stage3:  # the ranks' held selected elements: their sums added
             critic = self.values.critic_sums(parts, dtypes)
         for i in range(len(self.shapes)):
             if self.whole[i]:
                 continue
-            key = (self.group.index, i)
+            key = (self.u.group.index, i)
             if self.stage3:
                 self.auto.observe_sums(key, totals[i], critic[i])
             else:
@@ -199,7 +204,7 @@ class ZenFlowUpdate(HostUpdate):
         """The new columns (their moments from zero), the same on every rank: rank 0's. A
         rank whose choice fails still takes part in the broadcast (its columns -1), so the
         ranks fail together instead of waiting on each other."""
-        ratio, dev = self.schedule.topk_ratio, self.group.device
+        ratio, dev = self.schedule.topk_ratio, self.u.group.device
         sums = grads.column_sums()
         pick = select_global if self.stage3 else select_from_sums
         error, chosen = None, []
@@ -231,7 +236,7 @@ class ZenFlowUpdate(HostUpdate):
     def _ranked(self, sums: torch.Tensor) -> torch.Tensor:
         """The column norms as DeepSpeed ranks them: at stage 3 in its sum buffer's dtype, the
         params' (a bf16 norm rounds, and ties fall to the lower column, as in its top-k)."""
-        return sums.to(self.group.dtype) if self.stage3 else sums
+        return sums.to(self.u.group.dtype) if self.stage3 else sums
 
     def _agree_on_columns(self, chosen: list) -> list:
         """Every rank takes rank 0's columns: they are computed from the same gathered
@@ -239,7 +244,7 @@ class ZenFlowUpdate(HostUpdate):
         picked = [c for c in chosen if c is not None]
         if not picked:
             return chosen
-        flat = torch.cat(picked).to(self.group.device)
+        flat = torch.cat(picked).to(self.u.group.device)
         dist.broadcast(flat, src=0)
         out, at = [], 0
         for c in chosen:
@@ -260,12 +265,12 @@ class ZenFlowUpdate(HostUpdate):
     # computed; it reads no file except through an NVMe param home.
     stage_writes = True
 
-    def stage(self, factor: float, delayed: bool = False) -> None:
+    def stage(self, u: HostUpdate, factor: float, delayed: bool = False) -> None:
         """Micro-step ``self.micro``, staged; ``factor`` (the engine's unscale x clip of this
         micro-step alone) is not used: the host part clips the accumulated gradient."""
         if delayed:
             raise RuntimeError("ZenFlow has no delayed update (the config refuses it)")
-        self.check_intact()
+        self.u.check_intact()
         undo = _Undo(self.auto.snapshot() if self.auto is not None else None)
         try:
             self._held = self._stage(undo)
@@ -275,7 +280,7 @@ class ZenFlowUpdate(HostUpdate):
 
     def _stage(self, undo: _Undo) -> _Staged:
         k, sched = self.micro, self.schedule
-        shard = self.grads.host_grad()
+        shard = self.u.grads.host_grad()
         grads = self.step_grads
         grads.bind(shard)
         select = sched.is_select(k)
@@ -297,7 +302,7 @@ class ZenFlowUpdate(HostUpdate):
         # overflows its fp16 moments); the loss scale is 1 otherwise.
         assert parts is not None
         dev_scale = 1.0 / (self.schedule.grad_divisor * scale)
-        h, vals = self.group.hyper, self.values
+        h, vals = self.u.group.hyper, self.values
         before = vals.read_all(columns)  # a swap file's reads; one transfer from host memory
         grads_here = transfer_all(parts, before[0].device) if before else parts  # one copy
         new = []
@@ -312,7 +317,7 @@ class ZenFlowUpdate(HostUpdate):
             staged.written = True
         return staged
 
-    def commit(self) -> None:
+    def commit(self, u: HostUpdate) -> None:
         staged, self._held = self._held, None
         if staged is None:
             return
@@ -326,7 +331,7 @@ class ZenFlowUpdate(HostUpdate):
             # fp16 gradients may overflow where each one did not.
             self.accum.copy_(self.accum.to(s.shard.dtype))
         if s.select and s.k != 0:
-            self.master_from_params()
+            self.u.master_from_params()
         self.columns = list(s.columns)
         if s.host:
             # stage 3 with a device part: its own publish follows (one drop of the stale
@@ -335,10 +340,10 @@ class ZenFlowUpdate(HostUpdate):
         if s.values is not None and not s.written:
             self._write_values(s.columns, s.values)
         self.micro += 1
-        self.step_count = self.micro  # committed micro-steps: each is an update
+        self.u.step_count = self.micro  # committed micro-steps: each is an update
         self._flushed = False
 
-    def rollback(self) -> None:
+    def rollback(self, u: HostUpdate) -> None:
         staged, self._held = self._held, None
         if staged is not None:
             self._undo(staged.undo)
@@ -370,7 +375,7 @@ class ZenFlowUpdate(HostUpdate):
         # whole shard was the largest cost of a host update on a CPU
         sumsq = float(sum_of_squares(self.accum))
         if self.world > 1:  # the whole accumulated gradient's norm: every rank's squares
-            t = torch.tensor([sumsq], dtype=torch.float64, device=self.group.device)
+            t = torch.tensor([sumsq], dtype=torch.float64, device=self.u.group.device)
             dist.all_reduce(t)
             sumsq = float(t[0])
         norm = math.sqrt(sumsq)
@@ -386,15 +391,25 @@ class ZenFlowUpdate(HostUpdate):
         step at its accumulation boundary: the norm's clip, bias correction at ``step``;
         ``publish`` False: the caller publishes the home after writing it again."""
         factor = self._host_factor()
-        self.home.prepare_write()
-        self.step_count = step
-        self.host_pass(self.accum, factor, self._hyper(), upload=True)
+        self.u.home.prepare_write()
+        self.u.step_count = step
+        self.u.host_pass(self.accum, factor, self.u._hyper(), upload=True)
         if publish:
-            self.home.publish()
+            self.u.home.publish()
         self.accum.zero_()
 
+    def prepare(self, u: HostUpdate) -> None:
+        """Nothing to start before a micro-step."""
+
+    def close(self) -> None:
+        """Nothing held beyond memory (the overlapped runner finishes its update)."""
+
+    def params_after_load(self) -> bool:
+        """The params after a load are the master's cast (the overlapped runner's are not)."""
+        return False
+
     def nbytes(self) -> dict[str, int]:
-        out = super().nbytes()
+        out: dict[str, int] = {}
         out["host.zenflow_accum"] = self.accum.numel() * 4
         dev = 0
         for c in self.columns:
@@ -418,7 +433,7 @@ class ZenFlowUpdate(HostUpdate):
         opt = OffloadStateType.optim_states
         for c in self.columns:
             for t in (c.exp_avg, c.exp_avg_sq, c.columns):
-                if t is not None and t.device == self.group.device:
+                if t is not None and t.device == self.u.group.device:
                     yield StateBuffer(t, "device.zenflow_columns", state=opt)
         if self.stage3:  # the held elements' positions beside a device param shard
             for t in self.values.device_index():
@@ -428,12 +443,11 @@ class ZenFlowUpdate(HostUpdate):
             yield StateBuffer(t, "device.zenflow_grad", keep=False, state=grads)
 
     # ---- what a checkpoint keeps beyond the master and the host moments -----------------------
-    def flush(self) -> None:
+    def flush(self, u: HostUpdate) -> None:
         """The master takes the device part's values of the selected columns (and the 1-D
         params), so that a checkpoint's master is the live params. Training is unchanged: the
         host update's result for them is discarded, and a selection resets them anyway. Done
         once per committed micro-step (the fragment API flushes at every call)."""
-        super().flush()
         if self._flushed or self.micro == 0:
             return
         self._master_takes_live_values()
@@ -441,15 +455,15 @@ class ZenFlowUpdate(HostUpdate):
 
     def _master_takes_live_values(self) -> None:
         if self.stage3:
-            if not self.aliased:  # the held elements' live values, at their shard positions
+            if not self.u.aliased:  # the held elements' live values, at their shard positions
                 for i, c in enumerate(self.columns):
                     ix = self.values.index[i]
-                    self.master[ix] = self.values.read(i, c).to(self.master.dtype).cpu()
+                    self.u.master[ix] = self.values.read(i, c).to(self.u.master.dtype).cpu()
             return
-        for i, (p, c) in enumerate(zip(self.group.params, self.columns)):
+        for i, (p, c) in enumerate(zip(self.u.group.params, self.columns)):
             if p.dim() != 1 and c.columns is None:
                 continue
-            live = p.detach().to(self.master.device, self.master.dtype)
+            live = p.detach().to(self.u.master.device, self.u.master.dtype)
             if p.dim() != 1:  # the master's own values, the selected columns' live ones
                 mask = torch.zeros(p.shape, dtype=torch.bool, device=live.device)
                 mask[:, c.columns.to(live.device)] = True
@@ -459,7 +473,7 @@ class ZenFlowUpdate(HostUpdate):
     def _owned(self, i: int) -> Iterator[tuple[int, int, int]]:
         """(param offset, shard offset, count) of each piece of param ``i`` in this shard."""
         lo, hi = self.ranges[i]
-        for s in self.segs:
+        for s in self.u.segs:
             a, b = max(lo, s.flat_start), min(hi, s.flat_start + s.numel)
             if a < b:
                 yield a - lo, s.shard_start + a - s.flat_start, b - a
@@ -467,21 +481,21 @@ class ZenFlowUpdate(HostUpdate):
     def _master_param(self, i: int) -> torch.Tensor:
         """Param ``i`` (flat) as the master holds it (zero where another rank's)."""
         lo, hi = self.ranges[i]
-        out = torch.zeros(hi - lo, dtype=self.master.dtype, device=self.master.device)
+        out = torch.zeros(hi - lo, dtype=self.u.master.dtype, device=self.u.master.device)
         for at, sh, n in self._owned(i):
-            out[at : at + n] = self.master[sh : sh + n]
+            out[at : at + n] = self.u.master[sh : sh + n]
         return out
 
     def _write_param_master(self, i: int, flat: torch.Tensor) -> None:
         for at, sh, n in self._owned(i):
-            self.master[sh : sh + n] = flat[at : at + n]
+            self.u.master[sh : sh + n] = flat[at : at + n]
 
     def extra_state(self) -> dict[str, torch.Tensor]:
         """The mid-interval state: the micro-step count, the accumulated host gradient, and
         per param the selected columns, their device moments and step count."""
         out = {"zenflow.micro": torch.tensor([self.micro]), "zenflow.accum": self.accum}
         if self.auto is not None:
-            out.update(self.auto.state(self.group.index, len(self.group.params)))
+            out.update(self.auto.state(self.u.group.index, len(self.u.group.params)))
         for i, c in enumerate(self.columns):
             out[f"zenflow.{i}.step"] = torch.tensor([c.step])
             named = (("columns", c.columns), ("exp_avg", c.exp_avg), ("exp_avg_sq", c.exp_avg_sq))
@@ -585,7 +599,7 @@ class ZenFlowUpdate(HostUpdate):
         micro, accum = fetch("zenflow.micro"), fetch("zenflow.accum")
         fits = micro is not None and accum is not None and accum.numel() == self.accum.numel()
         if self.world > 1:  # every rank restores, or none: their schedules stay one
-            misfits = torch.tensor([0 if fits else 1], device=self.group.device)
+            misfits = torch.tensor([0 if fits else 1], device=self.u.group.device)
             dist.all_reduce(misfits)
             fits = int(misfits[0]) == 0
         if micro is not None and not fits:
@@ -595,19 +609,19 @@ class ZenFlowUpdate(HostUpdate):
             )
         self.accum.zero_()
         self._flushed = False
-        self.columns = [ColumnState(None) for _ in self.group.params]
+        self.columns = [ColumnState(None) for _ in self.u.group.params]
         self.micro = int(micro[0]) if fits else 0
         self.restored = fits
         if not fits:
             return
         self.accum.copy_(accum)
         if self.auto is not None:
-            self.auto.load_state(self.group.index, len(self.group.params), fetch)
+            self.auto.load_state(self.u.group.index, len(self.u.group.params), fetch)
         for i, c in enumerate(self.columns):
             c.step = int(fetch(f"zenflow.{i}.step")[0])
             for name in ("columns", "exp_avg", "exp_avg_sq"):
                 t = fetch(f"zenflow.{i}.{name}")
                 if t is not None:
-                    setattr(c, name, t.to(self.group.device))
+                    setattr(c, name, t.to(self.u.group.device))
             if self.stage3 and not self.whole[i] and c.columns is not None:
                 self.values.select(i, c.columns)

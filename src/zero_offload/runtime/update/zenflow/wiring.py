@@ -98,10 +98,12 @@ def build_zenflow_update(
     """The group's update: ``args`` are ``build_shard_optimizer``'s (group, grads, home, state,
     policy, streams); ``loss_scale`` is read at each micro-step (fp16's changes); ``auto``:
     ``auto_rule``'s object; ``worker``: the engine's host-update worker (``overlap_step``)."""
-    from .overlap import ZenFlowOverlapUpdate
-    from .update import ZenFlowUpdate
+    from ..paths.host_update import HostUpdate
+    from .overlap import ZenFlowOverlapRunner
+    from .update import ZenFlowRunner
 
     kw = dict(schedule=schedule, clip=clip, loss_scale=loss_scale, auto=auto)
-    if schedule.overlap_step:
-        return ZenFlowOverlapUpdate(*args, worker=worker, **kw)
-    return ZenFlowUpdate(*args, **kw)
+    runner = (
+        ZenFlowOverlapRunner(worker=worker, **kw) if schedule.overlap_step else ZenFlowRunner(**kw)
+    )
+    return HostUpdate(*args, runner=runner)
