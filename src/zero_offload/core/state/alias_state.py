@@ -69,8 +69,8 @@ class AliasState(InMemory):
     def exp_avg_sq(self) -> Moment:
         return self.moments.exp_avg_sq
 
-    def views(self, kind: str, segs: tuple[Segment, ...]) -> list[torch.Tensor]:
-        """``kind`` as one view per segment (the fused update's operands)."""
+    def views(self, kind: str, segs: tuple[Segment, ...]) -> list[Moment]:
+        """``kind`` as one view per segment (the fused update's operands: fp32 moments)."""
         if kind == "master":
             return list(self._views)
         return [self.moments.view(kind, s.shard_start, s.shard_start + s.numel) for s in segs]
@@ -91,6 +91,7 @@ class AliasState(InMemory):
             views = {k: self._view(k, lo, hi) for k in KINDS}
             body(lo, hi, views)
             m = views["master"]
+            assert isinstance(m, torch.Tensor)
             if write and m._base is None:  # a temporary: the values go back to the home
                 self.home.write(lo, m)
         if before_commit is not None:
