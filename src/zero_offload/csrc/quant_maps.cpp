@@ -101,6 +101,7 @@ bool fill(const std::vector<double>& values, bool squared, QuantMap& q)
         }
         // |y| >= 2 (and NaN, which the encoder maps to code 0 before the lookup)
         q.base[sign][q.top_slot] = static_cast<uint8_t>(count_le(q.mid, sign ? -2.0f : 2.0f));
+        q.cut[sign][q.top_slot] = NAN;  // no compare adds to it (+inf >= +inf would)
         for (uint32_t key = q.lo_key; key < kQTopKey; ++key) {
             const uint32_t b = (sign << 15) | key;
             const float a = bits_to_f32(b << 16), z = bits_to_f32((b << 16) | 0xffffu);
