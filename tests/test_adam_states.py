@@ -232,6 +232,43 @@ def test_small_sizes_bitwise(n, gen, isa_restore):
             assert_bitwise(state, expected, f"{isa} n={n} {master_dtype} {kind} sr={sr}")
 
 
+def _codec_edge_grad() -> torch.Tensor:
+    """Gradients that, with beta1 = 0 and grad_scale = 1, become the new exp_avg exactly, and
+    with a 1.0 in each 256-block (absmax 1) are the encoder's y: every midpoint of the first
+    moment's map, its fp32 neighbours, both signs; then a block of subnormals, whose
+    1 / absmax overflows, so y is +-inf and NaN (0 * inf)."""
+    mid = qm.map_tables(True)[1][:255]
+    u = mid.view(torch.int32)
+    near = torch.cat([mid, (u - 1).view(torch.float32), (u + 1).view(torch.float32)])
+    near = torch.cat([near, -near])
+    near = near[near.abs() <= 1]
+    blocks = near.split(255)
+    parts = [torch.cat([torch.ones(1), b]) for b in blocks]
+    tiny = torch.full((256,), 1e-40)
+    tiny[::3] = -1e-40
+    tiny[::7] = 0.0
+    return torch.cat(parts + [tiny, torch.tensor([1.0, -0.25, 0.5])])
+
+
+@needs_cpp
+def test_8bit_encode_at_midpoints_and_infinities_every_isa(isa_restore):
+    """The encode of a tie (y exactly a midpoint: the larger code), of its neighbours, of +inf
+    (255, as the search) and -inf and NaN (0) on every dispatch path equals the reference."""
+    grad = _codec_edge_grad()
+    n = grad.numel()
+    h = dict(hyper(1, adamw=True, weight_decay=0.0, grad_scale=1.0), beta1=0.0, beta2=0.0)
+    base = (torch.zeros(n), zeros_moment(n, True), zeros_moment(n, False))
+    expected = tuple(clone(x) for x in base)
+    fp32_kernel_then_store(expected, grad, None, h, StateOptions())
+    codes = expected[1].codes
+    assert {0, 255} <= set(codes[-259:-3].tolist())  # the infinities' codes are there
+    for isa in C.supported_isas():
+        C.set_isa(isa)
+        state = tuple(clone(x) for x in base)
+        adam_step_states(*state, grad, None, **h)
+        assert_bitwise(state, expected, f"{isa} codec edges")
+
+
 @needs_cpp
 def test_bf16_states_are_deepspeeds_rounding(gen):
     """DeepSpeed's CPU Adam with bf16 params and bf16 moments: load exactly, the fp32 update in

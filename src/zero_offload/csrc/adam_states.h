@@ -37,10 +37,35 @@ constexpr size_t kMinQBlock = 32;
 // maps' values are >= 1.4% apart), so code(y) = base[b] + (y >= cut[b]), with base[b] the count at
 // the bucket's lower end and cut[b] the midpoint inside it (+inf if none). Only magnitudes in
 // [2^(emin-127), 2) have buckets of their own: every smaller |y| lies between the two midpoints
-// around 0 (slot 0 of its sign), and slot kQTopSlot holds NaN and |y| >= 2 (code 0, as the
-// search gives NaN; |y| never exceeds 1 by more than a rounding). Checked when built.
+// around 0 (slot 0 of its sign), and slot top_slot holds |y| >= 2 (the count of midpoints below
+// 2 or -2, as the search gives; only an infinite 1 / absmax makes |y| exceed 1 by more than a
+// rounding). NaN is code 0, before the lookup. Checked when built.
 constexpr uint32_t kQTopKey = 0x4000;  // bf16 bits of 2.0: the first magnitude without a bucket
 constexpr uint32_t kQSlots = 6400;     // per sign: slot 0, the buckets [emin << 7, kQTopKey), top
+// Vector encoding without a search (AVX-512), built and verified once per map (quant_maps.cpp).
+// Count only the positive midpoints of |y| (the signed map's negative midpoints are their
+// mirror images), on a transformed axis X = |y| (first moment) or X ~ sqrt(|y| - bias) (second
+// moment: see quant_maps.cpp): the positive axis is cut at some midpoints (the thresholds) into
+// at most 32 pieces, and in each piece the count is an affine function of X,
+// g = fma(X, slope, offset), with g within kQFastTol of k + 1 at every midpoint k inside the
+// piece. Hence wherever g is at least kQNear from every integer, the count is floor(g) clamped
+// to the piece's count range [cmin, cmax]; lanes nearer than kQNear to an integer (ties, NaN,
+// negative second moments: a small fraction) are re-encoded exactly by the bucket table.
+// A piece is found without a search: bucket b = max(E - base, 0) >> shift of the fp32 exponent
+// field E of |y| holds at most one threshold, so piece = first[b] + (|y| >= next[b]).
+constexpr float kQNear = 1.0f / 256.0f;
+constexpr double kQFastTol = 1.0 / 512.0;
+struct QuantFast {
+    alignas(64) float slope[32];    // per piece
+    alignas(64) float offset[32];   // per piece
+    alignas(64) float bias[32];     // per piece: X = sqrt(|y| - bias) (second moment)
+    alignas(64) int32_t range[32];  // per piece: cmin | cmax << 16
+    alignas(64) int32_t first[32];  // per bucket: the piece of its lower end
+    alignas(64) float next[32];     // per bucket: the threshold inside it, +inf if none
+    uint32_t base, shift;           // bucket of an exponent field E: max(E - base, 0) >> shift
+    bool ok;                        // built and verified
+};
+
 struct QuantMap {
     alignas(64) float value[256];
     alignas(64) float mid[256];
@@ -49,8 +74,11 @@ struct QuantMap {
     // The binary search's candidates per step, for in-register lookups (AVX-512): step t
     // (s = 128 >> t) compares y with search[t][pos >> (8 - t)] = mid[pos + s - 1].
     alignas(64) float search[8][128];
+    // Byte j of value[c] at planes[j][c], for byte-table lookups of 64 codes at once (VBMI).
+    alignas(64) uint8_t planes[4][256];
     uint32_t lo_key;    // emin << 7: bf16 magnitude bits of the first bucket
     uint32_t top_slot;  // kQTopKey - lo_key + 1
+    QuantFast fast;
 };
 struct QuantMaps {
     QuantMap m;   // exp_avg

@@ -152,6 +152,9 @@ struct Ops {
 // ---------------------------------------------------------------------------------------------
 namespace avx512 {
 #define ZO_TARGET __attribute__((target("avx512f,avx512bw,avx2,fma,f16c")))
+// The 8-bit decode's byte-table lookups (q8_decode_vbmi), where the CPU has them.
+#define ZO_TARGET_VBMI __attribute__((target("avx512f,avx512bw,avx512vbmi,avx2,fma,f16c")))
+const bool g_has_vbmi = __builtin_cpu_supports("avx512vbmi");
 
 struct Ops {
     using V = __m512;
@@ -257,13 +260,53 @@ struct Ops {
         }
         for (; k < len; ++k) buf[k] = q.value[codes[b0 + k]] * scale;
     }
+    // Decode of 64 codes at once with byte-table lookups (VBMI): each byte of the 256 values
+    // from 4 registers (two 128-entry vpermt2b, chosen by code bit 7), the 4 byte planes then
+    // interleaved into 4 vectors of fp32. The codes are first permuted so that the interleave
+    // (per 128-bit lane) leaves the values in element order. Returns the elements done.
+    ZO_TARGET_VBMI static size_t q8_decode_vbmi(const uint8_t* codes, size_t len, const QuantMap& q,
+                                                float scale, float* buf)
+    {
+        alignas(64) static const uint8_t kOrder[64] = {
+            0,  1,  2,  3,  16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,
+            4,  5,  6,  7,  20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,
+            8,  9,  10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
+            12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+        const __m512i order = _mm512_load_si512(kOrder);
+        __m512i t[4][4];
+        for (int j = 0; j < 4; ++j)
+            for (int r = 0; r < 4; ++r) t[j][r] = _mm512_load_si512(q.planes[j] + 64 * r);
+        const V vs = _mm512_set1_ps(scale);
+        size_t k = 0;
+        for (; k + 64 <= len; k += 64) {
+            const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes + k));
+            const __mmask64 hi = _mm512_movepi8_mask(c);
+            __m512i b[4];
+            for (int j = 0; j < 4; ++j)
+                b[j] = _mm512_mask_blend_epi8(hi, _mm512_permutex2var_epi8(t[j][0], c, t[j][1]),
+                                              _mm512_permutex2var_epi8(t[j][2], c, t[j][3]));
+            const __m512i w0 = _mm512_unpacklo_epi8(b[0], b[1]), w1 = _mm512_unpackhi_epi8(b[0], b[1]);
+            const __m512i x0 = _mm512_unpacklo_epi8(b[2], b[3]), x1 = _mm512_unpackhi_epi8(b[2], b[3]);
+            const __m512i d[4] = {_mm512_unpacklo_epi16(w0, x0), _mm512_unpackhi_epi16(w0, x0),
+                                  _mm512_unpacklo_epi16(w1, x1), _mm512_unpackhi_epi16(w1, x1)};
+            for (int r = 0; r < 4; ++r)
+                _mm512_storeu_ps(buf + k + 16 * r, _mm512_mul_ps(_mm512_castsi512_ps(d[r]), vs));
+        }
+        return k;
+    }
+    ZO_TARGET static void q8_decode_fast(const uint8_t* codes, size_t b0, size_t len,
+                                         const QuantMap& q, float scale, float* buf)
+    {
+        const size_t k = g_has_vbmi ? q8_decode_vbmi(codes + b0, len, q, scale, buf) : 0;
+        if (k < len) q8_decode_one(codes, b0 + k, len - k, q, scale, buf + k);
+    }
     ZO_TARGET static void q8_decode(const StatesArgs& a, size_t b0, size_t b1, float* mbuf,
                                     float* vbuf)
     {
         const size_t blk = b0 / a.qblock;
-        q8_decode_one(static_cast<const uint8_t*>(a.exp_avg), b0, b1 - b0, a.maps->m,
+        q8_decode_fast(static_cast<const uint8_t*>(a.exp_avg), b0, b1 - b0, a.maps->m,
                       a.scale_m[blk], mbuf);
-        q8_decode_one(static_cast<const uint8_t*>(a.exp_avg_sq), b0, b1 - b0, a.maps->v,
+        q8_decode_fast(static_cast<const uint8_t*>(a.exp_avg_sq), b0, b1 - b0, a.maps->v,
                       a.scale_v[blk], vbuf);
     }
     // Encode: the binary search of q8 codes (the number of midpoints <= y), each step's
@@ -322,9 +365,87 @@ struct Ops {
         }
         if (k < len) q8_encode_block(codes, b0 + k, len - k, q, inv, buf + k);
     }
+    // Encode without a search (QuantFast in adam_states.h): the piece of |y| from its exponent
+    // and one compare, the count as floor of an affine function of X (|y|, or sqrt(|y|) for
+    // the second moment), clamped to the piece's range; lanes near an integer are re-encoded
+    // by the bucket table, which is exact.
+    template <bool kSigned>
+    ZO_TARGET static void q8_encode_fast(uint8_t* codes, size_t b0, size_t len, const QuantMap& q,
+                                         float inv, const float* buf)
+    {
+        const QuantFast& f = q.fast;
+        const V s0 = _mm512_load_ps(f.slope), s1 = _mm512_load_ps(f.slope + 16);
+        const V t0 = _mm512_load_ps(f.offset), t1 = _mm512_load_ps(f.offset + 16);
+        const V d0 = _mm512_load_ps(f.bias), d1 = _mm512_load_ps(f.bias + 16);
+        const V n0 = _mm512_load_ps(f.next), n1 = _mm512_load_ps(f.next + 16);
+        const __m512i r0 = _mm512_load_si512(f.range), r1 = _mm512_load_si512(f.range + 16);
+        const __m512i p0 = _mm512_load_si512(f.first), p1 = _mm512_load_si512(f.first + 16);
+        const V vinv = _mm512_set1_ps(inv);
+        const V two = _mm512_set1_ps(2.0f);
+        const V half = _mm512_set1_ps(0.5f), lim = _mm512_set1_ps(0.5f - kQNear);
+        const __m512i base = _mm512_set1_epi32(static_cast<int>(f.base));
+        const __m512i one = _mm512_set1_epi32(1), lo16 = _mm512_set1_epi32(0xffff);
+        const __m512i absmask = _mm512_set1_epi32(0x7fffffff), zero = _mm512_setzero_si512();
+        size_t k = 0;
+        for (; k + W <= len; k += W) {
+            const V y = _mm512_mul_ps(_mm512_loadu_ps(buf + k), vinv);
+            const __m512i u = _mm512_castps_si512(y);
+            const __mmask16 neg = _mm512_cmplt_epi32_mask(u, zero);
+            // |y| clamped to 2 (inf -> 2, the last bucket); NaN stays NaN (min's 2nd operand)
+            const V a = _mm512_min_ps(two, _mm512_castsi512_ps(_mm512_and_si512(u, absmask)));
+            __m512i b = _mm512_subs_epu16(_mm512_srli_epi32(_mm512_castps_si512(a), 23), base);
+            if (!kSigned) b = _mm512_srli_epi32(b, 1);
+            const __m512i first = _mm512_permutex2var_epi32(p0, b, p1);
+            const V next = _mm512_permutex2var_ps(n0, b, n1);
+            const __mmask16 ge = _mm512_cmp_ps_mask(a, next, _CMP_GE_OQ);
+            const __m512i p = _mm512_mask_add_epi32(first, ge, first, one);
+            V x = a;
+            if (!kSigned) {  // sqrt(a - bias): rsqrt14, one Newton step (relative error < 2^-21)
+                const V d = _mm512_max_ps(_mm512_set1_ps(0x1p-126f),  // NaN stays NaN
+                                          _mm512_sub_ps(a, _mm512_permutex2var_ps(d0, p, d1)));
+                const V r = _mm512_rsqrt14_ps(d);
+                const V s = _mm512_mul_ps(d, r);
+                const V h = _mm512_fnmadd_ps(s, r, _mm512_set1_ps(1.0f));
+                x = _mm512_fmadd_ps(_mm512_mul_ps(s, half), h, s);
+            }
+            const V g = _mm512_fmadd_ps(x, _mm512_permutex2var_ps(s0, p, s1),
+                                        _mm512_permutex2var_ps(t0, p, t1));
+            __m512i c = _mm512_cvttps_epi32(g);
+            const V fr = _mm512_sub_ps(_mm512_sub_ps(g, _mm512_cvtepi32_ps(c)), half);
+            __mmask16 near = _mm512_cmp_ps_mask(
+                _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(fr), absmask)), lim,
+                _CMP_NLE_UQ);
+            const __m512i range = _mm512_permutex2var_epi32(r0, p, r1);
+            c = _mm512_max_epi32(c, _mm512_and_si512(range, lo16));
+            c = _mm512_min_epi32(c, _mm512_srli_epi32(range, 16));
+            if (kSigned) {  // y < 0: 127 - (positive midpoints below |y|, at most 127)
+                near |= _mm512_mask_cmp_ps_mask(neg, a, next, _CMP_EQ_OQ);  // -y a threshold
+                const __m512i k127 = _mm512_set1_epi32(127);
+                c = _mm512_mask_sub_epi32(_mm512_add_epi32(c, k127), neg, k127,
+                                          _mm512_min_epi32(c, k127));
+            } else {
+                near |= neg;  // negative second moments (never from the update)
+            }
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + b0 + k), _mm512_cvtepi32_epi8(c));
+            for (unsigned m = near; m != 0; m &= m - 1) {
+                const size_t j = k + static_cast<size_t>(__builtin_ctz(m));
+                codes[b0 + j] = q8_encode_value(q, buf[j] * inv);
+            }
+        }
+        if (k < len) q8_encode_block(codes, b0 + k, len - k, q, inv, buf + k);
+    }
     ZO_TARGET static void q8_encode(const StatesArgs& a, const Q8Block& q, size_t b1)
     {
         const size_t blk = q.b0 / a.qblock;
+        if (a.maps->m.fast.ok && a.maps->v.fast.ok) {
+            q8_encode_fast<true>(static_cast<uint8_t*>(a.exp_avg), q.b0, b1 - q.b0, a.maps->m,
+                                 q8_inverse(q.amax_m), q.mbuf);
+            q8_encode_fast<false>(static_cast<uint8_t*>(a.exp_avg_sq), q.b0, b1 - q.b0,
+                                  a.maps->v, q8_inverse(q.amax_v), q.vbuf);
+            a.scale_m[blk] = q.amax_m;
+            a.scale_v[blk] = q.amax_v;
+            return;
+        }
         q8_encode_one(static_cast<uint8_t*>(a.exp_avg), q.b0, b1 - q.b0, a.maps->m,
                       q8_inverse(q.amax_m), q.mbuf);
         q8_encode_one(static_cast<uint8_t*>(a.exp_avg_sq), q.b0, b1 - q.b0, a.maps->v,
@@ -368,6 +489,7 @@ struct Ops {
 #include "sumsq_body.inc"
 
 #undef ZO_TARGET
+#undef ZO_TARGET_VBMI
 }  // namespace avx512
 
 const KernelSet kAvx2 = {kIsaAvx2, "avx2", 8, &avx2::select_kernel, &avx2::round_f32, 16,

@@ -33,20 +33,23 @@ ZO_Q8_LOOP static void q8_decode_block(const uint8_t* codes, size_t b0, size_t l
     for (size_t k = 0; k < len; ++k) buf[k] = q.value[codes[b0 + k]] * scale;
 }
 
+// The nearest map entry of y: the number of midpoints <= y, by the bucket table (scalar code;
+// inlined into the SIMD encoders for their few lanes that need it).
+ZO_ALWAYS_INLINE uint8_t q8_encode_value(const QuantMap& q, float y)
+{
+    uint32_t u;
+    std::memcpy(&u, &y, sizeof u);
+    const uint32_t key = (u >> 16) & 0x7fffu, sign = u >> 31;
+    const uint32_t slot = key < q.lo_key ? 0u : (key < kQTopKey ? key - q.lo_key + 1 : q.top_slot);
+    const uint32_t code = q.base[sign][slot] + (y >= q.cut[sign][slot] ? 1u : 0u);
+    return static_cast<uint8_t>(y == y ? code : 0u);  // NaN -> code 0
+}
+
 // codes[b0 + k] = encode(buf[k] * inv) for k < len.
 ZO_Q8_LOOP static void q8_encode_block(uint8_t* codes, size_t b0, size_t len, const QuantMap& q,
                                        float inv, const float* buf)
 {
-    // The nearest map entry of y: the number of midpoints <= y, by the bucket table.
-    for (size_t k = 0; k < len; ++k) {
-        const float y = buf[k] * inv;
-        uint32_t u;
-        std::memcpy(&u, &y, sizeof u);
-        const uint32_t key = (u >> 16) & 0x7fffu, sign = u >> 31;
-        const uint32_t slot =
-            key < q.lo_key ? 0u : (key < kQTopKey ? key - q.lo_key + 1 : q.top_slot);
-        codes[b0 + k] = static_cast<uint8_t>(q.base[sign][slot] + (y >= q.cut[sign][slot] ? 1 : 0));
-    }
+    for (size_t k = 0; k < len; ++k) codes[b0 + k] = q8_encode_value(q, buf[k] * inv);
 }
 
 // absmax accumulation: acc = x > acc ? x : acc (NaN never wins; exact, so order-independent).
