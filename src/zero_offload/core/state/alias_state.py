@@ -23,8 +23,9 @@ from collections.abc import Callable
 
 import torch
 
+from .. import host_memory
 from ..layout import Segment
-from .shard_state import KINDS, Body, Chunk
+from .shard_state import KINDS, Body, Chunk, DeviceAlloc
 
 
 class AliasState:
@@ -47,8 +48,11 @@ class AliasState:
         self.master: torch.Tensor | None = home.shard_tensor()
         device = self._views[0].device if self._views else torch.device("cpu")
         n = numel if moments else 0
-        self.exp_avg = torch.zeros(n, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        # Host moments are mappings of their own, outside malloc's heap (core/host_memory.py);
+        # device ones stay with the device's allocator (offload_states resizes those).
+        alloc = host_memory if self.where == "host" else DeviceAlloc
+        self.exp_avg = alloc.zeros(n, torch.float32, device)
+        self.exp_avg_sq = alloc.zeros(n, torch.float32, device)
 
     def views(self, kind: str, segs: tuple[Segment, ...]) -> list[torch.Tensor]:
         """``kind`` as one view per segment (the fused update's operands)."""

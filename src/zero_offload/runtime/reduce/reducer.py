@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ...core import dist
+from ...core import dist, host_memory
 from ...core.flat_group import FlatGroup
 from ...core.labels import REDUCE, label
 from ...core.layout import Segment
@@ -226,7 +226,7 @@ class Reducer:
             else:
                 out = self.shards[key[0]].reduce_target(seg)
                 if out is None:  # world 1: the input is the result, no temporary
-                    out = inp if self.world == 1 else torch.empty_like(inp[: seg.numel])
+                    out = inp if self.world == 1 else _scratch(seg.numel, inp)
                 if self.use_rs:
                     work = dist.reduce_scatter(out, inp, async_op=async_op)
                 else:  # all-reduce, then keep this rank's slice
@@ -327,3 +327,9 @@ class Reducer:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def _scratch(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A reduce-scatter's output of ``numel`` elements, freed after its copy: on a CPU a mapping
+    of its own, which leaves no free heap behind (core/host_memory.py)."""
+    return host_memory.empty(numel, like.dtype, like.device)
