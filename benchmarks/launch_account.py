@@ -15,6 +15,9 @@ peaks, malloc's free heap) plus the anonymous RSS of a process that only importe
 imports (the baseline of an import); on a CPU the ``device.*`` terms are host memory too.
 
     python benchmarks/launch_account.py [--hidden 1024 --layers 12 --steps 3]
+
+It ends with each rank's peak against its states (the terms that are no step's peak) and
+malloc's free heap (``peak.host.allocator_free``), the free-heap table of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import host_account  # noqa: E402
 
 MIB = 2**20
+GIB = 2**30
 IMPORTS = "import torch, transformers, zero_offload, zero_offload.cli.main, zero_offload.hf"
 
 
@@ -148,6 +152,17 @@ def main() -> None:
         m = peaks.peak[rank]
         print(f"rank {rank}: peak anonymous RSS {m / MIB:.1f} MiB; terms / measured "
               f"{terms / m:.3f}")  # fmt: skip
+    # The states against the peak, side by side: what a rank keeps for the run (every term but
+    # the steps' peaks) and malloc's free heap (the most glibc counted free in its heaps at a
+    # step's samples; pages handed back by malloc_trim are counted too).
+    states = sum(v for k, v in report.items() if not k.startswith("peak."))
+    free = report.get("peak.host.allocator_free", 0)
+    print("| rank | peak anonymous RSS (GiB) | states (GiB) | peak / states | free heap (GiB) |")
+    print("| --- | --- | --- | --- | --- |")
+    for rank in sorted(peaks.peak):
+        m = peaks.peak[rank]
+        print(f"| {rank} | {m / GIB:.2f} | {states / GIB:.2f} | {m / states:.2f}x | "
+              f"{free / GIB:.2f} (rank 0) |")  # fmt: skip
 
 
 if __name__ == "__main__":
