@@ -29,6 +29,23 @@ def test_helper_maps_large_buffers_and_leaves_small_ones_to_malloc():
     assert view.sum().item() == 20.0
 
 
+@linux
+def test_stage3_linear_weight_grad_is_mapped_and_equal():
+    """Stage 3's memory-efficient linear writes a large weight gradient into a mapping of its
+    own (freed once reduced, it would otherwise stay in the heap), bitwise the plain product;
+    under grad mode (a double backward) it keeps the plain product."""
+    from zero_offload.runtime.stage3.memory_efficient_linear import _weight_grad
+
+    g = torch.Generator().manual_seed(0)
+    g2, x2 = torch.randn(64, 1024, generator=g), torch.randn(64, 512, generator=g)
+    with torch.no_grad():
+        out = _weight_grad(g2, x2)
+    assert host_memory.is_mapped(out) and out.shape == (1024, 512)
+    assert torch.equal(out, g2.t().matmul(x2))
+    with torch.enable_grad():
+        assert not host_memory.is_mapped(_weight_grad(g2, x2))
+
+
 # Run in a fresh process: glibc's dynamic mmap threshold is process state. Raising it first (a
 # 30 MiB block mapped and freed) puts every later malloc block below 30 MiB in the heap, as a
 # training process's first step does; the engine's buffers must not be among them.
@@ -94,3 +111,41 @@ def test_engine_host_buffers_are_not_malloc_heap(stage: int, dtype: str):
     if stage == 3:
         assert any("param_shard" in k for k in mapped), mapped
     assert all(mapped.values()), {k: v for k, v in mapped.items() if not v}
+
+
+def _reduce_scatter_calls(stage: int, reduce_scatter: bool) -> dict:
+    """One rank: 2 steps with offload "cpu"; how often the engine called the process group's
+    reduce-scatter, and the losses."""
+    from parity import batches, engine_config, global_step, make_model
+
+    import zero_offload
+    from zero_offload.core import dist
+
+    calls = []
+    real = dist._reduce_scatter
+    dist._reduce_scatter = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        zero = {"reduce_scatter": reduce_scatter}
+        cfg = engine_config(stage, True, 1, 2, 0.0, False, zero_extra=zero)
+        if stage == 3:
+            cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+        engine, *_ = zero_offload.initialize(model=make_model(), config=cfg)
+        w, r = dist.world_size(), dist.rank()
+        losses = [global_step(engine, x, y, w, r) for x, y in batches(2, w, 1, 2)]
+    finally:
+        dist._reduce_scatter = real
+    return {"calls": len(calls), "losses": losses}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gloo_reduction_makes_no_bucket_sized_copy(stage: int):
+    """On gloo, torch's reduce-scatter clones the whole bucket, all-reduces the clone and copies
+    a slice out: a bucket-sized malloc block per reduction, which stayed resident as free heap.
+    The reducer all-reduces the bucket (scratch) in place instead: the same sums (the losses
+    equal ``reduce_scatter: false``'s bitwise), and no reduce-scatter is issued."""
+    from distributed import run_ranks
+
+    rs = run_ranks(2, _reduce_scatter_calls, stage, True)
+    ar = run_ranks(2, _reduce_scatter_calls, stage, False)
+    assert rs["calls"] == 0, rs
+    assert rs["losses"] == ar["losses"], (rs, ar)

@@ -60,14 +60,14 @@ def zeros(
     numel: int, dtype: torch.dtype, device: torch.device | str = "cpu", pin: bool = False
 ) -> torch.Tensor:
     """``empty``, zero-filled (a fresh mapping is zeros already: no pass over it)."""
-    if torch.device(device).type == "cpu" and not pin and _maps(numel, dtype):
+    if torch.device(device).type == "cpu" and not pin and maps(numel, dtype):
         return mapped(numel, dtype)
     return empty(numel, dtype, device, pin).zero_()
 
 
 def host_pageable(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A pageable host buffer: mapped from ``MAP_MIN_BYTES`` up, else ``malloc``'s."""
-    if _maps(numel, dtype):
+    if maps(numel, dtype):
         return mapped(numel, dtype)
     return torch.empty(numel, dtype=dtype)
 
@@ -93,7 +93,8 @@ def is_mapped(t: torch.Tensor) -> bool:
     return False
 
 
-def _maps(numel: int, dtype: torch.dtype) -> bool:
+def maps(numel: int, dtype: torch.dtype) -> bool:
+    """Whether a host request of ``numel`` ``dtype`` elements gets a mapping of its own."""
     return numel * _itemsize(dtype) >= MAP_MIN_BYTES
 
 
