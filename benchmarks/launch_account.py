@@ -15,6 +15,9 @@ peaks, malloc's free heap) plus the anonymous RSS of a process that only importe
 imports (the baseline of an import); on a CPU the ``device.*`` terms are host memory too.
 
     python benchmarks/launch_account.py [--hidden 1024 --layers 12 --steps 3]
+
+It ends with each rank's peak against its states (the terms that are no step's peak) and
+malloc's free heap (``peak.host.allocator_free``), the free-heap table of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import host_account  # noqa: E402
 
 MIB = 2**20
+GIB = 2**30
 IMPORTS = "import torch, transformers, zero_offload, zero_offload.cli.main, zero_offload.hf"
 
 
@@ -43,6 +47,21 @@ def _anon(pid: int) -> int:
             return next(int(x.split()[1]) * 1024 for x in f if x.startswith("RssAnon:"))
     except (OSError, StopIteration):
         return 0
+
+
+def _heap_rss(pid: int) -> int:
+    """Resident bytes of the process's main malloc heap (``[heap]`` in its smaps)."""
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            in_heap = False
+            for line in f:
+                if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+                    in_heap = line.rstrip().endswith("[heap]")
+                elif in_heap and line.startswith("Rss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def _rank_of(pid: int) -> int | None:
@@ -63,11 +82,13 @@ class RankPeaks:
 
     def __init__(self) -> None:
         self.peak: dict[int, int] = {}
+        self.heap: dict[int, int] = {}  # peak resident main heap, sampled every 10th round
         self.pids: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        rounds = 0
         while not self._stop.is_set():
             for d in os.listdir("/proc"):
                 if not d.isdigit():
@@ -78,8 +99,11 @@ class RankPeaks:
                     if rank is None or rank in self.pids:
                         continue
                     self.pids[rank] = pid
+            rounds += 1
             for rank, pid in self.pids.items():
                 self.peak[rank] = max(self.peak.get(rank, 0), _anon(pid))
+                if rounds % 10 == 0:
+                    self.heap[rank] = max(self.heap.get(rank, 0), _heap_rss(pid))
             time.sleep(0.02)
 
     def __enter__(self) -> RankPeaks:
@@ -148,6 +172,19 @@ def main() -> None:
         m = peaks.peak[rank]
         print(f"rank {rank}: peak anonymous RSS {m / MIB:.1f} MiB; terms / measured "
               f"{terms / m:.3f}")  # fmt: skip
+    # The states against the peak, side by side: what a rank keeps for the run (every term but
+    # the steps' peaks), malloc's free heap (the most glibc counted free in its heaps at a
+    # step's samples; pages handed back by malloc_trim are counted too) and the main heap's
+    # resident bytes (live and free blocks alike), the most sampled.
+    states = sum(v for k, v in report.items() if not k.startswith("peak."))
+    free = report.get("peak.host.allocator_free", 0)
+    print("| rank | peak anonymous RSS (GiB) | states (GiB) | peak / states | free heap, "
+          "glibc's count (GiB) | resident main heap (GiB) |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- |")
+    for rank in sorted(peaks.peak):
+        m = peaks.peak[rank]
+        print(f"| {rank} | {m / GIB:.2f} | {states / GIB:.2f} | {m / states:.2f}x | "
+              f"{free / GIB:.2f} (rank 0) | {peaks.heap.get(rank, 0) / GIB:.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

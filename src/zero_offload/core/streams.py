@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from . import pinned_bytes
+from . import host_memory, pinned_bytes
 from .pinned_bytes import REGISTER_MIN_BYTES
 
 
@@ -53,14 +53,13 @@ class Streams:
             t.record_stream(stream)
 
 
-_PAGE = 4096
-
-
 def alloc_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """Host buffer; pinned when asked and possible. Pinning can fail (containers, WSL): the
     caller falls back to pageable memory, warned once by ``pin_failed``. Every pinned host
     buffer of the project comes from here; ``pinned_bytes.host_bytes`` counts what it
-    reserves."""
+    reserves. None of it is ``malloc``'s from ``host_memory.MAP_MIN_BYTES`` up: pageable and
+    registered buffers are mappings of their own, the caching host allocator's are
+    ``cudaHostAlloc``'s (``core/host_memory.py``)."""
     if pin:
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         if nbytes >= REGISTER_MIN_BYTES and torch.cuda.is_available():
@@ -71,11 +70,11 @@ def alloc_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
             return torch.empty(numel, dtype=dtype, pin_memory=True)
         except RuntimeError as e:  # no CUDA, or the pinned allocation was refused
             pin_failed(str(e))
-    return torch.empty(numel, dtype=dtype)
+    return host_memory.host_pageable(numel, dtype)
 
 
 def _registered(numel: int, dtype: torch.dtype, nbytes: int) -> torch.Tensor | None:
-    """A page-aligned pageable buffer of exactly ``nbytes`` (plus < one page), page-locked with
+    """A page-aligned pageable buffer of exactly ``nbytes`` (a mapping of its own), page-locked with
     cudaHostRegister; None if registering fails (the caller then uses the caching allocator).
 
     Invariants: the pages are unregistered when the returned tensor object is collected, never
@@ -88,9 +87,7 @@ def _registered(numel: int, dtype: torch.dtype, nbytes: int) -> torch.Tensor | N
     clear_error = _cuda_clear_error()
     if clear_error is None:
         return None
-    raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % _PAGE
-    t = raw[start : start + nbytes].view(dtype)
+    t = host_memory.mapped(numel, dtype)  # page-aligned: its own mapping
     assert t.numel() == numel
     cudart = torch.cuda.cudart()
     device = torch.cuda.current_device()  # the context the pages are registered in

@@ -59,7 +59,7 @@ class AliasState(InMemory):
         self._views = home.shard_views(segments)
         self.master: torch.Tensor | None = home.shard_tensor()
         device = self._views[0].device if self._views else torch.device("cpu")
-        self.moments = CompactMoments(numel if moments else 0, device, fmt)
+        self.moments = CompactMoments(numel if moments else 0, device, fmt, self.where)
 
     @property
     def exp_avg(self) -> Moment:

@@ -19,27 +19,41 @@ from collections.abc import Callable
 
 import torch
 
-from ...kernels.quant_maps import QuantizedMoment, decode_blocks, encode_blocks, zeros_moment
+from ...kernels.quant_maps import (
+    QuantizedMoment,
+    decode_blocks,
+    encode_blocks,
+    num_blocks,
+    zeros_moment,
+)
+from .. import host_memory
 from .format import StateFormat
+from .shard_state import DeviceAlloc
 
 Moment = torch.Tensor | QuantizedMoment
 MOMENT_KINDS = ("exp_avg", "exp_avg_sq")
 
 
 class CompactMoments:
-    def __init__(self, numel: int, device: torch.device, fmt: StateFormat) -> None:
-        """Zero moments of ``numel`` elements on ``device`` in ``fmt``'s moment type."""
+    def __init__(
+        self, numel: int, device: torch.device, fmt: StateFormat, where: str = "device"
+    ) -> None:
+        """Zero moments of ``numel`` elements on ``device`` in ``fmt``'s moment type; in host
+        memory (``where`` "host") mappings of their own, outside malloc's heap."""
         self.numel, self.format = numel, fmt
+        self.alloc = host_memory if where == "host" else DeviceAlloc
         self.exp_avg = self._zeros(device, signed=True)
         self.exp_avg_sq = self._zeros(device, signed=False)
 
     def _zeros(self, device: torch.device, signed: bool) -> Moment:
-        fmt, n = self.format, self.numel
+        fmt, n, alloc = self.format, self.numel, self.alloc
         if fmt.moments == "8bit":
-            q = zeros_moment(n, signed, fmt.block)
-            return QuantizedMoment(q.codes.to(device), q.scales.to(device), fmt.block, signed)
+            zero_code = int(zeros_moment(1, signed, fmt.block).codes[0])
+            codes = alloc.empty(n, torch.uint8, device).fill_(zero_code)
+            scales = alloc.zeros(num_blocks(n, fmt.block), torch.float32, device)
+            return QuantizedMoment(codes, scales, fmt.block, signed)
         dtype = torch.bfloat16 if fmt.moments == "bf16" else torch.float32
-        return torch.zeros(n, dtype=dtype, device=device)
+        return alloc.zeros(n, dtype, device)
 
     def tensor(self, kind: str) -> Moment:
         return getattr(self, kind)

@@ -20,9 +20,10 @@ from collections.abc import Callable
 
 import torch
 
+from .. import host_memory
 from .compact_moments import CompactMoments, Moment
 from .format import StateFormat
-from .shard_state import FILL_PIECE, KINDS, Body, Chunk, Fill, InMemory
+from .shard_state import FILL_PIECE, KINDS, Body, Chunk, DeviceAlloc, Fill, InMemory
 
 
 class CompactState(InMemory):
@@ -31,8 +32,9 @@ class CompactState(InMemory):
     def __init__(self, numel: int, device: torch.device, where: str, fmt: StateFormat) -> None:
         self.numel, self.where, self.format = numel, where, fmt
         self.master_dtype = fmt.master
-        self.master = torch.empty(numel, dtype=fmt.master, device=device)
-        self.moments = CompactMoments(numel, device, fmt)
+        alloc = host_memory if where == "host" else DeviceAlloc
+        self.master = alloc.empty(numel, fmt.master, device)
+        self.moments = CompactMoments(numel, device, fmt, where)
 
     @property
     def exp_avg(self) -> Moment:

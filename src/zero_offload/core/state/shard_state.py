@@ -20,6 +20,8 @@ from typing import Any, Protocol
 
 import torch
 
+from .. import host_memory
+
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 Chunk = tuple[int, int]
@@ -116,7 +118,10 @@ class InMemory:
 
 class MemoryState(InMemory):
     """fp32 tensors on ``device`` (the accelerator, or the host CPU with ``offload_optimizer``
-    "cpu"). ``moments=False`` (a client optimizer keeps its own state): empty moments."""
+    "cpu"). ``moments=False`` (a client optimizer keeps its own state): empty moments. In host
+    memory (``where`` "host") each is a mapping of its own, outside ``malloc``'s heap
+    (``core/host_memory.py``); on the device, the device's allocator's (``offload_states``
+    resizes those)."""
 
     aliased = False
 
@@ -133,10 +138,11 @@ class MemoryState(InMemory):
 
     def __init__(self, numel: int, device: torch.device, where: str, moments: bool) -> None:
         self.numel, self.where = numel, where
-        self.master = torch.empty(numel, dtype=torch.float32, device=device)
+        alloc = host_memory if where == "host" else DeviceAlloc
+        self.master = alloc.empty(numel, torch.float32, device)
         n = numel if moments else 0
-        self.exp_avg = torch.zeros(n, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        self.exp_avg = alloc.zeros(n, torch.float32, device)
+        self.exp_avg_sq = alloc.zeros(n, torch.float32, device)
 
     def tensor(self, kind: str) -> torch.Tensor:
         return getattr(self, kind)
@@ -166,3 +172,15 @@ class MemoryState(InMemory):
             f"{self.where}.master_shard": self.master.numel() * 4,
             f"{self.where}.optimizer_state": (self.exp_avg.numel() + self.exp_avg_sq.numel()) * 4,
         }
+
+
+class DeviceAlloc:
+    """``host_memory``'s two calls on the device's own allocator (resizable storages)."""
+
+    @staticmethod
+    def empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    @staticmethod
+    def zeros(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype, device=device)

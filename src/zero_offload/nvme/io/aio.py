@@ -45,6 +45,7 @@ from typing import Any, Protocol
 import torch
 
 from ..._native import load_optional
+from ...core import host_memory
 from ...core.streams import alloc_host
 from .trace import tracer
 
@@ -115,6 +116,11 @@ def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
             return raw
         raw = alloc_host(size + ALIGN, torch.uint8, pin=True)
     else:
+        # Pageable: a mapping of its own from host_memory.MAP_MIN_BYTES up, page-aligned (ALIGN
+        # is a page) and outside malloc's heap; a smaller one malloc's, aligned by hand.
+        raw = host_memory.host_pageable(size, torch.uint8)
+        if raw.data_ptr() % ALIGN == 0:
+            return raw
         raw = torch.empty(size + ALIGN, dtype=torch.uint8)
     start = -raw.data_ptr() % ALIGN
     return raw[start : start + size]  # the slice keeps raw's storage alive

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ...core import host_memory
+
 
 class BufferPool:
     def __init__(self, keep: int = 2) -> None:
@@ -49,7 +51,8 @@ class BufferPool:
             base = torch.empty(numel, dtype=dtype, device=device)
             self.bases.append(base)
             return base[:numel]
-        return torch.empty(numel, dtype=dtype, device=device)  # beyond the pool: a temporary
+        # beyond the pool: a temporary (on a CPU a mapping of its own: core/host_memory.py)
+        return host_memory.empty(numel, dtype, device)
 
     def give(self, buf: torch.Tensor, readers: list) -> None:
         """``buf`` (a view of a base) is free again once the work queued so far on ``readers``

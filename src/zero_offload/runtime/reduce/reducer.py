@@ -28,8 +28,9 @@ reduction completes before the hook returns.
 from __future__ import annotations
 
 import torch
+import torch.distributed as tdist
 
-from ...core import dist
+from ...core import dist, host_memory
 from ...core.flat_group import FlatGroup
 from ...core.labels import REDUCE, label
 from ...core.layout import Segment
@@ -63,7 +64,11 @@ class Reducer:
         DeepSpeed's default), else summed ("sum"). ``bucket_size``: ``reduce_bucket_size``, the
         largest stage-2/3 reduction input (see reduce_buffers.py)."""
         self.groups, self.shards, self.stage = groups, shards, stage
-        self.overlap, self.use_rs, self.streams = overlap, reduce_scatter, streams
+        self.overlap, self.streams = overlap, streams
+        # gloo's reduce-scatter is an all-reduce of a copy of the input: the same sums as an
+        # all-reduce of the input itself (a scratch bucket), which leaves no bucket-sized
+        # temporary per reduction in malloc's heap (core/host_memory.py)
+        self.use_rs = reduce_scatter and not _reduce_scatter_copies_input(streams)
         # CUDA: with overlap_comm, collectives run on the reduce stream; without, on the
         # compute stream (None = current), ordered with backward.
         self.stream = streams.reduce if overlap else None
@@ -226,7 +231,7 @@ class Reducer:
             else:
                 out = self.shards[key[0]].reduce_target(seg)
                 if out is None:  # world 1: the input is the result, no temporary
-                    out = inp if self.world == 1 else torch.empty_like(inp[: seg.numel])
+                    out = inp if self.world == 1 else _scratch(seg.numel, inp)
                 if self.use_rs:
                     work = dist.reduce_scatter(out, inp, async_op=async_op)
                 else:  # all-reduce, then keep this rank's slice
@@ -327,3 +332,16 @@ class Reducer:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def _scratch(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A reduce-scatter's output of ``numel`` elements, freed after its copy: on a CPU a mapping
+    of its own, which leaves no free heap behind (core/host_memory.py)."""
+    return host_memory.empty(numel, like.dtype, like.device)
+
+
+def _reduce_scatter_copies_input(streams: Streams) -> bool:
+    """torch's gloo backend reduce-scatters CPU tensors by cloning the input, all-reducing the
+    clone and copying this rank's slice out: a malloc block of the bucket's size each time,
+    freed at once, which stays resident as free heap. NCCL reduce-scatters in place."""
+    return not streams.cuda and dist.is_distributed() and tdist.get_backend() == "gloo"

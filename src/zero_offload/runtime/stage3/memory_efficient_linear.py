@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...core import partitioned
+from ...core import host_memory, partitioned
 from ...core.status import ZeroParamStatus
 
 
@@ -42,13 +42,30 @@ class Zero3Linear(torch.autograd.Function):
                 grad_input = grad.matmul(weight)
             if ctx.needs_input_grad[1]:
                 g2 = grad.reshape(-1, grad.shape[-1])
-                grad_weight = g2.t().matmul(input.reshape(-1, input.shape[-1]))
+                grad_weight = _weight_grad(g2, input.reshape(-1, input.shape[-1]))
             if bias is not None and ctx.needs_input_grad[2]:
                 grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
             return grad_input, grad_weight, grad_bias
         finally:
             if gathered_here is not None:
                 store.release(gathered_here)
+
+
+def _weight_grad(g2: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """``g2.t() @ x2``, the weight's gradient. On a CPU, from ``host_memory.MAP_MIN_BYTES`` up,
+    it is written into a mapping of its own (the same product, ``mm`` with ``out=``): the
+    gradient is freed once the reducer has taken it, and a block of malloc's would stay resident
+    as free heap (core/host_memory.py). Not under grad mode (a double backward records ops)."""
+    rows, cols = g2.shape[1], x2.shape[1]
+    if (
+        g2.device.type != "cpu"
+        or torch.is_grad_enabled()
+        or g2.dtype != x2.dtype
+        or not host_memory.maps(rows * cols, g2.dtype)
+    ):
+        return g2.t().matmul(x2)
+    out = host_memory.mapped(rows * cols, g2.dtype).view(rows, cols)
+    return torch.mm(g2.t(), x2, out=out)
 
 
 class _Zero3Forward:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...core import dist, partitioned
+from ...core import dist, host_memory, partitioned
 from ...core.flat_group import FlatGroup
 from ...core.labels import FETCH, label
 from ...core.pinned_bytes import host_bytes
@@ -225,7 +225,9 @@ class ParamStore:
         st = self.streams
         st.wait(st.fetch, None)  # the own slice may be rewritten only after compute is done
         with label(FETCH), st.use(st.fetch):
-            buf = torch.empty(b.numel, dtype=slot.group.dtype, device=self.device)
+            # On a CPU a mapping of its own, unmapped at release: freed gathers would otherwise
+            # stay in malloc's heap as free heap (core/host_memory.py)
+            buf = host_memory.empty(b.numel, slot.group.dtype, self.device)
             own = self._own_slice(slot, buf)
             own.copy_(src, non_blocking=st.cuda)
             slot.work = dist.all_gather(
@@ -330,9 +332,7 @@ class ParamStore:
         for s in slots:
             self.release(s.index, force=True)
         g = self.groups[gi]
-        own = torch.empty(
-            sum(s.bucket.slice_numel for s in slots), dtype=g.dtype, device=self.device
-        )
+        own = host_memory.empty(sum(s.bucket.slice_numel for s in slots), g.dtype, self.device)
         # A host shard (the store's own memory, pinned with CUDA) is read without blocking the
         # host: one queued copy per slot instead of one synchronous copy each; the event keeps
         # the shard from being rewritten before they land. An NVMe read's buffer is temporary,
@@ -345,12 +345,12 @@ class ParamStore:
             at += n
         if host:
             self._persistent_read = self.streams.record()
-        out = torch.empty(self.world * own.numel(), dtype=g.dtype, device=self.device)
+        out = host_memory.empty(self.world * own.numel(), g.dtype, self.device)
         dist.all_gather(out, own, what=f"stage-3 gather of group {gi}'s persistent params")
         ranks, at = out.view(self.world, -1), 0  # row r: rank r's slices, slot after slot
         for s in slots:
             n = s.bucket.slice_numel
-            s.buf = torch.empty(s.numel, dtype=g.dtype, device=self.device)
+            s.buf = host_memory.empty(s.numel, g.dtype, self.device)
             s.buf.view(self.world, n).copy_(ranks[:, at : at + n])
             at += n
             self._bind(s, s.buf)
