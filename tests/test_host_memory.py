@@ -81,7 +81,7 @@ for og in engine.opt_groups:
         found[f"group{{og.index}}.{{kind}}"] = getattr(st, kind, None)
     for i, t in enumerate(og.grads.host):
         found[f"group{{og.index}}.host_grad{{i}}"] = t
-    found[f"group{{og.index}}.staging"] = getattr(og.optimizer, "staging", None)
+    found[f"group{{og.index}}.staging"] = getattr(og.optimizer.staging, "buffer", None)
 if engine.param_store is not None:
     for gi, t in enumerate(engine.param_store.shards):
         found[f"group{{gi}}.param_shard"] = t
