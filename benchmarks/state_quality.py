@@ -10,7 +10,8 @@ state mode, same seed, data and schedule, stage 2 + ``offload_optimizer`` "cpu",
 * ``bf16+sr``: bf16 master + bf16 moments, the master written with stochastic rounding
   (``bf16.stochastic_rounding``);
 * ``bf16-master+sr``: bf16 master with stochastic rounding, fp32 moments;
-* ``8bit+bf16``: ``AdamW8bit`` with a bf16 master (6 B/param);
+* ``8bit+bf16``: ``AdamW8bit`` with a bf16 master (6 B/param), round to nearest even;
+* ``8bit+bf16+sr``: the same, the master written with stochastic rounding;
 * ``8bit``: ``AdamW8bit`` with an fp32 master.
 
 Each run is the train command itself, in a worker process that adds a read-only probe: every
@@ -19,13 +20,16 @@ moments after it, recomputes the fp32 AdamW update of every element from them
 (``lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * w)``), and counts the elements whose
 master did not change although that update is nonzero (the update a bf16 master dropped), the
 elements whose update is below half a bf16 ulp of the weight (what round-to-nearest drops), and
-the share of the update's L1 mass that the unchanged elements held.
+how much of those sub-half-ulp updates' mass the master took along their sign (round to nearest:
+about none; stochastic rounding: all, in expectation). Each run's ``probe.json`` keeps the
+sampled steps' counts (also the L1 mass of the updates on unchanged elements).
 
 Prints one table (final loss = mean of the last 20 steps' train loss, held-out loss, the gap of
 each to ``fp32``, host bytes per param from ``engine.memory_report()``, the probe's fractions)
-and writes one plot of the smoothed train loss of every mode::
+and writes one plot: every mode's train loss (raw and running mean, as the job's loss.png) and,
+below, each mode's loss against fp32 states' at the same step (the same batch), in percent::
 
-    python benchmarks/state_quality.py [--steps 600] [--modes fp32,bf16,...] [--jobs 7]
+    python benchmarks/state_quality.py [--steps 600] [--modes fp32,bf16,...] [--jobs 8]
         [--plot docs/state_quality.png] [--out runs/state_quality]
 """
 
@@ -58,6 +62,10 @@ MODES: dict[str, tuple[dict[str, bool], str]] = {
         "AdamW",
     ),
     "8bit+bf16": ({"bf16_master_weights_and_grads": True}, "AdamW8bit"),
+    "8bit+bf16+sr": (
+        {"bf16_master_weights_and_grads": True, "stochastic_rounding": True},
+        "AdamW8bit",
+    ),
     "8bit": ({}, "AdamW8bit"),
 }
 REFERENCE = "fp32"
@@ -254,9 +262,9 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
     ref = results.get(REFERENCE)
     head = ("| mode | host B/param | final loss (last 20 steps) | gap to fp32 | held-out loss | gap "
             "to fp32 | update < half a bf16 ulp of its weight (all / last quarter) | master "
-            "unchanged though the update is nonzero (all / last quarter) | L1 mass of the "
-            "updates lost that way | of the sub-half-ulp updates, applied (all / last quarter) |")  # fmt: skip
-    lines = [head, "| " + " | ".join(["---"] * 10) + " |"]
+            "unchanged though the update is nonzero (all / last quarter) | of the sub-half-ulp "
+            "updates' mass, applied (all / last quarter) |")  # fmt: skip
+    lines = [head, "| " + " | ".join(["---"] * 9) + " |"]
 
     def pair(r: dict[str, Any], key: str) -> str:
         return f"{100 * r[key]:.1f}% / {100 * r[key + '_late']:.1f}%"
@@ -269,39 +277,46 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
         lines.append(
             f"| {mode} | {r['bytes']:.2f} | {r['final']:.4f} | {gap} | {r['heldout']:.4f} | "
             f"{gap_h} | {pair(r, 'below_half')} | {pair(r, 'unchanged')} | "
-            f"{100 * r['mass_dropped']:.2f}% | {pair(r, 'small_applied')} |"
+            f"{pair(r, 'small_applied')} |"
         )
     return "\n".join(lines)
 
 
+def _running_mean(values: list[float], window: int) -> list[float]:
+    return [
+        sum(values[max(0, j - window + 1) : j + 1]) / (j + 1 - max(0, j - window + 1))
+        for j in range(len(values))
+    ]
+
+
 def _plot(results: dict[str, dict[str, Any]], path: str, title: str) -> None:
-    """The main job's loss.png style: thin raw curve, bold running mean; one color per mode."""
+    """The main job's loss.png style (thin raw curve, bold running mean), one color per mode;
+    below, each mode's loss against fp32 states' at the same step (same batch), in percent."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax_tail) = plt.subplots(2, 1, figsize=(7, 6), gridspec_kw={"height_ratios": [3, 2]})
+    fig, (ax, ax_gap) = plt.subplots(2, 1, figsize=(7, 7), gridspec_kw={"height_ratios": [3, 2]})
+    ref = results.get(REFERENCE)
     for i, (mode, r) in enumerate(results.items()):
         steps, losses = r["steps"], r["losses"]
         window = max(1, len(losses) // 30)
-        smooth = [
-            sum(losses[max(0, j - window + 1) : j + 1]) / (j + 1 - max(0, j - window + 1))
-            for j in range(len(losses))
-        ]
         color = f"C{i}"
         ax.plot(steps, losses, lw=0.6, alpha=0.15, color=color)
         label = f"{mode} ({r['bytes']:.1f} B/param): {r['final']:.3f}"
-        ax.plot(steps, smooth, lw=1.3, color=color, label=label)
-        k = len(steps) // 2
-        ax_tail.plot(steps[k:], smooth[k:], lw=1.3, color=color)
+        ax.plot(steps, _running_mean(losses, window), lw=1.3, color=color, label=label)
+        if ref is not None:
+            rel = [100 * (a / b - 1) for a, b in zip(losses, ref["losses"], strict=True)]
+            ax_gap.plot(steps, _running_mean(rel, window), lw=1.3, color=color)
     ax.set_ylabel("train loss (nats/byte)")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title, fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, title=f"mode (host state): mean of last {TAIL}", title_fontsize=8)
-    ax_tail.set_ylabel("running mean, second half")
-    ax_tail.set_xlabel("step")
-    ax_tail.grid(alpha=0.3)
+    ax_gap.axhline(1.0, color="grey", ls="--", lw=0.8)
+    ax_gap.set_ylabel(f"loss vs {REFERENCE} states, same step (%)")
+    ax_gap.set_xlabel("step")
+    ax_gap.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -345,7 +360,7 @@ def main() -> int:
     any_r = next(iter(results.values()))
     m = any_r["model"]
     title = (f"zero-offload train: GPT-2 {m['num_layers']}x{m['hidden_size']}, seq {m['seq_length']} "
-             f"({any_r['params'] / 1e6:.2f}M params), bf16, stage 2 + offload \"cpu\", "
+             f"({any_r['params'] / 1e6:.2f}M params), bf16,\nstage 2 + offload \"cpu\", "
              f"{len(any_r['steps'])} steps, seed {args.seed}")  # fmt: skip
     print(title)
     print(_table(results))
