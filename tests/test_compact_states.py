@@ -153,3 +153,35 @@ def test_fragment_api_gives_fp32(one_rank):
     v = safe_get_full_optimizer_state(p, "exp_avg_sq")
     assert m.dtype == torch.float32 and m.shape == p.shape and m.abs().sum() > 0
     assert v.dtype == torch.float32 and bool((v >= 0).all())
+
+
+@pytest.mark.parametrize("stage,offload_param", [(2, False), (3, True)])
+def test_zero_to_fp32_gives_the_fp32_weights(one_rank, tmp_path, stage, offload_param):
+    """A compact checkpoint (8-bit moments, a bf16 master: at stage 3 with both offloads the
+    param shard itself) gives fp32 weights through the library and the copied standalone
+    script alike: the master's values, upcast exactly."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from zero_offload.checkpoint import get_fp32_state_dict_from_zero_checkpoint
+
+    engine, model = _engine(_config(stage, "8bit", offload_param))
+    _train(engine, steps=2)
+    want = _params(engine, model)
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    got = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt")
+    assert all(got[n].dtype == torch.float32 and torch.equal(got[n], want[n]) for n in want)
+    script = tmp_path / "ckpt" / "zero_to_fp32.py"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    code = (
+        "import sys; sys.modules['zero_offload'] = None; import runpy; "
+        f"sys.argv = {[str(script), str(tmp_path / 'ckpt'), str(tmp_path / 'out'), '--safe_serialization']!r}; "
+        f"runpy.run_path({str(script)!r}, run_name='__main__')"
+    )  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(out[n], want[n]) for n in want)
