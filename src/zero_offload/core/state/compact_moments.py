@@ -41,12 +41,12 @@ class CompactMoments:
         """Zero moments of ``numel`` elements on ``device`` in ``fmt``'s moment type; in host
         memory (``where`` "host") mappings of their own, outside malloc's heap."""
         self.numel, self.format = numel, fmt
-        self.alloc = host_memory if where == "host" else DeviceAlloc
-        self.exp_avg = self._zeros(device, signed=True)
-        self.exp_avg_sq = self._zeros(device, signed=False)
+        self.exp_avg = self._zeros(device, signed=True, host=where == "host")
+        self.exp_avg_sq = self._zeros(device, signed=False, host=where == "host")
 
-    def _zeros(self, device: torch.device, signed: bool) -> Moment:
-        fmt, n, alloc = self.format, self.numel, self.alloc
+    def _zeros(self, device: torch.device, signed: bool, host: bool) -> Moment:
+        fmt, n = self.format, self.numel
+        alloc = host_memory if host else DeviceAlloc  # not kept: a module does not copy
         if fmt.moments == "8bit":
             zero_code = int(zeros_moment(1, signed, fmt.block).codes[0])
             codes = alloc.empty(n, torch.uint8, device).fill_(zero_code)
