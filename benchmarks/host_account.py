@@ -215,7 +215,10 @@ def main() -> None:
     ours = run(args, "zero_offload")
     if "error" in ours:
         sys.exit(f"zero_offload failed:\n{ours['error']}")
-    print(f"{ours['params'] / 1e6:.1f}M params; losses {ours['losses']}")
+    print(
+        f"{ours['params'] / 1e6:.1f}M params; losses {ours['losses']}; "
+        f"{ours['steps_s']:.1f} s for the steps"
+    )
     account(ours)
     if args.deepspeed and args.states not in DEEPSPEED_STATES:
         print(f"DeepSpeed: not offered (DeepSpeed 0.19.8 has no {args.states} optimizer state)")
