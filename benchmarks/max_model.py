@@ -255,7 +255,6 @@ def estimate_row(args) -> tuple[str, str]:
     cfg = host_account.config(
         args.bucket, args.live, args.offload, args.path or "/", args.sub_group, args.states
     )
-    name = {"cpu": "cpu", "nvme": "nvme"}[args.offload]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "cfg.json"
         path.write_text(json.dumps(cfg))
@@ -265,7 +264,8 @@ def estimate_row(args) -> tuple[str, str]:
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         sys.exit(f"zero-offload estimate failed:\n{p.stderr[-2000:]}")
-    rows = [ln for ln in p.stdout.splitlines() if ln.split()[:3] == ["3", name, name]]
+    both = ["3", args.offload, args.offload]  # stage, offload_optimizer, offload_param
+    rows = [ln for ln in p.stdout.splitlines() if ln.split()[:3] == both]
     shown = " ".join(["zero-offload", *cmd[3:]]).replace(str(path), "cfg.json")
     return shown, rows[0] if rows else "(no row)"
 

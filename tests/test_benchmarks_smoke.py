@@ -488,3 +488,35 @@ def test_json_holds_each_row_as_it_finishes(tmp_path: Path, monkeypatch) -> None
     assert calls == ["torch", "engine"]
     rows = json.loads(out.read_text())["rows"]
     assert [r["impl"] for r in rows] == ["torch"] and rows[0]["median_s"] > 0
+
+
+def test_max_model_environment_failure_stops_the_search(monkeypatch) -> None:
+    """An attempt failing for a reason no smaller rung avoids (DeepSpeed's NVMe swapper without
+    its async_io op) ends that search as "failed" after that one attempt; a size failure (the
+    cgroup's OOM killer) only moves the search down the ladder."""
+    import argparse
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import max_model
+
+    broken = "DeepSpeed's async_io op cannot load (its NVMe swapper needs libaio-dev)"
+    tried: list[int] = []
+
+    def fake(args, engine, layers, hidden):
+        tried.append(layers)
+        row = {"layers": layers, "hidden": hidden, "params": layers, "states": args.states}
+        if args.kind == "broken":
+            return row | {"error": broken, "broken": True}
+        return row | ({"error": "killed by the cgroup's OOM killer"} if layers > 2 else {})
+
+    monkeypatch.setattr(max_model, "attempt", fake)
+    args = argparse.Namespace(start_layers=0, tiny=True, offload="nvme", sub_group=0,
+                              states="bf16", vocab=128, seq=32, cap_gib=1.0, disk_free=float("inf"),
+                              bucket=1e5, live=1e5, nvme_path="", kind="broken")  # fmt: skip
+    r = max_model.largest(args, "deepspeed", max_model.TINY_LADDER)
+    assert r["failed"] == broken and len(tried) == 1, (r, tried)
+    assert f"| deepspeed | nvme | bf16 | failed: {broken} |" in max_model._row(r, [r], args)
+    tried.clear()
+    args.kind = "oom"
+    r = max_model.largest(args, "deepspeed", max_model.TINY_LADDER)
+    assert "failed" not in r and r["fit"]["layers"] == 2 and r["next"]["layers"] == 3, r
