@@ -2,7 +2,7 @@
 by term against the measured peak anonymous RSS, and DeepSpeed's peak on the same model and
 config beside it.
 
-A Llama built from its config under ``zero.Init`` (nothing is downloaded), fp32 training, stage 3
+A Llama built from its config under ``zero.Init`` (nothing is downloaded), fp32 training (bf16 with ``--states``), stage 3
 with both offloads "cpu", ``reduce_bucket_size`` and ``stage3_max_live_parameters`` 1e7, micro
 batch 1, a few steps of sequence 32, one process per engine. Anonymous RSS is what the process
 allocated (file pages are not counted), sampled every 5 ms from after the imports (the
@@ -11,7 +11,12 @@ so every term counts: the states the engine keeps, the steps' transient peaks
 (``peak.device.*``: reduce buffers, held gradients, gathered params) and malloc's free heap
 (``peak.host.allocator_free``).
 
-    python benchmarks/host_account.py --hidden 1024 --layers 12 [--deepspeed]
+``--states`` picks the optimizer state's format: ``fp32`` (fp32 training, fp32 master and moments),
+``bf16`` (bf16 training with DeepSpeed's ``bf16_master_weights_and_grads`` +
+``bf16_optimizer_states``: 8 bytes a param of host state) or ``8bit`` (bf16 training, the bf16
+master and ``AdamW8bit``'s 8-bit moments: this project's extension, which DeepSpeed does not offer).
+
+    python benchmarks/host_account.py --hidden 1024 --layers 12 [--deepspeed] [--states bf16]
 """
 
 from __future__ import annotations
@@ -23,18 +28,40 @@ import subprocess
 import sys
 
 GIB = 2**30
+# The optimizer state's formats: (the config's bf16 block, optimizer type). fp32 trains in fp32;
+# the others train in bf16 (a bf16 master is the bf16 params' dtype).
+STATES = {
+    "fp32": ({}, "AdamW"),
+    "bf16": (
+        {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+        "AdamW",
+    ),  # fmt: skip
+    "8bit": ({"enabled": True, "bf16_master_weights_and_grads": True}, "AdamW8bit"),
+}
+# The formats DeepSpeed 0.19.8 has (no 8-bit optimizer state).
+DEEPSPEED_STATES = ("fp32", "bf16")
 
 
 def config(
-    bucket: float, live: float, offload: str = "cpu", nvme_path: str = "", sub_group: float = 0
+    bucket: float,
+    live: float,
+    offload: str = "cpu",
+    nvme_path: str = "",
+    sub_group: float = 0,
+    states: str = "fp32",
 ) -> dict:
     """The run's DeepSpeed config: both offloads on ``offload`` ("cpu" or "nvme", the latter
-    under ``nvme_path``); ``sub_group_size`` where ``sub_group`` is given (else the default)."""
+    under ``nvme_path``); ``sub_group_size`` where ``sub_group`` is given (else the default);
+    the optimizer state's format ``states`` (a key of :data:`STATES`)."""
+    if states not in STATES:
+        raise ValueError(f"--states must be one of {', '.join(STATES)}, got {states!r}")
+    bf16, opt = STATES[states]
     where = {"device": offload} | ({"nvme_path": nvme_path} if offload == "nvme" else {})
     zc = {"sub_group_size": sub_group} if sub_group else {}
     return {
         "train_micro_batch_size_per_gpu": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        **({"bf16": dict(bf16)} if bf16 else {}),
+        "optimizer": {"type": opt, "params": {"lr": 1e-4}},
         "zero_optimization": {
             "stage": 3,
             "reduce_bucket_size": bucket,
@@ -45,6 +72,11 @@ def config(
         },
         "steps_per_print": 10**9,
     }
+
+
+def training(states: str) -> str:
+    """The training dtype a state format runs with: fp32 for fp32 states, else bf16."""
+    return "fp32" if states == "fp32" else "bf16"
 
 
 def _llama(args):
@@ -80,8 +112,10 @@ def child(args) -> None:
     from checkpoint_io import PeakMemory
 
     torch.manual_seed(0)
-    cfg = config(args.bucket, args.live, args.offload, args.nvme_path, args.sub_group)
+    cfg = config(args.bucket, args.live, args.offload, args.nvme_path, args.sub_group, args.states)
     if args.engine == "deepspeed":
+        if args.states not in DEEPSPEED_STATES:
+            sys.exit(f"DeepSpeed 0.19.8 has no {args.states} optimizer state: not offered")
         ds = _ds_compat.one_process(args.port)
     else:
         import zero_offload as ds
@@ -109,6 +143,7 @@ def child_command(args, engine: str) -> list[str]:
     for k in ("hidden", "layers", "vocab", "steps", "seq", "bucket", "live", "offload"):
         cmd += [f"--{k}", str(getattr(args, k))]
     cmd += ["--sub-group", str(getattr(args, "sub_group", 0))]
+    cmd += ["--states", getattr(args, "states", "fp32")]
     return cmd + ["--nvme-path", str(getattr(args, "nvme_path", "") or "")]
 
 
@@ -165,6 +200,8 @@ def main() -> None:
     ap.add_argument("--offload", choices=["cpu", "nvme"], default="cpu", help="both offloads")
     ap.add_argument("--nvme-path", default="", help="nvme_path of the nvme offloads")
     ap.add_argument("--sub-group", type=float, default=0, help="sub_group_size (0: the default)")
+    ap.add_argument("--states", choices=list(STATES), default="fp32",
+                    help="the optimizer state's format (bf16, 8bit: bf16 training)")  # fmt: skip
     args = ap.parse_args()
     if args.child:
         args.engine = args.child
@@ -172,14 +209,20 @@ def main() -> None:
     from zero_offload.kernels.bench import _cpu_name
 
     print(f"CPU: {_cpu_name()} ({os.cpu_count()} cores); "
-          f"Llama {args.layers} x {args.hidden}, vocab {args.vocab}, fp32, stage 3 + both "
+          f"Llama {args.layers} x {args.hidden}, vocab {args.vocab}, {training(args.states)} "
+          f"training, {args.states} states, stage 3 + both "
           f"offloads {args.offload}, {args.steps} steps of {args.seq} tokens")  # fmt: skip
     ours = run(args, "zero_offload")
     if "error" in ours:
         sys.exit(f"zero_offload failed:\n{ours['error']}")
-    print(f"{ours['params'] / 1e6:.1f}M params; losses {ours['losses']}")
+    print(
+        f"{ours['params'] / 1e6:.1f}M params; losses {ours['losses']}; "
+        f"{ours['steps_s']:.1f} s for the steps"
+    )
     account(ours)
-    if args.deepspeed:
+    if args.deepspeed and args.states not in DEEPSPEED_STATES:
+        print(f"DeepSpeed: not offered (DeepSpeed 0.19.8 has no {args.states} optimizer state)")
+    elif args.deepspeed:
         ds = run(args, "deepspeed")
         if "error" in ds:
             print(f"DeepSpeed failed:\n{ds['error']}")

@@ -354,7 +354,50 @@ def test_max_model_benchmark_runs() -> None:
         capture_output=True, text=True, timeout=600, cwd=REPO,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "| zero_offload | cpu | 0.00B (4 x 64) |" in done.stdout, done.stdout
+    assert "| zero_offload | cpu | fp32 | 0.00B (4 x 64) |" in done.stdout, done.stdout
+
+
+@pytest.mark.slow
+def test_max_model_compact_states_tiny() -> None:
+    """``--states``: the 8-bit format's search trains the toy ladder in bf16 (ours), DeepSpeed's
+    8-bit row is "not offered" without running it, and the host account's child runs the same
+    format (DeepSpeed not offered there either)."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "max_model.py"), "--tiny", "--states", "8bit",
+         "--engines", "zero_offload", "deepspeed", "--placements", "cpu", "--steps", "2"],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "| zero_offload | cpu | 8bit | 0.00B (4 x 64) |" in out, out
+    assert "| deepspeed | cpu | 8bit | not offered (DeepSpeed 0.19.8 has no 8bit" in out, out
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "host_account.py"), "--hidden", "64",
+         "--layers", "1", "--vocab", "256", "--steps", "2", "--states", "8bit", "--deepspeed"],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "bf16 training, 8bit states" in done.stdout, done.stdout
+    assert "| host.optimizer_state |" in done.stdout, done.stdout
+    assert "DeepSpeed: not offered" in done.stdout, done.stdout
+
+
+def test_max_model_dry_run_agrees_with_the_estimate() -> None:
+    """``--dry-run`` on the real ladder (19 GiB, host offload) runs no attempt: per format the
+    memory model's plan holds that format, and ``zero-offload estimate --max-model``'s largest
+    is within 10% of the memory model's largest rung (the issue's goal for the estimate)."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "max_model.py"), "--dry-run", "--cap-gib",
+         "19", "--placements", "cpu", "--states", "fp32", "bf16", "8bit"],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    for name in ("fp32", "bf16", "8bit+bf16"):
+        assert f"the memory model's plan: state {name}," in out, out
+    assert "deepspeed: not offered" in out, out
+    ratios = [float(line.split()[-1]) for line in out.splitlines() if "estimate / memory" in line]
+    assert len(ratios) == 3 and all(0.9 <= r <= 1.1 for r in ratios), out
 
 
 def test_launch_account_benchmark_runs() -> None:
@@ -445,3 +488,35 @@ def test_json_holds_each_row_as_it_finishes(tmp_path: Path, monkeypatch) -> None
     assert calls == ["torch", "engine"]
     rows = json.loads(out.read_text())["rows"]
     assert [r["impl"] for r in rows] == ["torch"] and rows[0]["median_s"] > 0
+
+
+def test_max_model_environment_failure_stops_the_search(monkeypatch) -> None:
+    """An attempt failing for a reason no smaller rung avoids (DeepSpeed's NVMe swapper without
+    its async_io op) ends that search as "failed" after that one attempt; a size failure (the
+    cgroup's OOM killer) only moves the search down the ladder."""
+    import argparse
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import max_model
+
+    broken = "DeepSpeed's async_io op cannot load (its NVMe swapper needs libaio-dev)"
+    tried: list[int] = []
+
+    def fake(args, engine, layers, hidden):
+        tried.append(layers)
+        row = {"layers": layers, "hidden": hidden, "params": layers, "states": args.states}
+        if args.kind == "broken":
+            return row | {"error": broken, "broken": True}
+        return row | ({"error": "killed by the cgroup's OOM killer"} if layers > 2 else {})
+
+    monkeypatch.setattr(max_model, "attempt", fake)
+    args = argparse.Namespace(start_layers=0, tiny=True, offload="nvme", sub_group=0,
+                              states="bf16", vocab=128, seq=32, cap_gib=1.0, disk_free=float("inf"),
+                              bucket=1e5, live=1e5, nvme_path="", kind="broken")  # fmt: skip
+    r = max_model.largest(args, "deepspeed", max_model.TINY_LADDER)
+    assert r["failed"] == broken and len(tried) == 1, (r, tried)
+    assert f"| deepspeed | nvme | bf16 | failed: {broken} |" in max_model._row(r, [r], args)
+    tried.clear()
+    args.kind = "oom"
+    r = max_model.largest(args, "deepspeed", max_model.TINY_LADDER)
+    assert "failed" not in r and r["fit"]["layers"] == 2 and r["next"]["layers"] == 3, r
