@@ -16,6 +16,8 @@ gradient, master and moments are zero and stay zero, as in the host update."""
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from ....kernels.adam_states import as_cpu_adam_hyper, reference_adam_step_states
@@ -28,6 +30,7 @@ class DeviceUpdate(ShardOptimizer):
         # The update, chosen once: torch's fused Adam(W) over fp32 states, or the compact
         # states' reference arithmetic chunk by chunk.
         self._update = self._adam_states if self.placement.state.compact else self._adam
+        self._starts = [s.shard_start for s in self.segs]  # in shard order (_grad_range)
 
     def adam(self, factor: float, commit: bool = True) -> None:
         self.compute(factor)
@@ -102,7 +105,12 @@ class DeviceUpdate(ShardOptimizer):
         """The reduced gradient of shard range ``[lo, hi)`` (the segments tile the shard, each
         with its padding): a view where one segment covers it, else its pieces joined."""
         pieces = []
-        for s, g in zip(self.segs, grads):
+        # the segments are in shard order: start at the one holding ``lo`` (no scan of every
+        # segment for every chunk)
+        first = max(0, bisect.bisect_right(self._starts, lo) - 1)
+        for s, g in zip(self.segs[first:], grads[first:]):
+            if s.shard_start >= hi:
+                break
             a, b = max(lo, s.shard_start), min(hi, s.shard_start + s.numel)
             if a < b:
                 pieces.append(g[a - s.shard_start : b - s.shard_start])
