@@ -159,7 +159,8 @@ def test_fragment_api_gives_fp32(one_rank):
 def test_zero_to_fp32_gives_the_fp32_weights(one_rank, tmp_path, stage, offload_param):
     """A compact checkpoint (8-bit moments, a bf16 master: at stage 3 with both offloads the
     param shard itself) gives fp32 weights through the library and the copied standalone
-    script alike: the master's values, upcast exactly."""
+    scripts (zero_to_fp32.py, zero_to_torch.py --dtype fp32) alike: the master's values,
+    upcast exactly."""
     import os
     import subprocess
     import sys
@@ -174,14 +175,16 @@ def test_zero_to_fp32_gives_the_fp32_weights(one_rank, tmp_path, stage, offload_
     engine.save_checkpoint(str(tmp_path / "ckpt"))
     got = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "ckpt")
     assert all(got[n].dtype == torch.float32 and torch.equal(got[n], want[n]) for n in want)
-    script = tmp_path / "ckpt" / "zero_to_fp32.py"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    code = (
-        "import sys; sys.modules['zero_offload'] = None; import runpy; "
-        f"sys.argv = {[str(script), str(tmp_path / 'ckpt'), str(tmp_path / 'out'), '--safe_serialization']!r}; "
-        f"runpy.run_path({str(script)!r}, run_name='__main__')"
-    )  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    out = load_file(tmp_path / "out" / "model.safetensors")
-    assert all(torch.equal(out[n], want[n]) for n in want)
+    for name, extra in (("zero_to_fp32.py", []), ("zero_to_torch.py", ["--dtype", "fp32"])):
+        script = tmp_path / "ckpt" / name
+        out_dir = tmp_path / name.removesuffix(".py")
+        argv = [str(script), str(tmp_path / "ckpt"), str(out_dir), "--safe_serialization", *extra]
+        code = (
+            "import sys; sys.modules['zero_offload'] = None; import runpy; "
+            f"sys.argv = {argv!r}; runpy.run_path({str(script)!r}, run_name='__main__')"
+        )
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, (name, proc.stderr)
+        out = load_file(out_dir / "model.safetensors")
+        assert all(torch.equal(out[n], want[n]) for n in want), name
