@@ -249,3 +249,17 @@ def test_read_error_mid_step_rolls_back_eight_bit(tmp_path, monkeypatch):
     assert torch.equal(_state(clean), _state(engine))
     clean.destroy()
     engine.destroy()
+
+
+def test_params_on_nvme_are_counted_on_the_drive(tmp_path):
+    """Stage 3 with both offloads "nvme": the 16-bit param shard lives in the param swapper's
+    file, and ``expected_memory`` names it there as ``memory_report`` does (not on the host)."""
+    cfg = _config(3, "8bit", "nvme", tmp_path / "swap")
+    cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    engine = _engine(cfg)
+    _train(engine, range(2))
+    report, expected = engine.memory_report(), engine.expected_memory()
+    assert "host.param_shard" not in report and "host.param_shard" not in expected
+    for key in ("nvme.param_shard", "nvme.master_shard", "nvme.optimizer_state", "host.grad_shard"):
+        assert report[key] == expected[key], key
+    engine.destroy()

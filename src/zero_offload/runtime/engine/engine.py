@@ -439,6 +439,8 @@ class ZeroOffloadEngine(
         if self.placement.optimizer == "nvme" and groups:  # the swap files, as reported
             shards = [og.optimizer.state.numel for og in groups]
             nvme_optimizer_terms(out, shards, self.zero_plan)
+        if self.placement.params == "nvme" and "host.param_shard" in out:  # as reported
+            out["nvme.param_shard"] = out.pop("host.param_shard")
         zenflow = self.zero_plan.zenflow  # built: each group's own params, on this rank
         for og in groups if zenflow is not None else ():
             shapes = [shape_of(p) for p in reversed(og.flat.params)]  # registration order
