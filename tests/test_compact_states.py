@@ -188,3 +188,22 @@ def test_zero_to_fp32_gives_the_fp32_weights(one_rank, tmp_path, stage, offload_
         assert proc.returncode == 0, (name, proc.stderr)
         out = load_file(out_dir / "model.safetensors")
         assert all(torch.equal(out[n], want[n]) for n in want), name
+
+
+def test_fresh_8bit_moments_touch_no_memory():
+    """Zero moments are zero bytes (codes and scales) in fresh host mappings: building the state
+    faults in none of its pages (the set-up's peak does not carry the moments; the first step
+    writes them), and they read back as zeros."""
+    from zero_offload.core.state.compact_moments import CompactMoments
+    from zero_offload.core.state.format import StateFormat
+
+    def anon() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("RssAnon:"))
+
+    n = 64 << 20
+    before = anon()
+    moments = CompactMoments(n, torch.device("cpu"), StateFormat(moments="8bit"), "host")
+    assert anon() - before < (8 << 20), "the fresh moments' pages were touched"
+    for kind in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(moments.read(kind, n - 1000, n), torch.zeros(1000))

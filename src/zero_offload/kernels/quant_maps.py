@@ -127,11 +127,14 @@ def num_blocks(n: int, block_size: int) -> int:
 
 
 def zeros_moment(n: int, signed: bool, block_size: int = DEFAULT_BLOCK_SIZE) -> QuantizedMoment:
-    """A moment of n zeros (the initial Adam state)."""
+    """A moment of n zeros (the initial Adam state): every byte zero. A block whose scale is 0
+    decodes to zeros whatever its codes (``map[code] * 0``; the signed map's code 0 gives -0.0,
+    which the first update's ``beta1 * m + (1 - beta1) * g`` turns into ``(1 - beta1) * g``
+    exactly), so fresh moments need no pass over their memory: a fresh mapping's zero pages are
+    the state as they are, faulted in by the first step that writes them."""
     block_size = check_block_size(block_size)
-    zero_code = int(torch.searchsorted(map_tables(signed)[1][:255], torch.tensor(0.0), right=True))
     return QuantizedMoment(
-        codes=torch.full((n,), zero_code, dtype=torch.uint8),
+        codes=torch.zeros(n, dtype=torch.uint8),
         scales=torch.zeros(num_blocks(n, block_size)),
         block_size=block_size,
         signed=bool(signed),

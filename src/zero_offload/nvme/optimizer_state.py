@@ -45,7 +45,7 @@ import torch
 from ..core.pinned_bytes import host_bytes
 from ..core.state.format import FP32, StateFormat
 from ..core.state.shard_state import KINDS, Body, Chunk
-from ..kernels.quant_maps import QuantizedMoment, decode_blocks, encode_blocks, zeros_moment
+from ..kernels.quant_maps import QuantizedMoment, decode_blocks, encode_blocks
 from .errors import NvmeSwapError
 from .io.aio import AioEngine, SwapFile, aligned_empty
 from .io.checksum import BLOCK, block_sums, first_mismatch
@@ -393,10 +393,7 @@ class NvmeOptimizerState:
                 tmp = torch.empty(hi - lo, dtype=torch.float32)
                 master_of(lo, hi, tmp)
                 master.copy_(tmp)
-            for kind in ("exp_avg", "exp_avg_sq"):  # zeros: the codes of 0 (as zeros_moment)
-                m = views[kind]
-                if isinstance(m, QuantizedMoment):
-                    m.codes.fill_(int(zeros_moment(1, m.signed, m.block_size).codes[0]))
+            # the moments stay the zeroed bytes: zero codes and scales are zeros (zeros_moment)
             off = self._offset(k, self.current[k])
             self._wrote(k, self.current[k], buf)
             self._wait(self.aio.write(self.file, off, buf), "write", k)

@@ -24,7 +24,6 @@ from ...kernels.quant_maps import (
     decode_blocks,
     encode_blocks,
     num_blocks,
-    zeros_moment,
 )
 from .. import host_memory
 from .format import StateFormat
@@ -47,9 +46,8 @@ class CompactMoments:
     def _zeros(self, device: torch.device, signed: bool, host: bool) -> Moment:
         fmt, n = self.format, self.numel
         alloc = host_memory if host else DeviceAlloc  # not kept: a module does not copy
-        if fmt.moments == "8bit":
-            zero_code = int(zeros_moment(1, signed, fmt.block).codes[0])
-            codes = alloc.empty(n, torch.uint8, device).fill_(zero_code)
+        if fmt.moments == "8bit":  # zero codes and scales, as zeros_moment: untouched pages
+            codes = alloc.zeros(n, torch.uint8, device)
             scales = alloc.zeros(num_blocks(n, fmt.block), torch.float32, device)
             return QuantizedMoment(codes, scales, fmt.block, signed)
         dtype = torch.bfloat16 if fmt.moments == "bf16" else torch.float32
