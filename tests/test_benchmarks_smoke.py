@@ -33,6 +33,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow  # a benchmark script end to end: scripts/test_slow.sh
 @pytest.mark.parametrize("case", list(CASES))
 def test_quick_table(tmp_path: Path, case: str) -> None:
     flags, impls, n_rows = CASES[case]
@@ -88,6 +89,7 @@ def test_quick_table(tmp_path: Path, case: str) -> None:
             assert abs(a - b) <= 1e-4 * abs(b), (key, r["losses"], ref)
 
 
+@pytest.mark.slow  # a benchmark script end to end: scripts/test_slow.sh
 def test_overlap_trace_on_cpu(tmp_path: Path) -> None:
     """The overlap benchmark's plumbing on the CPU: every mode runs in its own process, writes a
     gzipped trace and its per-step summary; without GPU events only host columns are filled."""
@@ -209,6 +211,7 @@ def test_pcie_bandwidth_on_cuda(tmp_path: Path) -> None:
     assert "| **peak** |" in done.stdout
 
 
+@pytest.mark.slow  # a benchmark script end to end: scripts/test_slow.sh
 def test_nvme_offload_benchmark_runs(tmp_path: Path) -> None:
     """The NVMe benchmark's quick run: disk, update path and a step on each placement; the NVMe
     run trains to the host-offload run's losses."""
@@ -295,6 +298,7 @@ def test_grad_norm_benchmark_quick() -> None:
     assert before.split(":")[1].split() == after.split(":")[1].split(), out
 
 
+@pytest.mark.slow  # a benchmark script end to end: scripts/test_slow.sh
 def test_nvme_step_benchmark_runs(tmp_path: Path) -> None:
     """The NVMe step comparison's quick run (this library's side): the disk (one direction and
     mixed), the floors, the step and its disk timeline are printed, and the swap files are gone
@@ -400,6 +404,7 @@ def test_max_model_dry_run_agrees_with_the_estimate() -> None:
     assert len(ratios) == 3 and all(0.9 <= r <= 1.1 for r in ratios), out
 
 
+@pytest.mark.slow  # a benchmark script end to end: scripts/test_slow.sh
 def test_launch_account_benchmark_runs() -> None:
     """The 2-rank ``launch ... train --model`` account at a tiny size: the train summary's terms,
     the import baseline, their sum and each rank's measured peak are printed."""
@@ -414,6 +419,7 @@ def test_launch_account_benchmark_runs() -> None:
     assert "rank 0: peak anonymous RSS" in out and "rank 1: peak anonymous RSS" in out, out
 
 
+@pytest.mark.slow  # a benchmark script end to end: scripts/test_slow.sh
 def test_nvme_host_bound_benchmark_runs(tmp_path) -> None:
     """The NVMe host-memory bound at a tiny size (this library's side): what the config allows
     by term, the report and the measured peak against the bound are printed."""
@@ -427,6 +433,7 @@ def test_nvme_host_bound_benchmark_runs(tmp_path) -> None:
     assert "x what the config allows" in done.stdout, done.stdout
 
 
+@pytest.mark.slow  # a benchmark script end to end: scripts/test_slow.sh
 def test_zenflow_step_benchmark_quick(tmp_path: Path) -> None:
     """The three rows (plain offload, ZenFlow, DeepSpeed's ZenFlow) train the same model from
     the same data (equal first loss), ZenFlow is not plain offload (later losses differ), and the

@@ -340,6 +340,7 @@ def test_example_runs_as_written(tmp_path):
     assert all(p.numel() > 0 for p in saved.parameters())
 
 
+@pytest.mark.slow  # the benchmark script end to end: scripts/test_slow.sh
 def test_benchmark_smoke(tmp_path):
     """benchmarks/hf_trainer.py runs its table (zero_offload rows; DeepSpeed's take minutes)."""
     import json

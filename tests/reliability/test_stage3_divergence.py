@@ -96,9 +96,11 @@ def _both_ranks(case: str) -> tuple[dict[int, str], list[int | None], float]:
     ("case", "names"),
     [
         ("same_size", ("left.weight", "right.weight")),
-        ("other_size", ("left.weight", "wide.0.weight")),
+        pytest.param("other_size", ("left.weight", "wide.0.weight"), marks=pytest.mark.slow),
         ("extra_module", ("right.weight",)),  # rank 0's next collective is not a gather
-        ("block_on_rank0", ("left.weight", "GatheredParameters block 1")),
+        pytest.param(
+            "block_on_rank0", ("left.weight", "GatheredParameters block 1"), marks=pytest.mark.slow
+        ),
     ],
 )
 def test_every_rank_names_the_divergence_and_exits(case, names):
