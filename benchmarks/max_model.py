@@ -117,7 +117,9 @@ def _oom_kills(cg: Path | None) -> int:
 _WHY = (("MemoryError", "MemoryError"), ("No space left", "disk full"),
         ("swap files; free space", "disk too small (refused at start)"))  # fmt: skip
 # Failures of the environment, not of the size: no rung can train, so the search stops there.
-_BROKEN = (("async_io op", "DeepSpeed's async_io op cannot load (its NVMe swapper needs libaio-dev)"),)  # fmt: skip
+_BROKEN = (("async_io op", "DeepSpeed's async_io op cannot load (its NVMe swapper needs libaio-dev)"),
+           ("assert dtype == self.dtype", "DeepSpeed's NVMe optimizer swapper takes fp32 states only "
+            "(swap_tensor/utils.py, SwapBufferManager.allocate: assert dtype == self.dtype)"))  # fmt: skip
 
 
 class Broken(Exception):
