@@ -143,6 +143,19 @@ def engine_config(
     return cfg
 
 
+def with_states(cfg: dict, states: str) -> dict:
+    """``cfg`` (bf16 training) with an optimizer state format: "bf16" (DeepSpeed's
+    ``bf16_master_weights_and_grads`` + ``bf16_optimizer_states``), "8bit" (the bf16 master and
+    ``AdamW8bit``) or "fp32" (unchanged)."""
+    if states in ("bf16", "8bit"):
+        cfg["bf16"]["bf16_master_weights_and_grads"] = True
+    if states == "bf16":
+        cfg["bf16"]["bf16_optimizer_states"] = True
+    elif states == "8bit":
+        cfg["optimizer"]["type"] = "AdamW8bit"
+    return cfg
+
+
 def global_step(engine, x: torch.Tensor, y: torch.Tensor, world: int = 1, rank: int = 0) -> float:
     """One optimizer step of ``engine`` on this rank's share of the global batch ``x, y``
     (rows ordered micro-step by micro-step, rank by rank); returns this rank's mean loss."""

@@ -16,23 +16,17 @@ import warnings
 
 import pytest
 import torch
-from parity import LR, WD, batches, engine_config, global_step, make_model
+from parity import LR, WD, batches, engine_config, global_step, make_model, with_states
 
 from zero_offload.kernels.adam_states import reference_adam_step_states
 
 STEPS, MICRO = 6, 4
-BF16 = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 
 
 def _config(stage: int, states: str, offload_param: bool = False) -> dict:
     cfg = engine_config(stage, True, 1, MICRO, 0.0, False, "bf16", offload_param=offload_param,
                         zero_extra={"stage3_param_persistence_threshold": 0})  # fmt: skip
-    if states == "bf16":
-        cfg["bf16"].update(BF16)
-    elif states == "8bit":
-        cfg["bf16"]["bf16_master_weights_and_grads"] = True
-        cfg["optimizer"]["type"] = "AdamW8bit"
-    return cfg
+    return with_states(cfg, states)
 
 
 def _engine(cfg: dict):

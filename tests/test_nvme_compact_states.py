@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from parity import SEQ, VOCAB, batches, engine_config, global_step
+from parity import SEQ, VOCAB, batches, engine_config, global_step, with_states
 from test_nvme_offload import _Failing
 
 from zero_offload.core.state.compact_state import CompactState
@@ -121,12 +121,7 @@ def _config(stage: int, states: str, offload: str, path: Path) -> dict:
     cfg = engine_config(stage, offload, 1, MICRO, 0.05, False, "bf16", nvme_path=str(path),
                         zero_extra={"stage3_param_persistence_threshold": 0,
                                     "sub_group_size": CHUNK})  # fmt: skip
-    cfg["bf16"]["bf16_master_weights_and_grads"] = True
-    if states == "bf16":
-        cfg["bf16"]["bf16_optimizer_states"] = True
-    else:
-        cfg["optimizer"]["type"] = "AdamW8bit"
-    return cfg
+    return with_states(cfg, states)
 
 
 def _engine(cfg: dict):

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from parity import batches, engine_config, global_step, make_model
+from parity import batches, engine_config, global_step, make_model, with_states
 
 pytestmark = [
     pytest.mark.cuda,
@@ -23,12 +23,7 @@ STEPS, MICRO = 6, 4
 
 def _cfg(offload: bool, states: str) -> dict:
     cfg = engine_config(2, offload, 1, MICRO, 0.0, False, "bf16", pin_memory=offload)
-    cfg["bf16"]["bf16_master_weights_and_grads"] = True
-    if states == "bf16":
-        cfg["bf16"]["bf16_optimizer_states"] = True
-    else:
-        cfg["optimizer"]["type"] = "AdamW8bit"
-    return cfg
+    return with_states(cfg, states)
 
 
 def _run(cfg: dict) -> tuple[list[float], object]:

@@ -107,8 +107,8 @@ class DeviceUpdate(ShardOptimizer):
         pieces = []
         # the segments are in shard order: start at the one holding ``lo`` (no scan of every
         # segment for every chunk)
-        first = max(0, bisect.bisect_right(self._starts, lo) - 1)
-        for s, g in zip(self.segs[first:], grads[first:]):
+        for i in range(max(0, bisect.bisect_right(self._starts, lo) - 1), len(self.segs)):
+            s, g = self.segs[i], grads[i]
             if s.shard_start >= hi:
                 break
             a, b = max(lo, s.shard_start), min(hi, s.shard_start + s.numel)
