@@ -253,7 +253,10 @@ def test_params_on_nvme_are_counted_on_the_drive(tmp_path):
     cfg["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path)}
     engine = _engine(cfg)
     _train(engine, range(2))
+    # stage 3 with persistence threshold 0: every param partitioned (empty outside a gather)
+    assert all(p.numel() == 0 for p in engine.module.parameters())
     report, expected = engine.memory_report(), engine.expected_memory()
+    assert report["nvme.param_shard"] > 0
     assert "host.param_shard" not in report and "host.param_shard" not in expected
     for key in ("nvme.param_shard", "nvme.master_shard", "nvme.optimizer_state", "host.grad_shard"):
         assert report[key] == expected[key], key
